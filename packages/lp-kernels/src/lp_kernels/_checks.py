@@ -1,0 +1,139 @@
+"""Argument checks shared by the public ops. Each error names the argument and what it expects.
+
+Checks that depend only on arguments every rank passes identically (hidden,
+targets, scalar options) raise at once. Checks that involve a rank's own shard go
+through the cross-rank layout table (``_dist.resolve_layout``) so they raise on every
+rank. The data-dependent target check costs exactly one host sync and no
+collective, and is skipped with ``validate=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BACKENDS = ("auto", "torch", "triton")
+
+
+def check_tensor(x: Any, name: str, *, min_dim: int = 1) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}")
+    return x
+
+
+def check_float_dtype(x: torch.Tensor, name: str) -> None:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def check_targets(targets: Any, lead_shape: torch.Size, device: torch.device, lead_name: str) -> None:
+    check_tensor(targets, "targets", min_dim=0)
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets must be an int64 (or int32) tensor of token ids, got {targets.dtype}")
+    if targets.shape != lead_shape:
+        raise ValueError(
+            f"targets must have the leading shape of {lead_name}, {tuple(lead_shape)}; "
+            f"got {tuple(targets.shape)}"
+        )
+    if targets.device != device:
+        raise ValueError(f"targets is on {targets.device} but {lead_name} is on {device}")
+
+
+def check_options(
+    *,
+    temperature: Any,
+    ignore_index: Any,
+    chunk_size: Any,
+    backend: Any,
+    vocab_start: Any,
+    vocab_size: Any,
+    tp_group: Any,
+) -> float:
+    """Check scalar options; returns the temperature as a float."""
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        raise TypeError(f"temperature must be a Python float, got {type(temperature).__name__}")
+    temperature = float(temperature)
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    for name, val in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 0):
+            raise ValueError(f"{name} must be None or a non-negative int, got {val!r}")
+    if vocab_size == 0:
+        raise ValueError("vocab_size must be >= 1")
+    if tp_group is None and vocab_start not in (None, 0):
+        raise ValueError(
+            f"vocab_start={vocab_start} needs tp_group: without it the weight is the whole "
+            "vocabulary and starts at id 0"
+        )
+    return temperature
+
+
+def check_ignore_index(ignore_index: int, vocab_size: int) -> None:
+    if 0 <= ignore_index < vocab_size:
+        raise ValueError(
+            f"ignore_index={ignore_index} is a real token id (vocab_size={vocab_size}); "
+            "use a negative value such as -100"
+        )
+
+
+def validate_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raise if a target is neither ``ignore_index`` nor in ``[0, vocab_size)``. One host sync."""
+    if targets.numel() == 0:
+        return
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+    n_bad = int(bad.sum().item())
+    if n_bad:
+        where = bad.reshape(-1).nonzero()[:5].squeeze(1)
+        examples = ", ".join(
+            f"[{i}]={v}"
+            for i, v in zip(where.tolist(), targets.reshape(-1)[where].tolist(), strict=True)
+        )
+        raise ValueError(
+            f"{n_bad} target(s) are outside [0, {vocab_size}) and not ignore_index={ignore_index} "
+            f"(flat index=value: {examples})"
+        )
+
+
+# Codes for rank-local weight problems; under tp_group they travel in the layout
+# record so that every rank raises, not just the one with the bad shard.
+WEIGHT_PROBLEMS = {
+    1: "its dtype is not float32, bfloat16 or float16",
+    2: "its dtype differs from hidden's",
+    3: "it is on a different device than hidden",
+    4: "its hidden size (dim 1) differs from hidden's last dimension",
+}
+
+
+def weight_problem(weight: torch.Tensor, hidden: torch.Tensor) -> int:
+    """0 if ``weight`` fits ``hidden``, else a key of ``WEIGHT_PROBLEMS``."""
+    if weight.dtype not in SUPPORTED_DTYPES:
+        return 1
+    if weight.dtype != hidden.dtype:
+        return 2
+    if weight.device != hidden.device:
+        return 3
+    if weight.shape[1] != hidden.shape[-1]:
+        return 4
+    return 0
+
+
+def weight_error(code: int, weight: torch.Tensor, hidden: torch.Tensor) -> Exception:
+    detail = (
+        f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device}, "
+        f"hidden {tuple(hidden.shape)} {hidden.dtype} on {hidden.device}"
+    )
+    exc = TypeError if code in (1, 2) else ValueError
+    return exc(f"weight does not fit hidden: {WEIGHT_PROBLEMS[code]} ({detail})")

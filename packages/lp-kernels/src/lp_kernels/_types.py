@@ -1,0 +1,62 @@
+"""Public result type and the frozen option bundle every autograd Function takes.
+
+Non-tensor options reach a ``torch.autograd.Function`` as one frozen dataclass so
+that ``backward`` returns a short tuple (``d_hidden, d_weight, None, None``), not one
+``None`` per scalar option.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+
+class LogProbOutput(NamedTuple):
+    """What :func:`lp_kernels.linear_logprob` and :func:`lp_kernels.vocab_parallel_logprob` return.
+
+    Every field has the leading shape of ``targets`` and dtype float32. Rows whose
+    target is ``ignore_index`` hold 0 in every field and receive no gradient.
+    """
+
+    logprob: torch.Tensor
+    """``log softmax(z)[target]`` with ``z = logits / temperature`` over the real vocabulary."""
+    entropy: torch.Tensor | None
+    """``-sum softmax(z) * log_softmax(z)``, or None unless ``return_entropy=True``."""
+    lse: torch.Tensor | None
+    """``logsumexp(z)``, or None unless ``return_lse=True``."""
+
+
+@dataclass(frozen=True)
+class LogprobParams:
+    """Resolved, validated options of one call (internal; built by the public functions)."""
+
+    temperature: float
+    """Divides the logits; > 0 and finite."""
+    ignore_index: int
+    """Target value marking rows that produce zeros and no gradient."""
+    return_entropy: bool
+    """Compute the entropy and its gradient."""
+    return_lse: bool
+    """Return the log-sum-exp (its gradient flows whether or not it is returned)."""
+    vocab_start: int
+    """Global token id of this rank's first weight row (0 without tensor parallelism)."""
+    vocab_size: int
+    """Real global vocabulary; ids >= vocab_size are padding and never enter the softmax."""
+    chunk_size: int
+    """Token rows processed per step (memory knob; never changes any row's result)."""
+    tp_group: Any = None
+    """The ``torch.distributed`` group the vocabulary is sharded over, or None."""
+    tp_size: int = 1
+    """Number of ranks in ``tp_group`` (1 without it)."""
+    reduce_grad_hidden: bool = True
+    """Sum ``grad_hidden`` over ``tp_group`` in backward; False returns this rank's partial."""
+
+    @property
+    def inv_temperature(self) -> float:
+        return 1.0 / self.temperature
+
+    def local_real_columns(self, v_local: int) -> int:
+        """How many of this rank's ``v_local`` weight rows are real (below ``vocab_size``)."""
+        return max(0, min(v_local, self.vocab_size - self.vocab_start))

@@ -1,0 +1,156 @@
+"""The ``torch`` backend of ``linear_logprob``: chunked over tokens, logits recomputed in backward.
+
+Data flow for one rank (V_r = this shard's real columns, C = chunk rows)::
+
+    forward   for each chunk of C token rows (last one zero-padded, see below):
+                z = (h_c @ W_r^T) / T                     [C, V_r] fp32 (GEMM, fp32 out)
+                (m, s, a, t) per row  -> stats[N, 4]       (_stats.local_stats)
+              all-gather stats over tp_group -> [P, N, 4] -> merge in rank order
+              -> logprob, entropy, lse (saved: lse, E)
+    backward  for each chunk:
+                z recomputed; d z = p * (g_lse - g_lp - g_ent (z - E)) + g_lp onehot
+                d l = d z / T, rounded to the input dtype for the two GEMMs
+                grad_h[c]  = d l @ W_r                     (fp32 out)
+                grad_W_r  += d l^T @ h_c                   (fp32 accumulator)
+              grad_h all-reduced over tp_group (fp32) unless reduce_grad_hidden=False
+
+Memory: O(C x V_r) fp32 scratch (two such buffers at most), the fp32 grad_W
+accumulator (V_local x H; it *is* the gradient for fp32 weights) and, under tensor
+parallelism, an fp32 [N, H] buffer for the grad_hidden all-reduce. Never [N, V].
+
+Batch invariance: a row's outputs must not depend on N, on the other rows, or on
+``chunk_size``. Reductions over the vocabulary run row by row over the full shard,
+so their order is fixed by V_r. BLAS picks a different kernel for tiny M (MKL's
+GEMV path for one or two rows changes the bits), so every GEMM gets at least
+``ROW_ALIGN`` rows: a chunk is zero-padded to a multiple of it. Padding rows carry
+zero upstream gradient and contribute nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from lp_kernels._dist import all_reduce_sum_, gather_stats
+from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
+from lp_kernels._stats import N_STATS, d_logits_, local_stats, merge_stats, target_columns
+from lp_kernels._types import LogprobParams
+
+ROW_ALIGN = 16
+_SCRATCH_BYTES = {"cuda": 1 << 30, "cpu": 1 << 28}
+_MAX_ROWS = {"cuda": 4096, "cpu": 1024}
+
+
+def default_chunk_rows(v_real: int, device: torch.device) -> int:
+    """Rows per chunk: a power of two keeping one fp32 [C, V_r] buffer within budget.
+
+    Depends on the shard width and device only, never on the token count.
+    """
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    rows = _SCRATCH_BYTES[kind] // (4 * max(v_real, 1))
+    rows = 1 << max(rows.bit_length() - 1, 0)
+    return max(ROW_ALIGN, min(rows, _MAX_ROWS[kind]))
+
+
+def _padded_rows(x: torch.Tensor, r0: int, r1: int, rows: int, fill: float | bool = 0) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of ``x``, padded with ``fill`` to ``rows`` rows (a view when no padding)."""
+    if r1 - r0 == rows:
+        return x[r0:r1]
+    out = torch.full((rows, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+    out[: r1 - r0] = x[r0:r1]
+    return out
+
+
+def _chunks(n: int, chunk: int):
+    for r0 in range(0, n, chunk):
+        r1 = min(n, r0 + chunk)
+        yield r0, r1, -(-(r1 - r0) // ROW_ALIGN) * ROW_ALIGN
+
+
+class LinearLogprobTorch(torch.autograd.Function):
+    """Chunked torch implementation; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, p: LogprobParams):
+        ctx.set_materialize_grads(False)
+        n = hidden.shape[0]
+        v_real = p.local_real_columns(weight.shape[0])
+        w_real = weight[:v_real]
+        t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
+        stats = scratch.empty((n, N_STATS), dtype=torch.float32, device=hidden.device)
+        for r0, r1, rows in _chunks(n, p.chunk_size):
+            h_c = _padded_rows(hidden, r0, r1, rows)
+            z = mm_f32(h_c, w_real.T)  # [rows, V_r]
+            if p.temperature != 1.0:
+                z.mul_(p.inv_temperature)
+            part = torch.empty((rows, N_STATS), dtype=torch.float32, device=hidden.device)
+            local_stats(
+                z,
+                _padded_rows(t_local, r0, r1, rows),
+                _padded_rows(in_shard, r0, r1, rows, False),
+                entropy=p.return_entropy,
+                out=part,
+            )
+            stats[r0:r1] = part[: r1 - r0]
+        gathered = gather_stats(stats, p.tp_group, p.tp_size)
+        lse, mean_z, zt, ent = merge_stats(gathered, entropy=p.return_entropy)
+        logprob = torch.where(ignored, 0.0, zt - lse)
+        lse_out = torch.where(ignored, 0.0, lse)
+        ent_out = torch.where(ignored, 0.0, ent) if ent is not None else None
+        ctx.save_for_backward(hidden, weight, targets, lse, mean_z)
+        ctx.params = p
+        return logprob, ent_out, (lse_out if p.return_lse else None)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lp, g_ent, g_lse):
+        hidden, weight, targets, lse, mean_z = ctx.saved_tensors
+        p: LogprobParams = ctx.params
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n, h_dim = hidden.shape
+        v_real = p.local_real_columns(weight.shape[0])
+        w_real = weight[:v_real]
+        t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
+
+        def per_row(g):  # upstream gradient as fp32 [N], zero on ignored rows
+            return None if g is None else torch.where(ignored, 0.0, g.float())
+
+        g_lp, g_ent, g_lse = per_row(g_lp), per_row(g_ent), per_row(g_lse)
+        if g_ent is not None and mean_z is None:
+            raise RuntimeError("entropy gradient without return_entropy (internal error)")
+        reduce_h = p.tp_size > 1 and p.reduce_grad_hidden
+        grad_h = None
+        if need_h:
+            h_dtype = torch.float32 if reduce_h else hidden.dtype
+            grad_h = scratch.empty((n, h_dim), dtype=h_dtype, device=hidden.device)
+        acc_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+
+        def pad(x, r0, r1, rows):
+            return None if x is None else _padded_rows(x, r0, r1, rows)
+
+        for r0, r1, rows in _chunks(n, p.chunk_size):
+            h_c = _padded_rows(hidden, r0, r1, rows)
+            z = mm_f32(h_c, w_real.T)
+            if p.temperature != 1.0:
+                z.mul_(p.inv_temperature)
+            dz = d_logits_(
+                z,
+                _padded_rows(lse, r0, r1, rows),
+                pad(mean_z, r0, r1, rows),
+                _padded_rows(t_local, r0, r1, rows),
+                _padded_rows(in_shard, r0, r1, rows, False),
+                pad(g_lp, r0, r1, rows),
+                pad(g_ent, r0, r1, rows),
+                pad(g_lse, r0, r1, rows),
+            )
+            if p.temperature != 1.0:
+                dz.mul_(p.inv_temperature)
+            dl = dz.to(hidden.dtype)
+            if need_h:
+                grad_h[r0:r1] = mm_f32(dl, w_real)[: r1 - r0]
+            if need_w and v_real > 0:
+                addmm_f32_(acc_w[:v_real], dl.T, h_c)
+        if need_h and reduce_h:
+            grad_h = all_reduce_sum_(grad_h, p.tp_group, p.tp_size).to(hidden.dtype)
+        grad_w = acc_w.to(weight.dtype) if need_w else None  # no copy for fp32 weights
+        return grad_h, grad_w, None, None

@@ -1,0 +1,409 @@
+"""`lp`: the command-line entry point (the project's main job).
+
+    lp demo [--n N] [--h H] [--v V] [--dtype bf16|fp16|fp32|both] [--seed S] [--json PATH]
+
+`lp demo` builds an embedded problem (hidden [N, H], weight [V, H], targets [N] with some
+rows at ignore_index), runs forward + backward with a random per-token upstream gradient on
+logprob, entropy and lse through three paths, and prints them side by side:
+
+    lp              linear_logprob(hidden, weight, targets, return_entropy, return_lse)
+    materialized    logits = hidden @ weight.T in the input dtype -> fp32 log_softmax -> gather
+    fp64 reference  the materialized path in float64, the truth the other two are measured against
+
+Reported per path: median wall time of forward + backward, peak memory above the inputs,
+the part of that peak that is neither an output nor a gradient (the logits scratch), max
+abs error of logprob / entropy / lse / grad_hidden / grad_weight against fp64, and whether
+repeated runs are bitwise equal. On CPU, memory is measured by a dispatch mode that tracks
+the storages allocated during the call; on CUDA by torch.cuda.max_memory_allocated.
+
+This module depends on torch only; later subcommands (`lp bench`, `lp check`) hang off the
+same subparser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+IGNORE_INDEX = -100
+OUTPUTS = ("logprob", "entropy", "lse")
+GRADS = ("grad_hidden", "grad_weight")
+PATHS = ("lp", "materialized", "fp64")
+HEADERS = {"lp": "lp linear_logprob", "materialized": "materialized logits", "fp64": "fp64 reference"}
+
+# (logprob, entropy, lse), each [N] and differentiable
+Path3 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+# ----------------------------------------------------------------------------- problem
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """One `lp demo` run, as parsed from the command line."""
+
+    n: int
+    """Tokens N."""
+    h: int
+    """Hidden size H."""
+    v: int
+    """Vocabulary V: weight has exactly V rows (no padding)."""
+    dtypes: tuple[str, ...]
+    """Input dtypes to run, keys of DTYPES."""
+    seed: int
+    """Seed of the problem and of the upstream gradient."""
+    repeat: int
+    """Timed runs per path (after one warm-up); the median is reported."""
+    device: str
+    """"cpu" or "cuda"."""
+    backend: str
+    """linear_logprob backend: "auto" | "torch" | "triton"."""
+    chunk_size: int | None
+    """linear_logprob chunk_size; None = backend default."""
+
+
+def make_problem(cfg: DemoConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Seeded hidden [N, H], weight [V, H] (dtype), targets [N] int64, upstream grads [N] fp32.
+
+    Logits come out with a standard deviation of about 2. About 1 row in 16 (never row 0)
+    has target IGNORE_INDEX. The same seed gives the same problem for every dtype.
+    """
+    gen = torch.Generator().manual_seed(cfg.seed)
+    hidden = torch.randn(cfg.n, cfg.h, generator=gen)
+    weight = torch.randn(cfg.v, cfg.h, generator=gen) * (2.0 / cfg.h**0.5)
+    targets = torch.randint(0, cfg.v, (cfg.n,), generator=gen)
+    ignored = torch.rand(cfg.n, generator=gen) < 1 / 16
+    ignored[0] = False
+    targets[ignored] = IGNORE_INDEX
+    upstream = torch.randn(len(OUTPUTS), cfg.n, generator=gen)
+    problem = {"hidden": hidden.to(dtype), "weight": weight.to(dtype), "targets": targets}
+    problem |= {f"d_{name}": upstream[i] for i, name in enumerate(OUTPUTS)}
+    return {k: t.to(cfg.device) for k, t in problem.items()}
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+def _lp_path(cfg: DemoConfig) -> Path3:
+    from lp_kernels import linear_logprob  # imported here: `lp --help` works without it
+
+    def path(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+        out = linear_logprob(
+            hidden,
+            weight,
+            targets,
+            ignore_index=IGNORE_INDEX,
+            return_entropy=True,
+            return_lse=True,
+            backend=cfg.backend,
+            chunk_size=cfg.chunk_size,
+        )
+        return out.logprob, out.entropy, out.lse
+
+    return path
+
+
+def _materialized_path(acc_dtype: torch.dtype) -> Path3:
+    """What trainers do today: [N, V] logits in the input dtype, softmax math in acc_dtype."""
+
+    def path(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+        logits = (hidden @ weight.T).to(acc_dtype)  # [N, V]
+        logp = torch.log_softmax(logits, dim=-1)  # [N, V]
+        lse = torch.logsumexp(logits, dim=-1)
+        entropy = -(logp.exp() * logp).sum(dim=-1)
+        valid = targets != IGNORE_INDEX
+        logprob = logp.gather(-1, torch.where(valid, targets, 0)[:, None]).squeeze(-1)
+        return tuple(torch.where(valid, x, 0.0) for x in (logprob, entropy, lse))
+
+    return path
+
+
+def _fwd_bwd(path: Path3, problem: dict[str, torch.Tensor], dtype: torch.dtype | None = None):
+    """Forward + backward of `path` with the per-token upstream gradients; all results, detached."""
+    hidden = problem["hidden"].detach().to(dtype or problem["hidden"].dtype).requires_grad_()
+    weight = problem["weight"].detach().to(dtype or problem["weight"].dtype).requires_grad_()
+    outputs = path(hidden, weight, problem["targets"])
+    upstream = [problem[f"d_{name}"].to(out.dtype) for name, out in zip(OUTPUTS, outputs)]
+    grads = torch.autograd.grad(outputs, (hidden, weight), upstream)
+    return dict(zip(OUTPUTS + GRADS, [*(o.detach() for o in outputs), *grads]))
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Peak bytes of the storages allocated while active (CPU stand-in for max_memory_allocated).
+
+    Every op's outputs whose storage is not one of its inputs' (so views and in-place ops of
+    existing tensors are not counted) are tracked by weak reference until freed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        seen = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if _is_dense(t)}
+        for t in tree_leaves(out):
+            if _is_dense(t) and (storage := t.untyped_storage())._cdata not in seen:
+                self.live.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+        self.peak = max(self.peak, sum(nbytes for _, nbytes in self.live.values()))
+        return out
+
+
+def _is_dense(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided
+
+
+def _peak_bytes(run: Callable[[], dict[str, torch.Tensor]], device: str) -> int:
+    """Peak memory above what was allocated before `run` started."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    with _LiveBytes() as tracker:
+        run()
+    return tracker.peak
+
+
+def _measure(run: Callable[[], dict[str, torch.Tensor]], cfg: DemoConfig) -> dict:
+    """Warm-up, `repeat` timed runs, one memory run. Returns figures and the last results."""
+    results, times = [], []
+    for i in range(cfg.repeat + 1):
+        if cfg.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        results.append(run())
+        if cfg.device == "cuda":
+            torch.cuda.synchronize()
+        if i > 0:  # run 0 is the warm-up
+            times.append(time.perf_counter() - start)
+    reproducible = all(torch.equal(r[k], results[0][k]) for r in results for k in results[0])
+    peak = _peak_bytes(run, cfg.device)
+    returned = sum(t.numel() * t.element_size() for t in results[-1].values())
+    return {
+        "time_s": statistics.median(times),
+        "times_s": times,
+        "peak_bytes": peak,
+        "scratch_bytes": max(peak - returned, 0),
+        "reproducible": reproducible,
+        "results": results[-1],
+    }
+
+
+def _errors(results: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Max abs error per output/gradient, and the same divided by max |ref|."""
+    abs_err, rel_err = {}, {}
+    for k, truth in ref.items():
+        err = (results[k].double() - truth).abs().max().item()
+        abs_err[k] = err
+        rel_err[k] = err / max(truth.abs().max().item(), 1e-300)
+    return abs_err, rel_err
+
+
+def run_demo(cfg: DemoConfig, dtype_name: str) -> dict:
+    """All three paths on one dtype; a JSON-ready record (plus tensors under "_results")."""
+    dtype = DTYPES[dtype_name]
+    problem = make_problem(cfg, dtype)
+    lp_path = _lp_path(cfg)
+    runs = {
+        "lp": lambda: _fwd_bwd(lp_path, problem),
+        "materialized": lambda: _fwd_bwd(_materialized_path(torch.float32), problem),
+        "fp64": lambda: _fwd_bwd(_materialized_path(torch.float64), problem, torch.float64),
+    }
+    figures = {name: _measure(run, cfg) for name, run in runs.items()}
+    ref = figures["fp64"]["results"]
+    for fig in figures.values():
+        fig["max_abs_err"], fig["max_rel_err"] = _errors(fig["results"], ref)
+    n_v = cfg.n * cfg.v * torch.empty((), dtype=dtype).element_size()
+    return {
+        "dtype": dtype_name,
+        "ignored_rows": int((problem["targets"] == IGNORE_INDEX).sum()),
+        "logits_and_grad_bytes": 2 * n_v,
+        "paths": {k: {f: x for f, x in fig.items() if f != "results"} for k, fig in figures.items()},
+        "_results": {k: fig["results"] for k, fig in figures.items()},
+        "_targets": problem["targets"],
+    }
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def _print_record(cfg: DemoConfig, rec: dict, out=sys.stdout) -> None:
+    paths = rec["paths"]
+    rows: list[tuple[str, list[str]]] = [
+        (
+            f"time fwd+bwd (median of {cfg.repeat})",
+            [f"{paths[p]['time_s'] * 1e3:.1f} ms" for p in PATHS],
+        ),
+        ("peak memory above inputs", [_mib(paths[p]["peak_bytes"]) for p in PATHS]),
+        ("  scratch (peak - outputs - grads)", [_mib(paths[p]["scratch_bytes"]) for p in PATHS]),
+    ]
+    for k in OUTPUTS + GRADS:
+        errs = [f"{paths[p]['max_abs_err'][k]:.2e}" for p in PATHS[:2]]
+        rows.append((f"max |err| {k} vs fp64", [*errs, "-"]))
+    rows.append(
+        (
+            "bitwise equal run to run",
+            ["yes" if paths[p]["reproducible"] else "NO" for p in PATHS],
+        )
+    )
+    print(f"\n{rec['dtype']} ({rec['ignored_rows']} ignored rows)", file=out)
+    print(f"  {'':36}" + "".join(f"{HEADERS[p]:>22}" for p in PATHS), file=out)
+    for label, cells in rows:
+        print(f"  {label:36}" + "".join(f"{c:>22}" for c in cells), file=out)
+    print(
+        f"  [N, V] logits + their grad in {rec['dtype']}: {_mib(rec['logits_and_grad_bytes'])}"
+        " (the materialized path also holds fp32 [N, V] softmax intermediates)",
+        file=out,
+    )
+
+    # First tokens, all three paths side by side.
+    res, targets = rec["_results"], rec["_targets"]
+    k = min(cfg.n, 5)
+    print(f"\n  first {k} tokens  {'target':>7}", end="", file=out)
+    for name in ("logprob", "entropy"):
+        print("".join(f"{name + ' ' + p:>18}" for p in PATHS), end="", file=out)
+    print(file=out)
+    for i in range(k):
+        target = int(targets[i])
+        cell = "ignored" if target == IGNORE_INDEX else str(target)
+        print(f"  {i:>14}  {cell:>7}", end="", file=out)
+        for name in ("logprob", "entropy"):
+            print("".join(f"{float(res[p][name][i]):>18.6f}" for p in PATHS), end="", file=out)
+        print(file=out)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _vocab_size(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"the vocabulary needs at least 2 tokens, got {value}")
+    return value
+
+
+def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    cfg = DemoConfig(
+        n=args.n,
+        h=args.h,
+        v=args.v,
+        dtypes=("bf16", "fp32") if args.dtype == "both" else (args.dtype,),
+        seed=args.seed,
+        repeat=args.repeat,
+        device=args.device,
+        backend=args.backend,
+        chunk_size=args.chunk_size,
+    )
+    env = {
+        "lp_kernels": _version("lp-kernels"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": cfg.device,
+        "device_name": (
+            torch.cuda.get_device_name() if cfg.device == "cuda" else platform.processor()
+        ),
+        "threads": torch.get_num_threads(),
+    }
+    print(
+        f"lp demo: N={cfg.n} H={cfg.h} V={cfg.v} (no vocab padding), seed {cfg.seed}, "
+        f"backend={cfg.backend}, {cfg.device} ({env['device_name'] or 'unknown'}), "
+        f"torch {env['torch']}, {env['threads']} threads"
+    )
+    print("forward + backward with a random per-token upstream gradient on logprob/entropy/lse")
+    memory = (
+        "torch.cuda.max_memory_allocated"
+        if cfg.device == "cuda"
+        else "storages allocated during the call, tracked by a dispatch mode"
+    )
+    print(f"memory: {memory}")
+    records = []
+    for dtype_name in cfg.dtypes:
+        record = run_demo(cfg, dtype_name)
+        _print_record(cfg, record)
+        records.append({k: v for k, v in record.items() if not k.startswith("_")})
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"command": "demo", "config": asdict(cfg), "env": env, "runs": records}
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _version(dist: str) -> str:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lp", description="lp: LM-head log-probs without materialized logits."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo",
+        help="run lp next to the materialized-logits path and an fp64 reference",
+        description="Run lp on an embedded problem next to the materialized-logits path and "
+        "an fp64 reference: time, memory, error.",
+    )
+    demo.add_argument("--n", type=_positive_int, default=512, help="tokens (default 512)")
+    demo.add_argument("--h", type=_positive_int, default=256, help="hidden size (default 256)")
+    demo.add_argument("--v", type=_vocab_size, default=32003, help="vocabulary (default 32003)")
+    demo.add_argument(
+        "--dtype", choices=[*DTYPES, "both"], default="both", help="default: both = bf16 + fp32"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="default 0")
+    demo.add_argument("--repeat", type=_positive_int, default=3, help="timed runs (default 3)")
+    demo.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
+    demo.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
+    demo.add_argument("--chunk-size", type=_positive_int, default=None)
+    demo.add_argument("--json", type=Path, default=None, metavar="PATH", help="write figures")
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `lp` console script. Returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.func(args, parser)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

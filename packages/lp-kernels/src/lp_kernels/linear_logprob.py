@@ -1,0 +1,172 @@
+"""``linear_logprob``: per-token log-probs from hidden states and the LM-head weight.
+
+The public entry point checks arguments, resolves the tensor-parallel layout
+(validated once per group and layout, then cached), checks target ids (one host
+sync, skipped with ``validate=False``), picks a backend and flattens the leading
+dimensions. The numerics live in the backends (``lp_kernels.backends``) and in
+``lp_kernels._stats``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from lp_kernels import _checks
+from lp_kernels._dist import resolve_vocab
+from lp_kernels._types import LogProbOutput, LogprobParams
+from lp_kernels.backends.torch_linear import LinearLogprobTorch, default_chunk_rows
+
+Backend = Literal["auto", "torch", "triton"]
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "triton":
+        raise NotImplementedError(
+            "backend='triton' is not available in this version of lp-kernels; use 'torch' or 'auto'"
+        )
+    return "torch"
+
+
+def linear_logprob(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    return_lse: bool = False,
+    tp_group: Any = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    reduce_grad_hidden: bool = True,
+    deterministic: bool = False,
+    backend: Backend = "auto",
+    chunk_size: int | None = None,
+    validate: bool = True,
+) -> LogProbOutput:
+    """Log-probabilities of ``targets`` under ``softmax(hidden @ weight.T / temperature)``.
+
+    Never materializes the ``[N, V]`` logits: the vocabulary GEMM, the softmax
+    statistics and, in backward, the logits gradient are computed chunk by chunk.
+    All sums accumulate in fp32; outputs are fp32; gradients come back in the
+    input dtypes. Every call is bitwise reproducible, and a row's outputs and its
+    ``grad_hidden`` row do not depend on the other rows, on N or on ``chunk_size``.
+
+    Args:
+        hidden: ``[*, H]`` float32, bfloat16 or float16 last hidden states.
+        weight: ``[V_local, H]``, same dtype and device as ``hidden``: the whole LM
+            head, or this rank's contiguous vocabulary shard under ``tp_group``.
+        targets: ``[*]`` int64 (or int32) global token ids, the leading shape of
+            ``hidden``. Rows equal to ``ignore_index`` give 0 and no gradient.
+        temperature: logits are divided by it (> 0); applied in the computation,
+            the weight is not copied.
+        ignore_index: target value of rows to skip; must not be a real token id.
+        return_entropy: also return the entropy of ``softmax(logits / T)`` per row
+            (differentiable).
+        return_lse: also return the log-sum-exp per row (differentiable; z-loss).
+        tp_group: ``torch.distributed`` group the vocabulary is sharded over. Every
+            rank passes the same ``hidden`` and ``targets`` and its own shard;
+            shards may be uneven. Every rank returns the same outputs.
+        vocab_start: global id of this rank's weight row 0. Default 0, or
+            ``rank * V_local`` under ``tp_group`` (even shards only).
+        vocab_size: the real global vocabulary. Ids ``>= vocab_size`` are padding
+            (Megatron pads the head) and never enter the softmax. Default: all rows.
+        reduce_grad_hidden: under ``tp_group``, sum ``grad_hidden`` over the group
+            (fp32). False returns this rank's partial for the caller to reduce
+            (e.g. a sequence-parallel reduce-scatter).
+        deterministic: tensor-parallel invariance (bitwise identical results for
+            any TP degree). Not available in this version.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        chunk_size: token rows per step (memory knob); None = backend default,
+            which depends on the shard width and device, never on N.
+        validate: check target ids (one host sync). False: no host sync at all.
+
+    Returns:
+        ``LogProbOutput(logprob, entropy, lse)``, each ``[*]`` float32 (entropy and
+        lse None unless requested).
+
+    Raises:
+        TypeError: wrong tensor types or dtypes.
+        ValueError: shape mismatches, bad options, targets out of range (with
+            ``validate=True``), an inconsistent shard layout (on every rank).
+        NotImplementedError: ``deterministic=True`` or ``backend="triton"``, which
+            this version does not provide.
+
+    Example:
+        >>> import torch
+        >>> from lp_kernels import linear_logprob
+        >>> hidden = torch.randn(4, 6, 32, requires_grad=True)
+        >>> weight = torch.randn(1000, 32, requires_grad=True)
+        >>> targets = torch.randint(0, 1000, (4, 6))
+        >>> out = linear_logprob(hidden, weight, targets, return_entropy=True)
+        >>> (out.logprob * torch.randn(4, 6)).sum().backward()
+        >>> out.logprob.shape, hidden.grad.shape
+        (torch.Size([4, 6]), torch.Size([4, 6, 32]))
+    """
+    _checks.check_tensor(hidden, "hidden")
+    _checks.check_float_dtype(hidden, "hidden")
+    _checks.check_tensor(weight, "weight", min_dim=2)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V_local, H], got shape {tuple(weight.shape)}")
+    _checks.check_targets(targets, hidden.shape[:-1], hidden.device, "hidden")
+    temperature = _checks.check_options(
+        temperature=temperature,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        backend=backend,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        tp_group=tp_group,
+    )
+    h_dim = hidden.shape[-1]
+    if h_dim == 0:
+        raise ValueError("hidden must have a non-empty last dimension H")
+    if deterministic:
+        raise NotImplementedError(
+            "deterministic=True (tensor-parallel invariant tile merge) is not available in this "
+            "version of lp-kernels; outputs are still bitwise reproducible run to run"
+        )
+    problem = _checks.weight_problem(weight, hidden)
+    if tp_group is None and problem:
+        raise _checks.weight_error(problem, weight, hidden)
+    tp_size, vocab_start, vocab_size = resolve_vocab(
+        tp_group,
+        v_local=weight.shape[0],
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        hidden=h_dim,
+        dtype=hidden.dtype,
+        deterministic=deterministic,
+        device=hidden.device,
+        problem=problem,
+    )
+    _checks.check_ignore_index(ignore_index, vocab_size)
+    if validate:
+        _checks.validate_targets(targets, vocab_size, ignore_index)
+    _resolve_backend(backend, hidden.device)
+    params = LogprobParams(
+        temperature=temperature,
+        ignore_index=ignore_index,
+        return_entropy=bool(return_entropy),
+        return_lse=bool(return_lse),
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        chunk_size=chunk_size
+        or default_chunk_rows(max(0, min(weight.shape[0], vocab_size - vocab_start)), hidden.device),
+        tp_group=tp_group,
+        tp_size=tp_size,
+        reduce_grad_hidden=bool(reduce_grad_hidden),
+    )
+    lead = targets.shape
+    logprob, entropy, lse = LinearLogprobTorch.apply(
+        hidden.reshape(-1, h_dim), weight, targets.reshape(-1), params
+    )
+    return LogProbOutput(
+        logprob.view(lead),
+        entropy.view(lead) if entropy is not None else None,
+        lse.view(lead) if lse is not None else None,
+    )
+

@@ -1,0 +1,196 @@
+"""``vocab_parallel_logprob``: the lp contract for callers that already hold logits.
+
+For the stock Megatron path, where the output layer has produced ``[*, V_local]``
+logits (often upcast to fp32). Data flow::
+
+    forward   for each chunk of C token rows:
+                z = logits_c[:, :V_r].float() / T          [C, V_r] fp32 scratch
+                (m, s, a, t) per row -> stats[N, 4]
+              all-gather over tp_group, merge in rank order -> logprob, entropy, lse
+    backward  grad = one buffer [N, V_local] in the logits dtype, allocated once
+              for each chunk:  grad[c, :V_r] = d z / T  (fp32 math, one cast on store)
+                               grad[c, V_r:] = 0        (padded vocabulary)
+
+The backward never builds a list of chunk gradients to concatenate: its peak is
+the returned gradient plus one fp32 chunk, about (1 + 1/chunks) x the gradient
+for fp32 logits. The logits themselves are saved by reference (no copy).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from lp_kernels import _checks
+from lp_kernels._dist import gather_stats, resolve_vocab
+from lp_kernels._matmul import scratch
+from lp_kernels._stats import N_STATS, d_logits_, local_stats, merge_stats, target_columns
+from lp_kernels._types import LogProbOutput, LogprobParams
+from lp_kernels.backends.torch_linear import default_chunk_rows
+
+
+def _scaled_chunk(logits: torch.Tensor, r0: int, r1: int, v_real: int, inv_t: float) -> torch.Tensor:
+    """A fresh fp32 copy of ``logits[r0:r1, :v_real] / T`` (the caller may overwrite it)."""
+    z = logits[r0:r1, :v_real].to(torch.float32, copy=True)
+    if inv_t != 1.0:
+        z.mul_(inv_t)
+    return z
+
+
+class VocabParallelLogprob(torch.autograd.Function):
+    """Chunked fp32 log-probs from logits with a streaming backward buffer."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, p: LogprobParams):
+        ctx.set_materialize_grads(False)
+        n = logits.shape[0]
+        v_real = p.local_real_columns(logits.shape[1])
+        t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
+        stats = scratch.empty((n, N_STATS), dtype=torch.float32, device=logits.device)
+        for r0 in range(0, n, p.chunk_size):
+            r1 = min(n, r0 + p.chunk_size)
+            z = _scaled_chunk(logits, r0, r1, v_real, p.inv_temperature)
+            local_stats(
+                z, t_local[r0:r1], in_shard[r0:r1], entropy=p.return_entropy, out=stats[r0:r1]
+            )
+        lse, mean_z, zt, ent = merge_stats(
+            gather_stats(stats, p.tp_group, p.tp_size), entropy=p.return_entropy
+        )
+        ctx.save_for_backward(logits, targets, lse, mean_z)
+        ctx.params = p
+        return (
+            torch.where(ignored, 0.0, zt - lse),
+            torch.where(ignored, 0.0, ent) if ent is not None else None,
+            torch.where(ignored, 0.0, lse) if p.return_lse else None,
+        )
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lp, g_ent, g_lse):
+        logits, targets, lse, mean_z = ctx.saved_tensors
+        p: LogprobParams = ctx.params
+        n, v_local = logits.shape
+        v_real = p.local_real_columns(v_local)
+        t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
+        g_lp, g_ent, g_lse = (
+            None if g is None else torch.where(ignored, 0.0, g.float()) for g in (g_lp, g_ent, g_lse)
+        )
+        grad = scratch.empty((n, v_local), dtype=logits.dtype, device=logits.device)
+        for r0 in range(0, n, p.chunk_size):
+            r1 = min(n, r0 + p.chunk_size)
+            z = _scaled_chunk(logits, r0, r1, v_real, p.inv_temperature)
+            dz = d_logits_(
+                z,
+                lse[r0:r1],
+                None if mean_z is None else mean_z[r0:r1],
+                t_local[r0:r1],
+                in_shard[r0:r1],
+                *(None if g is None else g[r0:r1] for g in (g_lp, g_ent, g_lse)),
+            )
+            if p.temperature != 1.0:
+                dz.mul_(p.inv_temperature)
+            grad[r0:r1, :v_real] = dz
+            if v_real < v_local:
+                grad[r0:r1, v_real:] = 0.0
+        return grad, None, None
+
+
+def vocab_parallel_logprob(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    return_lse: bool = False,
+    tp_group: Any = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+    validate: bool = True,
+) -> LogProbOutput:
+    """Log-probabilities of ``targets`` from (vocabulary-sharded) logits, in fp32.
+
+    Same semantics as :func:`lp_kernels.linear_logprob` with ``z = logits / T``.
+    Works chunk by chunk in fp32 whatever the logits dtype; the backward writes
+    each chunk's gradient into one preallocated buffer (the returned gradient).
+
+    Args:
+        logits: ``[*, V_local]`` float32, bfloat16 or float16: the whole vocabulary,
+            or this rank's contiguous shard under ``tp_group``.
+        targets: ``[*]`` int64 (or int32) global token ids, the leading shape of
+            ``logits``; ``ignore_index`` rows give 0 and no gradient.
+        temperature: logits are divided by it (> 0).
+        ignore_index: target value of rows to skip; must not be a real token id.
+        return_entropy: also return the entropy per row (differentiable).
+        return_lse: also return the log-sum-exp per row (differentiable).
+        tp_group: the group the vocabulary is sharded over (every rank passes the
+            same targets); every rank returns the same outputs.
+        vocab_start: global id of this rank's first column; default 0, or
+            ``rank * V_local`` under ``tp_group`` (even shards only).
+        vocab_size: the real global vocabulary; columns ``>= vocab_size`` are
+            padding, excluded from the softmax, and get zero gradient.
+        chunk_size: token rows per step; None = a default from the shard width.
+        validate: check target ids (one host sync); False = no host sync.
+
+    Returns:
+        ``LogProbOutput(logprob, entropy, lse)``, each ``[*]`` float32.
+
+    Example:
+        >>> import torch
+        >>> from lp_kernels import vocab_parallel_logprob
+        >>> logits = torch.randn(3, 5, 100, requires_grad=True)
+        >>> out = vocab_parallel_logprob(logits, torch.randint(0, 100, (3, 5)))
+        >>> out.logprob.sum().backward()
+        >>> logits.grad.shape
+        torch.Size([3, 5, 100])
+    """
+    _checks.check_tensor(logits, "logits")
+    _checks.check_float_dtype(logits, "logits")
+    _checks.check_targets(targets, logits.shape[:-1], logits.device, "logits")
+    temperature = _checks.check_options(
+        temperature=temperature,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        backend="auto",
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        tp_group=tp_group,
+    )
+    v_local = logits.shape[-1]
+    tp_size, vocab_start, vocab_size = resolve_vocab(
+        tp_group,
+        v_local=v_local,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        hidden=0,
+        dtype=logits.dtype,
+        deterministic=False,
+        device=logits.device,
+    )
+    _checks.check_ignore_index(ignore_index, vocab_size)
+    if validate:
+        _checks.validate_targets(targets, vocab_size, ignore_index)
+    v_real = max(0, min(v_local, vocab_size - vocab_start))
+    params = LogprobParams(
+        temperature=temperature,
+        ignore_index=ignore_index,
+        return_entropy=bool(return_entropy),
+        return_lse=bool(return_lse),
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        chunk_size=chunk_size or default_chunk_rows(v_real, logits.device),
+        tp_group=tp_group,
+        tp_size=tp_size,
+    )
+    lead = targets.shape
+    logprob, entropy, lse = VocabParallelLogprob.apply(
+        logits.reshape(-1, v_local), targets.reshape(-1), params
+    )
+    return LogProbOutput(
+        logprob.view(lead),
+        entropy.view(lead) if entropy is not None else None,
+        lse.view(lead) if lse is not None else None,
+    )

@@ -1,0 +1,1 @@
+"""lp-megatron: a later issue fills this in."""
