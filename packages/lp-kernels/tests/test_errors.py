@@ -1,0 +1,89 @@
+"""Bad input gets a clear TypeError / ValueError naming the argument and what it expects."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lp_kernels import linear_logprob, vocab_parallel_logprob
+
+H, V, N = 8, 50, 6
+
+
+def _args():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(N, H, generator=g), torch.randn(V, H, generator=g), torch.randint(0, V, (N,), generator=g)
+
+
+def _call(**over):
+    hidden, weight, targets = _args()
+    kw = {"hidden": hidden, "weight": weight, "targets": targets} | over
+    return linear_logprob(kw.pop("hidden"), kw.pop("weight"), kw.pop("targets"), **kw)
+
+
+@pytest.mark.parametrize(
+    ("over", "exc", "match"),
+    [
+        ({"hidden": [[1.0]]}, TypeError, "hidden must be a torch.Tensor"),
+        ({"hidden": torch.ones(N, H, dtype=torch.int64)}, TypeError, "hidden must be float32, bfloat16 or float16"),
+        ({"hidden": torch.ones(N, H, dtype=torch.float64)}, TypeError, "hidden must be float32"),
+        ({"weight": torch.ones(V)}, ValueError, "weight must have at least 2"),
+        ({"weight": torch.ones(2, V, H)}, ValueError, "weight must be 2-D"),
+        ({"weight": torch.ones(V, H, dtype=torch.bfloat16)}, TypeError, "dtype differs from hidden"),
+        ({"weight": torch.ones(V, H + 1)}, ValueError, "hidden size"),
+        ({"weight": torch.ones(0, H)}, ValueError, "V_local = 0"),
+        ({"weight": torch.ones(V, H, device="meta")}, ValueError, "different device"),
+        ({"targets": torch.zeros(N)}, TypeError, "targets must be an int64"),
+        ({"targets": torch.zeros(N + 1, dtype=torch.long)}, ValueError, "leading shape of hidden"),
+        ({"hidden": torch.ones(N, 0), "weight": torch.ones(V, 0)}, ValueError, "non-empty last dimension"),
+        ({"temperature": 0.0}, ValueError, "temperature must be finite and > 0"),
+        ({"temperature": -1.0}, ValueError, "temperature must be finite and > 0"),
+        ({"temperature": float("nan")}, ValueError, "temperature must be finite and > 0"),
+        ({"temperature": torch.tensor(1.0)}, TypeError, "temperature must be a Python float"),
+        ({"temperature": True}, TypeError, "temperature must be a Python float"),
+        ({"ignore_index": 1.5}, TypeError, "ignore_index must be an int"),
+        ({"ignore_index": 3}, ValueError, "ignore_index=3 is a real token id"),
+        ({"chunk_size": 0}, ValueError, "chunk_size must be None or a positive int"),
+        ({"backend": "cuda"}, ValueError, "backend must be one of"),
+        ({"vocab_size": V + 1}, ValueError, "vocab_size=51 exceeds"),
+        ({"vocab_size": 0}, ValueError, "vocab_size must be"),
+        ({"vocab_start": 10}, ValueError, "vocab_start=10 needs tp_group"),
+        ({"deterministic": True}, NotImplementedError, "deterministic=True"),
+        ({"backend": "triton"}, NotImplementedError, "backend='triton'"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_bad_arguments(over, exc, match):
+    with pytest.raises(exc, match=match):
+        _call(**over)
+
+
+def test_targets_out_of_range_reports_count_and_range():
+    hidden, weight, targets = _args()
+    targets[1], targets[4] = V, -3
+    with pytest.raises(ValueError, match=r"2 target\(s\) are outside \[0, 50\) and not ignore_index=-100") as info:
+        linear_logprob(hidden, weight, targets)
+    assert "[1]=50" in str(info.value) and "[4]=-3" in str(info.value)
+    with pytest.raises(ValueError, match=r"outside \[0, 40\)"):  # padded vocabulary
+        targets[1], targets[4] = 45, 0
+        linear_logprob(hidden, weight, targets, vocab_size=40)
+
+
+def test_validate_false_skips_the_target_check():
+    hidden, weight, targets = _args()
+    targets[0] = V + 7
+    out = linear_logprob(hidden, weight, targets, validate=False)  # no error, no host sync
+    assert out.logprob.shape == (N,)
+
+
+def test_vocab_parallel_logprob_bad_arguments():
+    logits = torch.randn(N, V)
+    targets = torch.randint(0, V, (N,))
+    with pytest.raises(TypeError, match="logits must be float32"):
+        vocab_parallel_logprob(logits.double(), targets)
+    with pytest.raises(ValueError, match="leading shape of logits"):
+        vocab_parallel_logprob(logits, targets[:-1])
+    with pytest.raises(ValueError, match="outside"):
+        vocab_parallel_logprob(logits, targets + V)
+    with pytest.raises(ValueError, match="temperature"):
+        vocab_parallel_logprob(logits, targets, temperature=-2.0)

@@ -1,0 +1,185 @@
+"""Vocabulary-parallel linear_logprob / vocab_parallel_logprob over real gloo ranks.
+
+Each rank holds a contiguous shard (even or uneven, padded vocabulary in the last one);
+outputs must match the single-process result on every rank, grad_weight must be the
+rank's slice of the full gradient, and grad_hidden the full sum (or the rank's partial
+with reduce_grad_hidden=False, which sums to it). Rank functions are module-level so
+the forkserver children can import them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from lp_testing import RankError, assert_close, make_problem, run_ranks, split_vocab
+
+import lp_kernels._dist as lp_dist
+from lp_kernels import linear_logprob, vocab_parallel_logprob
+
+CASES = [  # (split mode, reduce_grad_hidden)
+    ("even", True),
+    ("uneven", True),
+    ("uneven", False),
+]
+
+
+def _problem():
+    return make_problem(
+        31, 24, 389, seed=13, ignore_frac=0.15, padded_vocab=400, temperature=0.85
+    )
+
+
+def _upstream(n):
+    g = torch.Generator().manual_seed(4)
+    return torch.randn(3, n, generator=g)
+
+
+def _loss(out, g):
+    return (out.logprob * g[0] + out.entropy * g[1] + out.lse * g[2]).sum()
+
+
+def _linear_rank(rank, world, problem, cases):
+    results = []
+    g = _upstream(problem.n)
+    for mode, reduce in cases:
+        bounds = split_vocab(problem.v_padded, world, mode=mode)
+        start, size = bounds[rank]
+        h = problem.hidden.clone().requires_grad_()
+        w = problem.weight[start : start + size].clone().requires_grad_()
+        out = linear_logprob(
+            h,
+            w,
+            problem.targets,
+            tp_group=dist.group.WORLD,
+            # default vocab_start (rank * V_local) where shards are equal, explicit otherwise
+            vocab_start=None if len({sz for _, sz in bounds}) == 1 else start,
+            reduce_grad_hidden=reduce,
+            return_entropy=True,
+            return_lse=True,
+            **problem.op_kwargs(),
+        )
+        _loss(out, g).backward()
+        results.append((bounds, out.logprob, out.entropy, out.lse, h.grad, w.grad))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_linear_logprob_tp_matches_single_process(world):
+    problem = _problem()
+    p = problem.with_grad()
+    ref = linear_logprob(p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, **p.op_kwargs())
+    _loss(ref, _upstream(p.n)).backward()
+    per_rank = run_ranks(_linear_rank, world, problem, CASES, timeout=180)
+    for c, (mode, reduce) in enumerate(CASES):
+        partial_sum = torch.zeros_like(p.hidden.grad)
+        for rank in range(world):
+            bounds, lp, ent, lse, gh, gw = per_rank[rank][c]
+            start, size = bounds[rank]
+            tag = f"[P={world} {mode} reduce={reduce} rank {rank}]"
+            for name, got, want in (("logprob", lp, ref.logprob), ("entropy", ent, ref.entropy), ("lse", lse, ref.lse)):
+                assert_close(got, want, rtol=1e-5, atol=1e-5, name=name + tag)
+            assert_close(gw, p.weight.grad[start : start + size], rtol=1e-5, atol=1e-6, name="grad_weight" + tag)
+            if reduce:
+                assert_close(gh, p.hidden.grad, rtol=1e-5, atol=1e-6, name="grad_hidden" + tag)
+            else:
+                partial_sum += gh
+        if not reduce:
+            assert_close(partial_sum, p.hidden.grad, rtol=1e-5, atol=1e-6, name=f"sum of partials [P={world}]")
+        # Every rank returns bitwise the same outputs.
+        for rank in range(1, world):
+            for k in (1, 2, 3):
+                assert torch.equal(per_rank[rank][c][k], per_rank[0][c][k])
+
+
+def _logits_rank(rank, world, logits, targets, vocab_size):
+    bounds = split_vocab(logits.shape[1], world, mode="uneven")
+    start, size = bounds[rank]
+    x = logits[:, start : start + size].clone().requires_grad_()
+    out = vocab_parallel_logprob(
+        x, targets, tp_group=dist.group.WORLD, vocab_start=start, vocab_size=vocab_size,
+        return_entropy=True, return_lse=True, temperature=1.5,
+    )
+    g = _upstream(targets.numel())
+    _loss(out, g).backward()
+    return bounds, out.logprob, out.entropy, out.lse, x.grad
+
+
+def test_vocab_parallel_logprob_tp_matches_single_process():
+    problem = _problem()
+    logits = (problem.hidden @ problem.weight.T).detach()
+    x = logits.clone().requires_grad_()
+    ref = vocab_parallel_logprob(
+        x, problem.targets, vocab_size=problem.vocab_size, return_entropy=True, return_lse=True, temperature=1.5
+    )
+    _loss(ref, _upstream(problem.n)).backward()
+    for rank, (bounds, lp, ent, lse, gx) in enumerate(
+        run_ranks(_logits_rank, 3, logits, problem.targets, problem.vocab_size, timeout=120)
+    ):
+        start, size = bounds[rank]
+        for name, got, want in (("logprob", lp, ref.logprob), ("entropy", ent, ref.entropy), ("lse", lse, ref.lse)):
+            assert_close(got, want, rtol=1e-5, atol=1e-5, name=f"{name}[rank {rank}]")
+        assert_close(gx, x.grad[:, start : start + size], rtol=1e-5, atol=1e-6, name=f"grad_logits[rank {rank}]")
+
+
+def _count_gathers_rank(rank, world):
+    """Layout validation costs one all-gather on the first call only."""
+    calls = []
+    real = lp_dist.dist.all_gather_into_tensor
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    lp_dist.dist.all_gather_into_tensor = counting
+    try:
+        p = make_problem(5, 8, 64, seed=1)
+        w = p.weight[rank * 32 : (rank + 1) * 32]
+        counts = []
+        for _ in range(3):
+            before = len(calls)
+            linear_logprob(p.hidden, w, p.targets, tp_group=dist.group.WORLD)
+            counts.append(len(calls) - before)
+        return counts
+    finally:
+        lp_dist.dist.all_gather_into_tensor = real
+
+
+def test_layout_is_validated_once_per_group_and_layout():
+    for counts in run_ranks(_count_gathers_rank, 2, timeout=60):
+        assert counts == [2, 1, 1]  # layout table + statistics, then statistics only
+
+
+def _bad_layout_rank(rank, world, case):
+    p = make_problem(4, 8, 60, seed=0)
+    if case == "gap":  # rank 1 starts past the end of rank 0's shard
+        start, size = (0, 30) if rank == 0 else (31, 29)
+        w, kw = p.weight[start : start + size], {"vocab_start": start}
+    elif case == "uneven-without-start":
+        size = 20 if rank == 0 else 40
+        w, kw = p.weight[:size], {}
+    elif case == "hidden-size":  # one rank's shard has the wrong H
+        w = p.weight[:30] if rank == 0 else torch.randn(30, 9)
+        kw = {}
+    elif case == "vocab-size":
+        w, kw = p.weight[rank * 30 : rank * 30 + 30], {"vocab_size": 60 if rank == 0 else 59}
+    else:
+        raise AssertionError(case)
+    linear_logprob(p.hidden, w, p.targets, tp_group=dist.group.WORLD, **kw)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("gap", "contiguous"),
+        ("uneven-without-start", "explicit vocab_start"),
+        ("hidden-size", "rank 1 does not fit hidden"),
+        ("vocab-size", "disagree on the vocab_size"),
+    ],
+)
+def test_bad_layout_raises_on_every_rank(case, message):
+    with pytest.raises(RankError) as info:
+        run_ranks(_bad_layout_rank, 2, case, timeout=60)
+    text = str(info.value)
+    assert text.count("ValueError") >= 2, text  # both ranks raised, none hung
+    assert message in text
