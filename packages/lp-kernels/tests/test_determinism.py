@@ -63,6 +63,8 @@ def test_batch_and_chunk_invariance(dtype, device):
         torch.randperm(150, generator=gen)[:37],
     ):
         check(rows.to(p.hidden.device))
+    if device != "cpu":
+        return  # on CUDA chunk_size is part of the torch backend's tile config (see its docstring)
     for chunk in (16, 48, 7, 150):
         out, gh, _ = _run(p.hidden, p.weight, p.targets, chunk_size=chunk)
         for name, a, b in zip(("logprob", "entropy", "lse"), full, out, strict=True):
@@ -101,6 +103,8 @@ def test_vocab_parallel_logprob_batch_and_chunk_invariance(device):
         sub = vocab_parallel_logprob(logits[rows], targets[rows], return_entropy=True, return_lse=True)
         for name, a, b in zip(("logprob", "entropy", "lse"), full, sub, strict=True):
             assert_bitwise_equal(b, a[rows], name)
+    if device != "cpu":
+        return  # chunk_size invariance is claimed on CPU only for the torch paths
     for chunk in (1, 17, 64):
         out = vocab_parallel_logprob(logits, targets, return_entropy=True, return_lse=True, chunk_size=chunk)
         for name, a, b in zip(("logprob", "entropy", "lse"), full, out, strict=True):

@@ -53,7 +53,8 @@ def linear_logprob(
     statistics and, in backward, the logits gradient are computed chunk by chunk.
     All sums accumulate in fp32; outputs are fp32; gradients come back in the
     input dtypes. Every call is bitwise reproducible, and a row's outputs and its
-    ``grad_hidden`` row do not depend on the other rows, on N or on ``chunk_size``.
+    ``grad_hidden`` row do not depend on the other rows or on N (nor, on CPU, on
+    ``chunk_size``; on CUDA the torch backend's chunk is part of its tile config).
 
     Args:
         hidden: ``[*, H]`` float32, bfloat16 or float16 last hidden states.
@@ -80,8 +81,9 @@ def linear_logprob(
         deterministic: tensor-parallel invariance (bitwise identical results for
             any TP degree). Not available in this version.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
-        chunk_size: token rows per step (memory knob); None = backend default,
-            which depends on the shard width and device, never on N.
+        chunk_size: token rows per step (memory knob, at least 16 are used);
+            None = backend default, which depends on the shard width and device,
+            never on N.
         validate: check target ids (one host sync). False: no host sync at all.
 
     Returns:

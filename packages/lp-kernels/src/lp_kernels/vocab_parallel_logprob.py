@@ -3,7 +3,8 @@
 For the stock Megatron path, where the output layer has produced ``[*, V_local]``
 logits (often upcast to fp32). Data flow::
 
-    forward   for each chunk of C token rows:
+    forward   for each chunk of C token rows (the last zero-padded to C, as in the
+              torch backend of linear_logprob, so every reduction has one shape):
                 z = logits_c[:, :V_r].float() / T          [C, V_r] fp32 scratch
                 (m, s, a, t) per row -> stats[N, 4]
               all-gather over tp_group, merge in rank order -> logprob, entropy, lse
@@ -28,12 +29,16 @@ from lp_kernels._dist import gather_stats, resolve_vocab
 from lp_kernels._matmul import scratch
 from lp_kernels._stats import N_STATS, d_logits_, local_stats, merge_stats, target_columns
 from lp_kernels._types import LogProbOutput, LogprobParams
-from lp_kernels.backends.torch_linear import default_chunk_rows
+from lp_kernels.backends.torch_linear import chunks, default_chunk_rows, padded_rows
 
 
-def _scaled_chunk(logits: torch.Tensor, r0: int, r1: int, v_real: int, inv_t: float) -> torch.Tensor:
-    """A fresh fp32 copy of ``logits[r0:r1, :v_real] / T`` (the caller may overwrite it)."""
-    z = logits[r0:r1, :v_real].to(torch.float32, copy=True)
+def _scaled_chunk(
+    logits: torch.Tensor, r0: int, r1: int, rows: int, v_real: int, inv_t: float
+) -> torch.Tensor:
+    """A fresh fp32 ``[rows, v_real]`` copy of ``logits[r0:r1, :v_real] / T``, zero-padded rows."""
+    z = torch.empty((rows, v_real), dtype=torch.float32, device=logits.device)
+    z[: r1 - r0] = logits[r0:r1, :v_real]
+    z[r1 - r0 :] = 0.0
     if inv_t != 1.0:
         z.mul_(inv_t)
     return z
@@ -49,12 +54,17 @@ class VocabParallelLogprob(torch.autograd.Function):
         v_real = p.local_real_columns(logits.shape[1])
         t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
         stats = scratch.empty((n, N_STATS), dtype=torch.float32, device=logits.device)
-        for r0 in range(0, n, p.chunk_size):
-            r1 = min(n, r0 + p.chunk_size)
-            z = _scaled_chunk(logits, r0, r1, v_real, p.inv_temperature)
+        for r0, r1, rows in chunks(n, p.chunk_size):
+            z = _scaled_chunk(logits, r0, r1, rows, v_real, p.inv_temperature)
+            part = torch.empty((rows, N_STATS), dtype=torch.float32, device=logits.device)
             local_stats(
-                z, t_local[r0:r1], in_shard[r0:r1], entropy=p.return_entropy, out=stats[r0:r1]
+                z,
+                padded_rows(t_local, r0, r1, rows),
+                padded_rows(in_shard, r0, r1, rows, False),
+                entropy=p.return_entropy,
+                out=part,
             )
+            stats[r0:r1] = part[: r1 - r0]
         lse, mean_z, zt, ent = merge_stats(
             gather_stats(stats, p.tp_group, p.tp_size), entropy=p.return_entropy
         )
@@ -78,20 +88,19 @@ class VocabParallelLogprob(torch.autograd.Function):
             None if g is None else torch.where(ignored, 0.0, g.float()) for g in (g_lp, g_ent, g_lse)
         )
         grad = scratch.empty((n, v_local), dtype=logits.dtype, device=logits.device)
-        for r0 in range(0, n, p.chunk_size):
-            r1 = min(n, r0 + p.chunk_size)
-            z = _scaled_chunk(logits, r0, r1, v_real, p.inv_temperature)
+        for r0, r1, rows in chunks(n, p.chunk_size):
+            z = _scaled_chunk(logits, r0, r1, rows, v_real, p.inv_temperature)
             dz = d_logits_(
                 z,
-                lse[r0:r1],
-                None if mean_z is None else mean_z[r0:r1],
-                t_local[r0:r1],
-                in_shard[r0:r1],
-                *(None if g is None else g[r0:r1] for g in (g_lp, g_ent, g_lse)),
+                padded_rows(lse, r0, r1, rows),
+                None if mean_z is None else padded_rows(mean_z, r0, r1, rows),
+                padded_rows(t_local, r0, r1, rows),
+                padded_rows(in_shard, r0, r1, rows, False),
+                *(None if g is None else padded_rows(g, r0, r1, rows) for g in (g_lp, g_ent, g_lse)),
             )
             if p.temperature != 1.0:
                 dz.mul_(p.inv_temperature)
-            grad[r0:r1, :v_real] = dz
+            grad[r0:r1, :v_real] = dz[: r1 - r0]
             if v_real < v_local:
                 grad[r0:r1, v_real:] = 0.0
         return grad, None, None
@@ -132,7 +141,8 @@ def vocab_parallel_logprob(
             ``rank * V_local`` under ``tp_group`` (even shards only).
         vocab_size: the real global vocabulary; columns ``>= vocab_size`` are
             padding, excluded from the softmax, and get zero gradient.
-        chunk_size: token rows per step; None = a default from the shard width.
+        chunk_size: token rows per step (at least 16 are used); None = a default
+            from the shard width and device, never from N.
         validate: check target ids (one host sync); False = no host sync.
 
     Returns:

@@ -18,12 +18,15 @@ Memory: O(C x V_r) fp32 scratch (two such buffers at most), the fp32 grad_W
 accumulator (V_local x H; it *is* the gradient for fp32 weights) and, under tensor
 parallelism, an fp32 [N, H] buffer for the grad_hidden all-reduce. Never [N, V].
 
-Batch invariance: a row's outputs must not depend on N, on the other rows, or on
-``chunk_size``. Reductions over the vocabulary run row by row over the full shard,
-so their order is fixed by V_r. BLAS picks a different kernel for tiny M (MKL's
-GEMV path for one or two rows changes the bits), so every GEMM gets at least
-``ROW_ALIGN`` rows: a chunk is zero-padded to a multiple of it. Padding rows carry
-zero upstream gradient and contribute nothing.
+Batch invariance: a row's outputs and its grad_hidden row must not depend on N
+or on the other rows. Library GEMMs and reductions pick their algorithm from the
+shape (MKL's GEMV path for one or two rows; on CUDA, cuBLAS split-K choices and
+torch's reduction configs change with the row count, measured on H200), and a
+different algorithm is a different summation order. So every block of work has
+exactly ``chunk`` rows: the last block is zero-padded to full size, and padding
+rows carry zero upstream gradient. The chunk depends on the shard width and the
+device, never on N. On CPU the results are also independent of ``chunk_size``
+(tested); on CUDA ``chunk_size`` is part of this backend's tile configuration.
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
 from lp_kernels._stats import N_STATS, d_logits_, local_stats, merge_stats, target_columns
 from lp_kernels._types import LogprobParams
 
-ROW_ALIGN = 16
-_SCRATCH_BYTES = {"cuda": 1 << 30, "cpu": 1 << 28}
-_MAX_ROWS = {"cuda": 4096, "cpu": 1024}
+_SCRATCH_BYTES = {"cuda": 1 << 30, "cpu": 1 << 27}
+_MIN_ROWS = 16
+_MAX_ROWS = {"cuda": 4096, "cpu": 256}
 
 
 def default_chunk_rows(v_real: int, device: torch.device) -> int:
@@ -49,10 +52,10 @@ def default_chunk_rows(v_real: int, device: torch.device) -> int:
     kind = "cuda" if device.type == "cuda" else "cpu"
     rows = _SCRATCH_BYTES[kind] // (4 * max(v_real, 1))
     rows = 1 << max(rows.bit_length() - 1, 0)
-    return max(ROW_ALIGN, min(rows, _MAX_ROWS[kind]))
+    return max(_MIN_ROWS, min(rows, _MAX_ROWS[kind]))
 
 
-def _padded_rows(x: torch.Tensor, r0: int, r1: int, rows: int, fill: float | bool = 0) -> torch.Tensor:
+def padded_rows(x: torch.Tensor, r0: int, r1: int, rows: int, fill: float | bool = 0) -> torch.Tensor:
     """Rows ``[r0, r1)`` of ``x``, padded with ``fill`` to ``rows`` rows (a view when no padding)."""
     if r1 - r0 == rows:
         return x[r0:r1]
@@ -61,10 +64,11 @@ def _padded_rows(x: torch.Tensor, r0: int, r1: int, rows: int, fill: float | boo
     return out
 
 
-def _chunks(n: int, chunk: int):
+def chunks(n: int, chunk: int):
+    """``(r0, r1, rows)`` for each block; every block is padded to ``rows`` (>= 16) rows."""
+    chunk = max(chunk, _MIN_ROWS)  # BLAS takes other code paths for a few rows
     for r0 in range(0, n, chunk):
-        r1 = min(n, r0 + chunk)
-        yield r0, r1, -(-(r1 - r0) // ROW_ALIGN) * ROW_ALIGN
+        yield r0, min(n, r0 + chunk), chunk
 
 
 class LinearLogprobTorch(torch.autograd.Function):
@@ -78,16 +82,16 @@ class LinearLogprobTorch(torch.autograd.Function):
         w_real = weight[:v_real]
         t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
         stats = scratch.empty((n, N_STATS), dtype=torch.float32, device=hidden.device)
-        for r0, r1, rows in _chunks(n, p.chunk_size):
-            h_c = _padded_rows(hidden, r0, r1, rows)
+        for r0, r1, rows in chunks(n, p.chunk_size):
+            h_c = padded_rows(hidden, r0, r1, rows)
             z = mm_f32(h_c, w_real.T)  # [rows, V_r]
             if p.temperature != 1.0:
                 z.mul_(p.inv_temperature)
             part = torch.empty((rows, N_STATS), dtype=torch.float32, device=hidden.device)
             local_stats(
                 z,
-                _padded_rows(t_local, r0, r1, rows),
-                _padded_rows(in_shard, r0, r1, rows, False),
+                padded_rows(t_local, r0, r1, rows),
+                padded_rows(in_shard, r0, r1, rows, False),
                 entropy=p.return_entropy,
                 out=part,
             )
@@ -126,19 +130,19 @@ class LinearLogprobTorch(torch.autograd.Function):
         acc_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
 
         def pad(x, r0, r1, rows):
-            return None if x is None else _padded_rows(x, r0, r1, rows)
+            return None if x is None else padded_rows(x, r0, r1, rows)
 
-        for r0, r1, rows in _chunks(n, p.chunk_size):
-            h_c = _padded_rows(hidden, r0, r1, rows)
+        for r0, r1, rows in chunks(n, p.chunk_size):
+            h_c = padded_rows(hidden, r0, r1, rows)
             z = mm_f32(h_c, w_real.T)
             if p.temperature != 1.0:
                 z.mul_(p.inv_temperature)
             dz = d_logits_(
                 z,
-                _padded_rows(lse, r0, r1, rows),
+                padded_rows(lse, r0, r1, rows),
                 pad(mean_z, r0, r1, rows),
-                _padded_rows(t_local, r0, r1, rows),
-                _padded_rows(in_shard, r0, r1, rows, False),
+                padded_rows(t_local, r0, r1, rows),
+                padded_rows(in_shard, r0, r1, rows, False),
                 pad(g_lp, r0, r1, rows),
                 pad(g_ent, r0, r1, rows),
                 pad(g_lse, r0, r1, rows),
