@@ -9,7 +9,7 @@ from lp_testing import assert_bitwise_equal, make_problem
 from lp_kernels import linear_logprob, vocab_parallel_logprob
 
 
-def _run(hidden, weight, targets, *, chunk_size=None, temperature=0.9, vocab_size=None):
+def _run(hidden, weight, targets, *, chunk_size=None, temperature=0.9, vocab_size=None, backend="torch"):
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
     out = linear_logprob(
@@ -21,6 +21,7 @@ def _run(hidden, weight, targets, *, chunk_size=None, temperature=0.9, vocab_siz
         chunk_size=chunk_size,
         temperature=temperature,
         vocab_size=vocab_size,
+        backend=backend,
     )
     g = torch.linspace(-1, 1, targets.numel(), device=targets.device)
     (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.25).sum().backward()
@@ -31,10 +32,10 @@ DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16
 
 
 @pytest.mark.parametrize("dtype", list(DTYPE_IDS), ids=DTYPE_IDS.get)
-def test_run_to_run_bitwise(dtype, device):
+def test_run_to_run_bitwise(dtype, device, backend):
     p = make_problem(67, 48, 1031, dtype=dtype, device=device, seed=11, ignore_frac=0.1, padded_vocab=1040)
-    a = _run(p.hidden, p.weight, p.targets, vocab_size=p.vocab_size, chunk_size=32)
-    b = _run(p.hidden, p.weight, p.targets, vocab_size=p.vocab_size, chunk_size=32)
+    a = _run(p.hidden, p.weight, p.targets, vocab_size=p.vocab_size, chunk_size=32, backend=backend)
+    b = _run(p.hidden, p.weight, p.targets, vocab_size=p.vocab_size, chunk_size=32, backend=backend)
     for name, x, y in zip(("logprob", "entropy", "lse"), a[0], b[0], strict=True):
         assert_bitwise_equal(x, y, name)
     assert_bitwise_equal(a[1], b[1], "grad_hidden")
@@ -42,17 +43,17 @@ def test_run_to_run_bitwise(dtype, device):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPE_IDS), ids=DTYPE_IDS.get)
-def test_batch_and_chunk_invariance(dtype, device):
+def test_batch_and_chunk_invariance(dtype, device, backend):
     """A row's outputs do not depend on N or on other rows; nothing per row depends on chunk_size.
 
     (grad_hidden rows under a changed batch are checked in the next test, where each row
     keeps its upstream gradient.)
     """
     p = make_problem(150, 40, 2053, dtype=dtype, device=device, seed=5, ignore_frac=0.05)
-    full, gh_full, _ = _run(p.hidden, p.weight, p.targets)
+    full, gh_full, _ = _run(p.hidden, p.weight, p.targets, backend=backend)
 
     def check(rows):
-        sub, _, _ = _run(p.hidden[rows], p.weight, p.targets[rows])
+        sub, _, _ = _run(p.hidden[rows], p.weight, p.targets[rows], backend=backend)
         for name, a, b in zip(("logprob", "entropy", "lse"), full, sub, strict=True):
             assert_bitwise_equal(b, a[rows], f"{name} rows {rows[:4].tolist()}..")
 
@@ -63,24 +64,24 @@ def test_batch_and_chunk_invariance(dtype, device):
         torch.randperm(150, generator=gen)[:37],
     ):
         check(rows.to(p.hidden.device))
-    if device != "cpu":
+    if device != "cpu" and backend == "torch":
         return  # on CUDA chunk_size is part of the torch backend's tile config (see its docstring)
     for chunk in (16, 48, 7, 150):
-        out, gh, _ = _run(p.hidden, p.weight, p.targets, chunk_size=chunk)
+        out, gh, _ = _run(p.hidden, p.weight, p.targets, chunk_size=chunk, backend=backend)
         for name, a, b in zip(("logprob", "entropy", "lse"), full, out, strict=True):
             assert_bitwise_equal(b, a, f"{name} chunk_size={chunk}")
         assert_bitwise_equal(gh, gh_full, f"grad_hidden chunk_size={chunk}")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPE_IDS), ids=DTYPE_IDS.get)
-def test_grad_hidden_row_batch_invariance(dtype, device):
+def test_grad_hidden_row_batch_invariance(dtype, device, backend):
     """grad_hidden of a row, with the same upstream gradient for it, whatever shares the call."""
     p = make_problem(96, 32, 1009, dtype=dtype, device=device, seed=9)
     up = torch.randn(96, generator=torch.Generator().manual_seed(2)).to(device)
 
     def grad_rows(rows):
         h = p.hidden[rows].detach().clone().requires_grad_()
-        out = linear_logprob(h, p.weight, p.targets[rows], return_entropy=True)
+        out = linear_logprob(h, p.weight, p.targets[rows], return_entropy=True, backend=backend)
         (out.logprob * up[rows] + out.entropy * up[rows].flip(0).abs()).sum().backward()
         return h.grad
 
@@ -88,7 +89,7 @@ def test_grad_hidden_row_batch_invariance(dtype, device):
     full = grad_rows(torch.arange(96, device=device))
     for rows in (torch.arange(96, device=device)[40:41], torch.arange(96, device=device)[::3]):
         h = p.hidden[rows].detach().clone().requires_grad_()
-        out = linear_logprob(h, p.weight, p.targets[rows], return_entropy=True)
+        out = linear_logprob(h, p.weight, p.targets[rows], return_entropy=True, backend=backend)
         (out.logprob * up[rows] + out.entropy * up.flip(0).abs()[rows]).sum().backward()
         assert_bitwise_equal(h.grad, full[rows], f"grad_hidden rows {rows[:3].tolist()}..")
 

@@ -79,7 +79,7 @@ def _check(problem, tol, *, entropy: bool, lse: bool, chunk_size=None, backend="
 @pytest.mark.parametrize("opts", list(OPTIONS), ids=str)
 @pytest.mark.parametrize("tol", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", AWKWARD_SHAPES, ids=str)
-def test_parity_awkward_shapes(shape, tol, opts, device):
+def test_parity_awkward_shapes(shape, tol, opts, device, backend):
     temperature, ignore_frac, pad, entropy, lse = OPTIONS[opts]
     problem = make_problem(
         shape.n,
@@ -92,20 +92,20 @@ def test_parity_awkward_shapes(shape, tol, opts, device):
         padded_vocab=shape.v + pad if pad else None,
         temperature=temperature,
     )
-    _check(problem, tol, entropy=entropy, lse=lse)
+    _check(problem, tol, entropy=entropy, lse=lse, backend=backend)
 
 
 @pytest.mark.parametrize(
     "mix",
     ["entropy-only", "lse-only", "logprob+entropy"],
 )
-def test_any_mix_of_upstream_gradients(mix, device):
+def test_any_mix_of_upstream_gradients(mix, device, backend):
     """Gradients from any subset of the outputs, each with its own per-row upstream gradient."""
     tol = DTYPES[0]
     p = make_problem(29, 24, 211, device=device, seed=3, ignore_frac=0.2, temperature=1.3).with_grad()
     up = p.upstream()
     out = linear_logprob(
-        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, **p.op_kwargs()
+        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend=backend, **p.op_kwargs()
     )
     grads = {
         "entropy-only": {"grad_entropy": up["grad_entropy"]},
@@ -133,9 +133,9 @@ def test_per_token_upstream_gradient_is_not_a_scalar():
     assert not torch.allclose(grads[0], grads[1])
 
 
-def test_leading_dims_and_int32_targets(device):
+def test_leading_dims_and_int32_targets(device, backend):
     p = make_problem((3, 5), 16, 101, device=device, seed=2, ignore_frac=0.2).with_grad()
-    out = linear_logprob(p.hidden, p.weight, p.targets.int(), return_entropy=True)
+    out = linear_logprob(p.hidden, p.weight, p.targets.int(), return_entropy=True, backend=backend)
     assert out.logprob.shape == (3, 5) and out.entropy.shape == (3, 5)
     truth = reference_all(p.hidden, p.weight, p.targets, grad_logprob=torch.ones(3, 5, device=device))
     out.logprob.sum().backward()
@@ -143,23 +143,29 @@ def test_leading_dims_and_int32_targets(device):
     assert_close(p.hidden.grad, truth["grad_hidden"], rtol=1e-5, atol=1e-6, name="grad_hidden")
 
 
-def test_empty_input(device):
+def test_empty_input(device, backend):
     p = make_problem(0, 8, 31, device=device).with_grad()
-    out = linear_logprob(p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True)
+    out = linear_logprob(p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend=backend)
     assert out.logprob.shape == (0,) and out.entropy.shape == (0,) and out.lse.shape == (0,)
     out.logprob.sum().backward()
     assert p.hidden.grad.shape == (0, 8)
     assert torch.equal(p.weight.grad, torch.zeros_like(p.weight))
 
 
-def test_chunk_size_not_dividing_n(device):
+def test_chunk_size_not_dividing_n(device, backend):
     p = make_problem(53, 16, 211, device=device, seed=7, ignore_frac=0.1, padded_vocab=224)
     for chunk in (1, 7, 52, 53, 1000):
-        _check(p, DTYPES[0], entropy=True, lse=True, chunk_size=chunk)
+        _check(p, DTYPES[0], entropy=True, lse=True, chunk_size=chunk, backend=backend)
 
 
-def test_extreme_logits_stay_exact():
+def test_extreme_logits_stay_exact(backend):
     """|z| ~ 1e4: the entropy is built from z - max, so nothing cancels catastrophically."""
     p = make_problem(9, 8, 53, seed=4, scale=2e4)
     tol = DTYPES[0]
-    _check(p, tol, entropy=True, lse=True)
+    _check(p, tol, entropy=True, lse=True, backend=backend)
+
+
+def test_large_split_and_chunk_counts(device, backend):
+    """V spanning several vocabulary splits and backward chunks of every backend config."""
+    p = make_problem(40, 24, 5003, device=device, seed=8, ignore_frac=0.1, padded_vocab=5120, temperature=1.1)
+    _check(p, DTYPES[0], entropy=True, lse=True, backend=backend)

@@ -26,7 +26,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -40,10 +39,15 @@ from torch.utils._pytree import tree_leaves
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IGNORE_INDEX = -100
+TIME_BUDGET_S = 5.0  # stop repeating a path once its timed runs add up to this
 OUTPUTS = ("logprob", "entropy", "lse")
 GRADS = ("grad_hidden", "grad_weight")
 PATHS = ("lp", "materialized", "fp64")
-HEADERS = {"lp": "lp linear_logprob", "materialized": "materialized logits", "fp64": "fp64 reference"}
+HEADERS = {
+    "lp": "lp linear_logprob",
+    "materialized": "materialized logits",
+    "fp64": "fp64 reference",
+}
 
 # (logprob, entropy, lse), each [N] and differentiable
 Path3 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
@@ -137,9 +141,11 @@ def _fwd_bwd(path: Path3, problem: dict[str, torch.Tensor], dtype: torch.dtype |
     hidden = problem["hidden"].detach().to(dtype or problem["hidden"].dtype).requires_grad_()
     weight = problem["weight"].detach().to(dtype or problem["weight"].dtype).requires_grad_()
     outputs = path(hidden, weight, problem["targets"])
-    upstream = [problem[f"d_{name}"].to(out.dtype) for name, out in zip(OUTPUTS, outputs)]
+    upstream = [
+        problem[f"d_{name}"].to(out.dtype) for name, out in zip(OUTPUTS, outputs, strict=True)
+    ]
     grads = torch.autograd.grad(outputs, (hidden, weight), upstream)
-    return dict(zip(OUTPUTS + GRADS, [*(o.detach() for o in outputs), *grads]))
+    return dict(zip(OUTPUTS + GRADS, [*(o.detach() for o in outputs), *grads], strict=True))
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -173,33 +179,41 @@ def _is_dense(t: object) -> bool:
 
 
 def _peak_bytes(run: Callable[[], dict[str, torch.Tensor]], device: str) -> int:
-    """Peak memory above what was allocated before `run` started."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        run()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    with _LiveBytes() as tracker:
-        run()
-    return tracker.peak
+    """CUDA peak memory of `run` above what was allocated before it started."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
 
 
 def _measure(run: Callable[[], dict[str, torch.Tensor]], cfg: DemoConfig) -> dict:
-    """Warm-up, `repeat` timed runs, one memory run. Returns figures and the last results."""
-    results, times = [], []
-    for i in range(cfg.repeat + 1):
-        if cfg.device == "cuda":
+    """Warm-up, then up to `repeat` timed runs (fewer once TIME_BUDGET_S is spent).
+
+    On CPU the warm-up run is also the memory run (the tracker slows it down; it is not
+    timed); on CUDA memory gets its own run after the warm-up, so that one-time allocations
+    (cuBLAS workspace, Triton compilation) are not counted. Returns the figures and the
+    results of the last run.
+    """
+    cuda = cfg.device == "cuda"
+    if cuda:
+        results = [run()]
+        peak = _peak_bytes(run, cfg.device)
+    else:
+        with _LiveBytes() as tracker:
+            results = [run()]
+        peak = tracker.peak
+    times: list[float] = []
+    while len(times) < cfg.repeat and (not times or sum(times) < TIME_BUDGET_S):
+        if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
         results.append(run())
-        if cfg.device == "cuda":
+        if cuda:
             torch.cuda.synchronize()
-        if i > 0:  # run 0 is the warm-up
-            times.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
     reproducible = all(torch.equal(r[k], results[0][k]) for r in results for k in results[0])
-    peak = _peak_bytes(run, cfg.device)
     returned = sum(t.numel() * t.element_size() for t in results[-1].values())
     return {
         "time_s": statistics.median(times),
@@ -235,12 +249,14 @@ def run_demo(cfg: DemoConfig, dtype_name: str) -> dict:
     ref = figures["fp64"]["results"]
     for fig in figures.values():
         fig["max_abs_err"], fig["max_rel_err"] = _errors(fig["results"], ref)
-    n_v = cfg.n * cfg.v * torch.empty((), dtype=dtype).element_size()
+    n_v = cfg.n * cfg.v * dtype.itemsize
     return {
         "dtype": dtype_name,
         "ignored_rows": int((problem["targets"] == IGNORE_INDEX).sum()),
         "logits_and_grad_bytes": 2 * n_v,
-        "paths": {k: {f: x for f, x in fig.items() if f != "results"} for k, fig in figures.items()},
+        "paths": {
+            p: {k: x for k, x in fig.items() if k != "results"} for p, fig in figures.items()
+        },
         "_results": {k: fig["results"] for k, fig in figures.items()},
         "_targets": problem["targets"],
     }
@@ -253,12 +269,12 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
 
-def _print_record(cfg: DemoConfig, rec: dict, out=sys.stdout) -> None:
+def _print_record(cfg: DemoConfig, rec: dict) -> None:
     paths = rec["paths"]
     rows: list[tuple[str, list[str]]] = [
         (
-            f"time fwd+bwd (median of {cfg.repeat})",
-            [f"{paths[p]['time_s'] * 1e3:.1f} ms" for p in PATHS],
+            "time fwd+bwd, median (runs)",
+            [f"{paths[p]['time_s'] * 1e3:.1f} ms ({len(paths[p]['times_s'])})" for p in PATHS],
         ),
         ("peak memory above inputs", [_mib(paths[p]["peak_bytes"]) for p in PATHS]),
         ("  scratch (peak - outputs - grads)", [_mib(paths[p]["scratch_bytes"]) for p in PATHS]),
@@ -272,30 +288,25 @@ def _print_record(cfg: DemoConfig, rec: dict, out=sys.stdout) -> None:
             ["yes" if paths[p]["reproducible"] else "NO" for p in PATHS],
         )
     )
-    print(f"\n{rec['dtype']} ({rec['ignored_rows']} ignored rows)", file=out)
-    print(f"  {'':36}" + "".join(f"{HEADERS[p]:>22}" for p in PATHS), file=out)
+    print(f"\n{rec['dtype']} ({rec['ignored_rows']} ignored rows)")
+    print(f"  {'':36}" + "".join(f"{HEADERS[p]:>22}" for p in PATHS))
     for label, cells in rows:
-        print(f"  {label:36}" + "".join(f"{c:>22}" for c in cells), file=out)
+        print(f"  {label:36}" + "".join(f"{c:>22}" for c in cells))
     print(
         f"  [N, V] logits + their grad in {rec['dtype']}: {_mib(rec['logits_and_grad_bytes'])}"
         " (the materialized path also holds fp32 [N, V] softmax intermediates)",
-        file=out,
     )
 
     # First tokens, all three paths side by side.
     res, targets = rec["_results"], rec["_targets"]
-    k = min(cfg.n, 5)
-    print(f"\n  first {k} tokens  {'target':>7}", end="", file=out)
-    for name in ("logprob", "entropy"):
-        print("".join(f"{name + ' ' + p:>18}" for p in PATHS), end="", file=out)
-    print(file=out)
-    for i in range(k):
+    names = ("logprob", "entropy")
+    print(f"\n  first tokens {'':9}" + "".join(f"{n:^42}" for n in names))
+    print(f"  {'row':>5} {'target':>15}" + "".join(f"{p:>14}" for p in PATHS) * 2)
+    for i in range(min(cfg.n, 5)):
         target = int(targets[i])
-        cell = "ignored" if target == IGNORE_INDEX else str(target)
-        print(f"  {i:>14}  {cell:>7}", end="", file=out)
-        for name in ("logprob", "entropy"):
-            print("".join(f"{float(res[p][name][i]):>18.6f}" for p in PATHS), end="", file=out)
-        print(file=out)
+        cells = [float(res[p][n][i]) for n in names for p in PATHS]
+        label = "ignored" if target == IGNORE_INDEX else str(target)
+        print(f"  {i:>5} {label:>15}" + "".join(f"{c:>14.6f}" for c in cells))
 
 
 # ----------------------------------------------------------------------------- commands
@@ -335,13 +346,15 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "python": platform.python_version(),
         "device": cfg.device,
         "device_name": (
-            torch.cuda.get_device_name() if cfg.device == "cuda" else platform.processor()
+            torch.cuda.get_device_name()
+            if cfg.device == "cuda"
+            else platform.processor() or platform.machine()
         ),
         "threads": torch.get_num_threads(),
     }
     print(
         f"lp demo: N={cfg.n} H={cfg.h} V={cfg.v} (no vocab padding), seed {cfg.seed}, "
-        f"backend={cfg.backend}, {cfg.device} ({env['device_name'] or 'unknown'}), "
+        f"backend={cfg.backend}, {cfg.device} ({env['device_name']}), "
         f"torch {env['torch']}, {env['threads']} threads"
     )
     print("forward + backward with a random per-token upstream gradient on logprob/entropy/lse")
@@ -383,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
         "an fp64 reference: time, memory, error.",
     )
     demo.add_argument("--n", type=_positive_int, default=512, help="tokens (default 512)")
-    demo.add_argument("--h", type=_positive_int, default=256, help="hidden size (default 256)")
+    demo.add_argument("--h", type=_positive_int, default=128, help="hidden size (default 128)")
     demo.add_argument("--v", type=_vocab_size, default=32003, help="vocabulary (default 32003)")
     demo.add_argument(
         "--dtype", choices=[*DTYPES, "both"], default="both", help="default: both = bf16 + fp32"

@@ -9,6 +9,8 @@ dimensions. The numerics live in the backends (``lp_kernels.backends``) and in
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Any, Literal
 
 import torch
@@ -21,12 +23,40 @@ from lp_kernels.backends.torch_linear import LinearLogprobTorch, default_chunk_r
 Backend = Literal["auto", "torch", "triton"]
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend == "triton":
-        raise NotImplementedError(
-            "backend='triton' is not available in this version of lp-kernels; use 'torch' or 'auto'"
+def _triton_interpreting() -> bool:
+    """Whether Triton runs its CPU interpreter (the one place lp reads TRITON_INTERPRET)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _resolve_backend(backend: str, device: torch.device) -> type[torch.autograd.Function]:
+    """The autograd Function for ``backend``. Errors inside a backend propagate; no fallback."""
+    if backend == "auto":
+        use_triton = (
+            device.type == "cuda"
+            and _triton_importable()
+            and torch.cuda.get_device_capability(device) >= (8, 0)
         )
-    return "torch"
+        backend = "triton" if use_triton else "torch"
+    if backend == "torch":
+        return LinearLogprobTorch
+    if not _triton_importable():
+        raise RuntimeError("backend='triton' needs the triton package (it ships with CUDA torch)")
+    if device.type == "cuda":
+        pass
+    elif device.type == "cpu" and _triton_interpreting():
+        pass
+    else:
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (got {device}); on CPU it runs only under "
+            "TRITON_INTERPRET=1 (tests). Use backend='torch' or 'auto'"
+        )
+    from lp_kernels.backends.triton_linear import LinearLogprobTriton
+
+    return LinearLogprobTriton
 
 
 def linear_logprob(
@@ -80,7 +110,9 @@ def linear_logprob(
             (e.g. a sequence-parallel reduce-scatter).
         deterministic: tensor-parallel invariance (bitwise identical results for
             any TP degree). Not available in this version.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        backend: ``"torch"`` (chunked torch ops, CPU and GPU), ``"triton"`` (the
+            fused kernel; CUDA, or CPU under ``TRITON_INTERPRET=1``), or ``"auto"``:
+            triton on CUDA devices of compute capability >= 8.0, else torch.
         chunk_size: token rows per step (memory knob, at least 16 are used);
             None = backend default, which depends on the shard width and device,
             never on N.
@@ -94,8 +126,8 @@ def linear_logprob(
         TypeError: wrong tensor types or dtypes.
         ValueError: shape mismatches, bad options, targets out of range (with
             ``validate=True``), an inconsistent shard layout (on every rank).
-        NotImplementedError: ``deterministic=True`` or ``backend="triton"``, which
-            this version does not provide.
+        NotImplementedError: ``deterministic=True``, which this version does not
+            provide.
 
     Example:
         >>> import torch
@@ -148,7 +180,7 @@ def linear_logprob(
     _checks.check_ignore_index(ignore_index, vocab_size)
     if validate:
         _checks.validate_targets(targets, vocab_size, ignore_index)
-    _resolve_backend(backend, hidden.device)
+    function = _resolve_backend(backend, hidden.device)
     params = LogprobParams(
         temperature=temperature,
         ignore_index=ignore_index,
@@ -163,7 +195,7 @@ def linear_logprob(
         reduce_grad_hidden=bool(reduce_grad_hidden),
     )
     lead = targets.shape
-    logprob, entropy, lse = LinearLogprobTorch.apply(
+    logprob, entropy, lse = function.apply(
         hidden.reshape(-1, h_dim), weight, targets.reshape(-1), params
     )
     return LogProbOutput(

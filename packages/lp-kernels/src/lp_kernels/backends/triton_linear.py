@@ -1,0 +1,416 @@
+"""The ``triton`` backend of ``linear_logprob``: fused logits + softmax statistics, no logits in memory.
+
+Data flow for one rank (V_r = real columns of this shard, S = V_r / V_SPLIT splits)::
+
+    forward   _fwd_stats_kernel, grid (N / BLOCK_N, S):
+                for each BLOCK_V tile of the split:  z = (h W^T) / T  on chip (fp32 acc)
+                online (m, s, a, t) per row  ->  stats [S, N, 4]   (logits never stored)
+              all-gather over tp_group -> [P * S, N, 4]
+              _merge_kernel: merge the P * S partials of each row in order -> lse, E, t, entropy
+    backward  for each vocabulary chunk of VOCAB_CHUNK columns (fixed):
+                _dlogits_kernel: recompute z tile by tile, d l = d z / T, stored in the
+                    input dtype -> scratch [N, VOCAB_CHUNK]             (bounded by a chunk)
+                grad_W[chunk]  = d l^T @ h         cuBLAS, one GEMM over all tokens, fp32 acc
+                grad_h (fp32) += d l @ W[chunk]    _matmul_acc_kernel, each program owns its tile
+              grad_h all-reduced over tp_group (fp32) unless reduce_grad_hidden=False
+
+Numerics. Every dot accumulates in fp32 (``input_precision="ieee"`` for fp32 inputs,
+never TF32). The partial statistics follow ``lp_kernels._stats``: exponents relative
+to a running maximum seeded with -inf, entropy assembled from ``z - m``. The merge
+visits partials in (rank, split) order in one program per row block.
+
+Determinism. No atomics: every output element is written by exactly one program.
+Tile sizes, ``V_SPLIT`` and ``VOCAB_CHUNK`` are pinned constants (never chosen from
+N), and each row's arithmetic involves only that row, so a row's outputs and its
+grad_hidden row do not depend on N, on the other rows or on ``chunk_size``.
+
+On CPU the kernels run under ``TRITON_INTERPRET=1`` (tests). There the ``INTERPRET``
+flag swaps ``tl.dot`` for an fp32 broadcast-multiply-and-sum: the interpreter computes
+bf16/fp16 dots wrongly, and its fp32 dot is a BLAS call whose result for a row depends
+on the row's position in the block. Widening is exact (the products fit in fp32).
+The GPU path keeps half-precision tensor-core dots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from lp_kernels._dist import all_reduce_sum_, gather_stats
+from lp_kernels._matmul import mm_f32, scratch
+from lp_kernels._stats import N_STATS, target_columns
+from lp_kernels._types import LogprobParams
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Pinned launch configuration (part of the numerics: another tile is another order)."""
+
+    block_n: int
+    block_v: int
+    block_h: int
+    v_split: int
+    vocab_chunk: int
+    mm_block_m: int
+    mm_block_n: int
+    mm_block_k: int
+    num_warps: int
+    num_stages: int
+
+
+GPU_CONFIG = TileConfig(
+    block_n=128, block_v=128, block_h=64, v_split=8192, vocab_chunk=8192,
+    mm_block_m=128, mm_block_n=128, mm_block_k=64, num_warps=8, num_stages=3,
+)  # fmt: skip
+# Large blocks under the interpreter: its cost scales with the number of block operations.
+INTERPRET_CONFIG = TileConfig(
+    block_n=64, block_v=256, block_h=64, v_split=1024, vocab_chunk=2048,
+    mm_block_m=64, mm_block_n=64, mm_block_k=256, num_warps=4, num_stages=1,
+)  # fmt: skip
+
+
+def config_for(device: torch.device) -> TileConfig:
+    return INTERPRET_CONFIG if device.type == "cpu" else GPU_CONFIG
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _logits_tile(
+    p_h, p_w, m_n, m_v, o_h, H, stride_hh, stride_wh,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """fp32 ``[BLOCK_N, BLOCK_V]`` tile of ``h W^T``; p_h / p_w point at column 0 of the rows."""
+    b_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_H):
+        if EVEN_H:
+            # [BLOCK_N, BLOCK_H]
+            b_h = tl.load(p_h + k0 * stride_hh, mask=m_n[:, None], other=0.0)
+            # [BLOCK_V, BLOCK_H]
+            b_w = tl.load(p_w + k0 * stride_wh, mask=m_v[:, None], other=0.0)
+        else:
+            m_h = (o_h + k0) < H
+            b_h = tl.load(p_h + k0 * stride_hh, mask=m_n[:, None] & m_h[None, :], other=0.0)
+            b_w = tl.load(p_w + k0 * stride_wh, mask=m_v[:, None] & m_h[None, :], other=0.0)
+        if INTERPRET:
+            b_acc += tl.sum(b_h.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :], axis=2)
+        else:
+            b_acc = tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=PRECISION)
+    return b_acc
+
+
+@triton.jit
+def _fwd_stats_kernel(
+    h_ptr, w_ptr, t_ptr, stats_ptr,
+    N, H, V_real, inv_t,
+    stride_hn, stride_hh, stride_wv, stride_wh,
+    V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target]."""
+    i_n = tl.program_id(0)
+    i_s = tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_h = tl.arange(0, BLOCK_H)
+    b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)  # target column in this shard, or -1
+    b_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_a = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_zt = tl.zeros([BLOCK_N], dtype=tl.float32)
+    v_begin = i_s * V_SPLIT
+    v_end = tl.minimum(v_begin + V_SPLIT, V_real)
+    p_h = h_ptr + o_n[:, None].to(tl.int64) * stride_hn + o_h[None, :] * stride_hh
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        o_v = v0 + tl.arange(0, BLOCK_V)
+        m_v = o_v < v_end
+        p_w = w_ptr + o_v[:, None].to(tl.int64) * stride_wv + o_h[None, :] * stride_wh
+        b_z = _logits_tile(
+            p_h, p_w, m_n, m_v, o_h, H, stride_hh, stride_wh,
+            BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET, PRECISION,
+        )  # fmt: skip
+        b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
+        b_zt += tl.sum(tl.where(o_v[None, :] == b_t[:, None], b_z, 0.0), axis=1)
+        # online update; the first tile turns m from -inf into a finite maximum
+        b_mn = tl.maximum(b_m, tl.max(b_z, axis=1))
+        b_alpha = tl.exp(b_m - b_mn)
+        b_d = b_z - b_mn[:, None]
+        b_e = tl.exp(b_d)
+        if ENTROPY:
+            b_shift = tl.where(b_s > 0, b_m - b_mn, 0.0)
+            b_ed = tl.where(m_v[None, :], b_e * b_d, 0.0)
+            b_a = b_alpha * (b_a + b_shift * b_s) + tl.sum(b_ed, axis=1)
+        b_s = b_s * b_alpha + tl.sum(b_e, axis=1)
+        b_m = b_mn
+    p_out = stats_ptr + (i_s.to(tl.int64) * N + o_n) * 4
+    tl.store(p_out + 0, b_m, mask=m_n)
+    tl.store(p_out + 1, b_s, mask=m_n)
+    tl.store(p_out + 2, b_a, mask=m_n)
+    tl.store(p_out + 3, b_zt, mask=m_n)
+
+
+@triton.jit
+def _merge_kernel(
+    stats_ptr, lse_ptr, mean_ptr, zt_ptr, ent_ptr, K, N,
+    BLOCK_N: tl.constexpr, ENTROPY: tl.constexpr,
+):  # fmt: skip
+    """Merge K partials per row in order (see lp_kernels._stats for the algebra)."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_big_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    for k in range(0, K):
+        b_mk = tl.load(stats_ptr + (k * N + o_n).to(tl.int64) * 4, mask=m_n, other=0.0)
+        b_big_m = tl.maximum(b_big_m, b_mk)
+    b_big_s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_big_b = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_zt = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in range(0, K):
+        p = stats_ptr + (k * N + o_n).to(tl.int64) * 4
+        b_mk = tl.load(p + 0, mask=m_n, other=0.0)
+        b_sk = tl.load(p + 1, mask=m_n, other=1.0)
+        b_w = tl.exp(b_mk - b_big_m)
+        b_big_s += b_w * b_sk
+        if ENTROPY:
+            b_ak = tl.load(p + 2, mask=m_n, other=0.0)
+            b_shift = tl.where(b_w > 0, b_mk - b_big_m, 0.0)
+            b_big_b += b_w * (b_ak + b_shift * b_sk)
+        b_zt += tl.load(p + 3, mask=m_n, other=0.0)
+    b_log_s = tl.log(b_big_s)
+    tl.store(lse_ptr + o_n, b_big_m + b_log_s, mask=m_n)
+    tl.store(zt_ptr + o_n, b_zt, mask=m_n)
+    if ENTROPY:
+        b_ms = b_big_b / b_big_s
+        tl.store(mean_ptr + o_n, b_big_m + b_ms, mask=m_n)
+        tl.store(ent_ptr + o_n, b_log_s - b_ms, mask=m_n)
+
+
+@triton.jit
+def _dlogits_kernel(
+    h_ptr, w_ptr, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, c0_ptr, dl_ptr,
+    N, H, v_begin, v_count, inv_t,
+    stride_hn, stride_hh, stride_wv, stride_wh, stride_dn,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, EVEN_H: tl.constexpr,
+    INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T for columns [v_begin, +v_count)."""
+    i_n = tl.program_id(0)
+    i_v = tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # column within the chunk
+    m_n = o_n < N
+    m_v = o_c < v_count
+    o_h = tl.arange(0, BLOCK_H)
+    p_h = h_ptr + o_n[:, None].to(tl.int64) * stride_hn + o_h[None, :] * stride_hh
+    p_w = w_ptr + (v_begin + o_c)[:, None].to(tl.int64) * stride_wv + o_h[None, :] * stride_wh
+    b_z = _logits_tile(
+        p_h, p_w, m_n, m_v, o_h, H, stride_hh, stride_wh,
+        BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET, PRECISION,
+    )  # fmt: skip
+    b_z = b_z * inv_t
+    b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
+    b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0)
+    if ENTROPY:
+        b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
+        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0)
+        b_dz_over_p = b_c0[:, None] - b_gent[:, None] * (b_z - b_mean[:, None])
+    else:
+        b_dz_over_p = b_c0[:, None]
+    b_dz = tl.exp(b_z - b_lse[:, None]) * b_dz_over_p
+    if HAS_LP:
+        b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
+        b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0)
+        b_dz += tl.where((v_begin + o_c)[None, :] == b_t[:, None], b_glp[:, None], 0.0)
+    b_dz = tl.where(m_n[:, None] & m_v[None, :], b_dz * inv_t, 0.0)
+    p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_c[None, :]
+    tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _matmul_acc_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """C (fp32) += A @ B. One program per C tile, fixed K order: no atomics, row-invariant."""
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    m_m = o_m < M
+    m_n = o_n < N
+    p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
+    # [BLOCK_M, BLOCK_N]
+    b_acc = tl.load(p_c, mask=m_m[:, None] & m_n[None, :], other=0.0)
+    p_a = a_ptr + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
+    p_b = b_ptr + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
+    for k0 in range(0, K, BLOCK_K):
+        m_k = (o_k + k0) < K
+        # [BLOCK_M, BLOCK_K]
+        b_a = tl.load(p_a + k0 * stride_ak, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        # [BLOCK_K, BLOCK_N]
+        b_b = tl.load(p_b + k0 * stride_bk, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        if INTERPRET:
+            b_acc += tl.sum(b_a.to(tl.float32)[:, :, None] * b_b.to(tl.float32)[None, :, :], axis=1)
+        else:
+            b_acc = tl.dot(b_a, b_b, b_acc, input_precision=PRECISION)
+    tl.store(p_c, b_acc, mask=m_m[:, None] & m_n[None, :])
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _flags(hidden: torch.Tensor, cfg: TileConfig) -> dict:
+    return {
+        "EVEN_H": hidden.shape[1] % cfg.block_h == 0,
+        "INTERPRET": hidden.device.type == "cpu",
+        "PRECISION": "ieee",
+    }
+
+
+def _launch_opts(cfg: TileConfig, device: torch.device) -> dict:
+    if device.type == "cpu":
+        return {}
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def forward_stats(
+    hidden: torch.Tensor, w_real: torch.Tensor, t_col: torch.Tensor, p: LogprobParams, cfg: TileConfig
+) -> torch.Tensor:
+    """``[S, N, 4]`` fp32 partial statistics of this shard's splits."""
+    n, h_dim = hidden.shape
+    v_real = w_real.shape[0]
+    splits = triton.cdiv(v_real, cfg.v_split)
+    stats = scratch.empty((splits, n, N_STATS), dtype=torch.float32, device=hidden.device)
+    if n == 0 or splits == 0:
+        return stats
+    grid = (triton.cdiv(n, cfg.block_n), splits)
+    _fwd_stats_kernel[grid](
+        hidden, w_real, t_col, stats,
+        n, h_dim, v_real, p.inv_temperature,
+        hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1),
+        V_SPLIT=cfg.v_split, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
+        ENTROPY=p.return_entropy, **_flags(hidden, cfg), **_launch_opts(cfg, hidden.device),
+    )  # fmt: skip
+    return stats
+
+
+def merge(stats: torch.Tensor, *, entropy: bool):
+    """Merge ``[K, N, 4]`` partials per row in order -> (lse, E or None, t, entropy or None)."""
+    k, n, _ = stats.shape
+    dev = stats.device
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    zt = torch.empty(n, dtype=torch.float32, device=dev)
+    mean = torch.empty(n, dtype=torch.float32, device=dev) if entropy else None
+    ent = torch.empty(n, dtype=torch.float32, device=dev) if entropy else None
+    if n == 0:
+        return lse, mean, zt, ent
+    block = 128 if dev.type != "cpu" else 256
+    _merge_kernel[(triton.cdiv(n, block),)](
+        stats.contiguous(), lse, mean if entropy else lse, zt, ent if entropy else lse, k, n,
+        BLOCK_N=block, ENTROPY=entropy,
+    )  # fmt: skip
+    return lse, mean, zt, ent
+
+
+def _dlogits(hidden, w_real, t_col, lse, mean, g_lp, g_ent, c0, out, v_begin, v_count, p, cfg):
+    n, h_dim = hidden.shape
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(v_count, cfg.block_v))
+    _dlogits_kernel[grid](
+        hidden, w_real, t_col, lse, mean if mean is not None else lse,
+        g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, out,
+        n, h_dim, v_begin, v_count, p.inv_temperature,
+        hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1), out.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
+        ENTROPY=g_ent is not None, HAS_LP=g_lp is not None,
+        **_flags(hidden, cfg), **_launch_opts(cfg, hidden.device),
+    )  # fmt: skip
+
+
+def _matmul_acc_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: TileConfig) -> None:
+    m, k = a.shape
+    n = b.shape[1]
+    grid = (triton.cdiv(m, cfg.mm_block_m), triton.cdiv(n, cfg.mm_block_n))
+    _matmul_acc_kernel[grid](
+        a, b, c, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        BLOCK_M=cfg.mm_block_m, BLOCK_N=cfg.mm_block_n, BLOCK_K=cfg.mm_block_k,
+        INTERPRET=a.device.type == "cpu", PRECISION="ieee", **_launch_opts(cfg, a.device),
+    )  # fmt: skip
+
+
+def _grad_weight_slice(dl: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``dl^T @ hidden`` in the input dtype with fp32 accumulation (one GEMM over all tokens)."""
+    if hidden.device.type == "cuda":
+        return torch.mm(dl.T, hidden)  # cuBLAS accumulates half GEMMs in fp32
+    return mm_f32(dl.T, hidden).to(hidden.dtype)
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+class LinearLogprobTriton(torch.autograd.Function):
+    """Fused Triton implementation; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, p: LogprobParams):
+        ctx.set_materialize_grads(False)
+        cfg = config_for(hidden.device)
+        hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+        v_real = p.local_real_columns(weight.shape[0])
+        w_real = weight[:v_real]
+        t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
+        t_col = torch.where(in_shard, t_local, -1)
+        stats = forward_stats(hidden, w_real, t_col, p, cfg)
+        gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, S, N, 4]
+        lse, mean_z, zt, ent = merge(gathered.flatten(0, 1), entropy=p.return_entropy)
+        logprob = torch.where(ignored, 0.0, zt - lse)
+        ent_out = torch.where(ignored, 0.0, ent) if ent is not None else None
+        lse_out = torch.where(ignored, 0.0, lse) if p.return_lse else None
+        ctx.save_for_backward(hidden, weight, t_col, ignored, lse, mean_z)
+        ctx.params = p
+        return logprob, ent_out, lse_out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lp, g_ent, g_lse):
+        hidden, weight, t_col, ignored, lse, mean_z = ctx.saved_tensors
+        p: LogprobParams = ctx.params
+        cfg = config_for(hidden.device)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n, h_dim = hidden.shape
+        v_real = p.local_real_columns(weight.shape[0])
+        w_real = weight[:v_real]
+        g_lp, g_ent, g_lse = (
+            None if g is None else torch.where(ignored, 0.0, g.float()) for g in (g_lp, g_ent, g_lse)
+        )
+        zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        c0 = ((g_lse if g_lse is not None else zero) - (g_lp if g_lp is not None else zero)).expand(n)
+        c0 = c0.contiguous()
+        grad_h32 = torch.zeros((n, h_dim), dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        if n > 0 and v_real > 0:
+            width = min(cfg.vocab_chunk, v_real)
+            dl_buf = scratch.empty((n, width), dtype=hidden.dtype, device=hidden.device)
+            for v_begin in range(0, v_real, cfg.vocab_chunk):
+                v_count = min(cfg.vocab_chunk, v_real - v_begin)
+                dl = dl_buf[:, :v_count]
+                _dlogits(hidden, w_real, t_col, lse, mean_z, g_lp, g_ent, c0, dl, v_begin, v_count, p, cfg)
+                if need_w:
+                    grad_w[v_begin : v_begin + v_count] = _grad_weight_slice(dl, hidden)
+                if need_h:
+                    _matmul_acc_(grad_h32, dl, w_real[v_begin : v_begin + v_count], cfg)
+        grad_h = None
+        if need_h:
+            if p.tp_size > 1 and p.reduce_grad_hidden:
+                all_reduce_sum_(grad_h32, p.tp_group, p.tp_size)
+            grad_h = grad_h32.to(hidden.dtype)
+        return grad_h, grad_w, None, None
