@@ -14,7 +14,7 @@ from lp_testing import assert_close, make_problem, run_ranks, split_vocab
 from lp_kernels import linear_logprob
 
 
-def _nccl_rank(rank, world, problem, mode, reduce):
+def _nccl_rank(rank, world, problem, mode, reduce, backend):
     dev = torch.device("cuda", rank)
     bounds = split_vocab(problem.v_padded, world, mode=mode)
     start, size = bounds[rank]
@@ -29,6 +29,7 @@ def _nccl_rank(rank, world, problem, mode, reduce):
         reduce_grad_hidden=reduce,
         return_entropy=True,
         return_lse=True,
+        backend=backend,
         **problem.op_kwargs(),
     )
     g = torch.linspace(-1, 1, problem.n, device=dev)
@@ -37,16 +38,19 @@ def _nccl_rank(rank, world, problem, mode, reduce):
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("mode", "reduce"), [("even", True), ("uneven", True), ("uneven", False)])
-def test_nccl_tp2_matches_single_gpu(dtype, mode, reduce):
+def test_nccl_tp2_matches_single_gpu(dtype, mode, reduce, backend):
     world = 2
     problem = make_problem(1031, 256, 20011, dtype=dtype, seed=3, ignore_frac=0.1, padded_vocab=20096, temperature=0.9)
     p = problem.to("cuda").with_grad()
-    ref = linear_logprob(p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, **p.op_kwargs())
+    ref = linear_logprob(
+        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend=backend, **p.op_kwargs()
+    )
     g = torch.linspace(-1, 1, p.n, device="cuda")
     (ref.logprob * g + ref.entropy * g.flip(0) + ref.lse * 0.5).sum().backward()
-    results = run_ranks(_nccl_rank, world, problem, mode, reduce, backend="nccl", timeout=300)
+    results = run_ranks(_nccl_rank, world, problem, mode, reduce, backend, backend="nccl", timeout=90)
     eps = 1e-5 if dtype == torch.float32 else 1e-2
     partial = torch.zeros_like(p.hidden.grad, dtype=torch.float32)
     for rank, (bounds, lp, ent, lse, gh, gw) in enumerate(results):

@@ -184,3 +184,22 @@ def test_bad_layout_raises_on_every_rank(case, message):
     text = str(info.value)
     assert text.count("ValueError") >= 2, text  # both ranks raised, none hung
     assert message in text
+
+
+def test_triton_tp_with_unequal_split_counts():
+    """Uneven shards spanning different numbers of Triton vocabulary splits still exchange
+    equal-sized statistics (a rank-dependent size would hang the all-gather)."""
+    problem = make_problem(9, 16, 2600, seed=21, ignore_frac=0.2, padded_vocab=2688)
+    p = problem.with_grad()
+    ref = linear_logprob(p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, **p.op_kwargs())
+    _loss(ref, _upstream(p.n)).backward()
+    cases = [("uneven", True)]
+    per_rank = run_ranks(_linear_rank, 2, problem, cases, "triton", timeout=240)
+    for rank in range(2):
+        bounds, lp, ent, lse, gh, gw = per_rank[rank][0]
+        start, size = bounds[rank]
+        assert_close(lp, ref.logprob, rtol=1e-5, atol=1e-5, name=f"logprob[rank {rank}]")
+        assert_close(ent, ref.entropy, rtol=1e-5, atol=1e-5, name=f"entropy[rank {rank}]")
+        assert_close(gh, p.hidden.grad, rtol=1e-5, atol=1e-5, name=f"grad_hidden[rank {rank}]")
+        assert_close(gw, p.weight.grad[start : start + size], rtol=1e-5, atol=1e-5, name=f"grad_weight[rank {rank}]")
+    assert split_vocab(problem.v_padded, 2, mode="uneven")[1][1] > 1024  # spans 2+ interpreter splits

@@ -137,8 +137,12 @@ def resolve_vocab(
     device: torch.device,
     problem: int = 0,
     tile: int = 0,
-) -> tuple[int, int, int]:
-    """``(tp_size, vocab_start, vocab_size)`` of this rank, validated (across ranks under a group)."""
+) -> tuple[int, int, int, int]:
+    """``(tp_size, vocab_start, vocab_size, max_v_local)`` of this rank, validated across ranks.
+
+    ``max_v_local`` is the largest shard: kernels that exchange per-split statistics size
+    the exchange by it, so every rank sends the same number of bytes.
+    """
     if group is not None:
         layout = resolve_layout(
             group,
@@ -152,7 +156,12 @@ def resolve_vocab(
             device=device,
             problem=problem,
         )
-        return layout.world_size, layout.starts[layout.rank], layout.vocab_size
+        return (
+            layout.world_size,
+            layout.starts[layout.rank],
+            layout.vocab_size,
+            max(layout.sizes),
+        )
     if v_local == 0:
         raise ValueError("the vocabulary dimension is empty (V_local = 0)")
     if vocab_size is None:
@@ -162,7 +171,7 @@ def resolve_vocab(
             f"vocab_size={vocab_size} exceeds the {v_local} vocabulary entries given "
             "(without tp_group they are the whole vocabulary)"
         )
-    return 1, 0, vocab_size
+    return 1, 0, vocab_size, v_local
 
 
 def _check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:

@@ -39,7 +39,7 @@ class LogprobParams:
     return_entropy: bool
     """Compute the entropy and its gradient."""
     return_lse: bool
-    """Return the log-sum-exp (its gradient flows whether or not it is returned)."""
+    """Return the log-sum-exp (a gradient reaches it only when it is returned)."""
     vocab_start: int
     """Global token id of this rank's first weight row (0 without tensor parallelism)."""
     vocab_size: int
@@ -52,6 +52,8 @@ class LogprobParams:
     """Number of ranks in ``tp_group`` (1 without it)."""
     reduce_grad_hidden: bool = True
     """Sum ``grad_hidden`` over ``tp_group`` in backward; False returns this rank's partial."""
+    max_v_local: int = 0
+    """Rows of the largest shard in ``tp_group`` (sizes the per-split statistics exchange)."""
 
     @property
     def inv_temperature(self) -> float:

@@ -82,9 +82,10 @@ def linear_logprob(
     Never materializes the ``[N, V]`` logits: the vocabulary GEMM, the softmax
     statistics and, in backward, the logits gradient are computed chunk by chunk.
     All sums accumulate in fp32; outputs are fp32; gradients come back in the
-    input dtypes. Every call is bitwise reproducible, and a row's outputs and its
-    ``grad_hidden`` row do not depend on the other rows or on N (nor, on CPU, on
-    ``chunk_size``; on CUDA the torch backend's chunk is part of its tile config).
+    input dtypes. Every call is bitwise reproducible run to run. A row's outputs and
+    its ``grad_hidden`` row do not depend on the other rows, on N or on
+    ``chunk_size`` (batch invariance) with the triton backend, and with the torch
+    backend on CPU; the torch backend on CUDA is not batch-invariant (cuBLAS).
 
     Args:
         hidden: ``[*, H]`` float32, bfloat16 or float16 last hidden states.
@@ -166,7 +167,7 @@ def linear_logprob(
     problem = _checks.weight_problem(weight, hidden)
     if tp_group is None and problem:
         raise _checks.weight_error(problem, weight, hidden)
-    tp_size, vocab_start, vocab_size = resolve_vocab(
+    tp_size, vocab_start, vocab_size, max_v_local = resolve_vocab(
         tp_group,
         v_local=weight.shape[0],
         vocab_start=vocab_start,
@@ -192,6 +193,7 @@ def linear_logprob(
         or default_chunk_rows(max(0, min(weight.shape[0], vocab_size - vocab_start)), hidden.device),
         tp_group=tp_group,
         tp_size=tp_size,
+        max_v_local=max_v_local,
         reduce_grad_hidden=bool(reduce_grad_hidden),
     )
     lead = targets.shape

@@ -170,7 +170,7 @@ def vocab_parallel_logprob(
         tp_group=tp_group,
     )
     v_local = logits.shape[-1]
-    tp_size, vocab_start, vocab_size = resolve_vocab(
+    tp_size, vocab_start, vocab_size, max_v_local = resolve_vocab(
         tp_group,
         v_local=v_local,
         vocab_start=vocab_start,
@@ -194,6 +194,7 @@ def vocab_parallel_logprob(
         chunk_size=chunk_size or default_chunk_rows(v_real, logits.device),
         tp_group=tp_group,
         tp_size=tp_size,
+        max_v_local=max_v_local,
     )
     lead = targets.shape
     logprob, entropy, lse = VocabParallelLogprob.apply(

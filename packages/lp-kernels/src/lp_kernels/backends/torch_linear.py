@@ -18,15 +18,14 @@ Memory: O(C x V_r) fp32 scratch (two such buffers at most), the fp32 grad_W
 accumulator (V_local x H; it *is* the gradient for fp32 weights) and, under tensor
 parallelism, an fp32 [N, H] buffer for the grad_hidden all-reduce. Never [N, V].
 
-Batch invariance: a row's outputs and its grad_hidden row must not depend on N
-or on the other rows. Library GEMMs and reductions pick their algorithm from the
-shape (MKL's GEMV path for one or two rows; on CUDA, cuBLAS split-K choices and
-torch's reduction configs change with the row count, measured on H200), and a
-different algorithm is a different summation order. So every block of work has
-exactly ``chunk`` rows: the last block is zero-padded to full size, and padding
-rows carry zero upstream gradient. The chunk depends on the shard width and the
-device, never on N. On CPU the results are also independent of ``chunk_size``
-(tested); on CUDA ``chunk_size`` is part of this backend's tile configuration.
+Batch invariance (on CPU): a row's outputs and its grad_hidden row do not depend
+on N, on the other rows or on ``chunk_size``. BLAS picks other kernels for a few
+rows (MKL's GEMV path for one or two rows changes the bits), so every block of work
+has exactly ``chunk`` (>= 16) rows, the last one zero-padded; padding rows carry zero
+upstream gradient. On CUDA this backend is run-to-run reproducible but NOT batch-
+invariant: cuBLAS and torch's reductions choose their summation order from the shape
+and even from a row's position in the block (measured on H200 with fixed-shape
+padded chunks). The triton backend, the default on CUDA, is batch-invariant there.
 """
 
 from __future__ import annotations

@@ -285,10 +285,14 @@ def _launch_opts(cfg: TileConfig, device: torch.device) -> dict:
 def forward_stats(
     hidden: torch.Tensor, w_real: torch.Tensor, t_col: torch.Tensor, p: LogprobParams, cfg: TileConfig
 ) -> torch.Tensor:
-    """``[S, N, 4]`` fp32 partial statistics of this shard's splits."""
+    """``[S, N, 4]`` fp32 partial statistics of this shard's splits.
+
+    S is set by the largest shard of the group, so that every rank exchanges the same
+    number of bytes; splits past this shard's end report ``m = -inf, s = a = t = 0``.
+    """
     n, h_dim = hidden.shape
     v_real = w_real.shape[0]
-    splits = triton.cdiv(v_real, cfg.v_split)
+    splits = triton.cdiv(max(p.max_v_local, v_real), cfg.v_split)
     stats = scratch.empty((splits, n, N_STATS), dtype=torch.float32, device=hidden.device)
     if n == 0 or splits == 0:
         return stats

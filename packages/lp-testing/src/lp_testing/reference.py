@@ -1,0 +1,377 @@
+"""fp64 references and the plain low-precision baseline for ``linear_logprob``.
+
+Truth (fp64, logits materialized)::
+
+    z       = (hidden @ weight[:V].T) / T                      [N, V]  float64
+    lse     = logsumexp(z)                                     [N]
+    logprob = z[target] - lse                                  [N]
+    entropy = -(softmax(z) * log_softmax(z)).sum(-1)           [N]
+    rows with target == ignore_index: every output 0, no gradient
+
+Gradients come from torch autograd through exactly that fp64 graph, with a per-row
+upstream gradient for each output used (never an implied scalar ``.sum()``): the
+vector-Jacobian product ``sum_i g_lp[i] logprob[i] + g_ent[i] entropy[i] + g_lse[i] lse[i]``.
+Weight rows ``>= V`` (padding) get an exact zero gradient.
+
+Baseline (what a user without lp writes, in the input dtype)::
+
+    logits = (hidden @ weight.T) / T          # bf16 GEMM, bf16 logits
+    logp   = logits[..., :V].float().log_softmax(-1)
+    logprob, entropy, lse from logp           # fp32; grads flow back into bf16 tensors
+
+Its error against the truth is the yardstick of :func:`lp_testing.compare.assert_close`:
+a fused kernel is held to "no worse than k x what the materialized path gets".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "OUTPUTS",
+    "materialized_baseline",
+    "materialized_baseline_from_logits",
+    "reference_all",
+    "reference_from_logits",
+    "reference_grads",
+    "reference_outputs",
+]
+
+OUTPUTS: tuple[str, ...] = ("logprob", "entropy", "lse")
+"""Names of the op's per-row outputs, in ``LogProbOutput`` order."""
+
+
+def _resolve_vocab(columns: int, targets: Tensor, vocab_size: int | None, ignore_index: int) -> int:
+    """Check the real vocabulary size and the targets; returns V."""
+    v = columns if vocab_size is None else vocab_size
+    if not 1 <= v <= columns:
+        raise ValueError(f"vocab_size must be in [1, {columns}] (the columns given), got {v}")
+    if targets.dtype != torch.int64:
+        raise TypeError(f"targets must be int64, got {targets.dtype}")
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= v))
+    count = int(bad.sum())
+    if count:
+        raise ValueError(
+            f"{count} targets are neither ignore_index ({ignore_index}) nor in [0, {v})"
+        )
+    return v
+
+
+def _statistics(z: Tensor, targets: Tensor, ignore_index: int) -> dict[str, Tensor]:
+    """Per-row logprob, entropy, lse of ``z [N, V]``; zero on ignored rows."""
+    keep = targets != ignore_index
+    safe = torch.where(keep, targets, 0)
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z - lse.unsqueeze(-1)
+    out = {
+        "logprob": logp.gather(-1, safe.unsqueeze(-1)).squeeze(-1),
+        "entropy": -(logp.exp() * logp).sum(-1),
+        "lse": lse,
+    }
+    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    return {name: torch.where(keep, value, zero) for name, value in out.items()}
+
+
+def _upstream(
+    grads: dict[str, Tensor | None], shape: torch.Size, dtype: torch.dtype
+) -> dict[str, Tensor]:
+    """The upstream gradients that were given, checked to be per-row."""
+    used: dict[str, Tensor] = {}
+    for name, grad in grads.items():
+        if grad is None:
+            continue
+        if grad.shape != shape:
+            raise ValueError(
+                f"grad_{name} must have the targets' shape {tuple(shape)} (one value per "
+                f"row), got {tuple(grad.shape)}"
+            )
+        used[name] = grad.to(dtype)
+    return used
+
+
+def _vjp(outputs: dict[str, Tensor], upstream: dict[str, Tensor]) -> Tensor:
+    """The scalar whose gradient is the vector-Jacobian product with ``upstream``."""
+    return sum((outputs[name] * g).sum() for name, g in upstream.items())  # type: ignore[return-value]
+
+
+def _flat(hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} must share the "
+            f"leading shape"
+        )
+    return hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+
+
+def reference_all(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    grad_logprob: Tensor | None = None,
+    grad_entropy: Tensor | None = None,
+    grad_lse: Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    vocab_size: int | None = None,
+) -> dict[str, Tensor | None]:
+    """fp64 truth for every output and, given upstream gradients, both input gradients.
+
+    Args:
+        hidden: ``[*, H]`` any float dtype (upcast exactly to float64).
+        weight: ``[V_pad, H]`` the full head (not a shard).
+        targets: ``[*]`` int64 global ids or ``ignore_index``.
+        grad_logprob: ``[*]`` upstream gradient of logprob, or None (output not used).
+        grad_entropy: ``[*]`` upstream gradient of entropy, or None.
+        grad_lse: ``[*]`` upstream gradient of lse, or None.
+        temperature: logits are divided by it.
+        ignore_index: target value of ignored rows.
+        vocab_size: real vocabulary V; rows ``>= V`` of weight are padding. None: V_pad.
+
+    Returns:
+        ``{"logprob", "entropy", "lse"}``: ``[*]`` float64, zero on ignored rows;
+        ``"grad_hidden"``: ``[*, H]`` and ``"grad_weight"``: ``[V_pad, H]`` float64, or
+        None for both when no upstream gradient is given.
+
+    Raises:
+        ValueError: targets out of range, bad vocab_size, or upstream gradients that are
+            not one value per row.
+    """
+    h2, t1 = _flat(hidden, targets)
+    v = _resolve_vocab(weight.shape[0], targets, vocab_size, ignore_index)
+    upstream = _upstream(
+        {"logprob": grad_logprob, "entropy": grad_entropy, "lse": grad_lse},
+        targets.shape,
+        torch.float64,
+    )
+    h64 = h2.detach().to(torch.float64).requires_grad_(bool(upstream))
+    w64 = weight.detach().to(torch.float64).requires_grad_(bool(upstream))
+    with torch.enable_grad():
+        z = (h64 @ w64[:v].T) / temperature
+        stats = _statistics(z, t1, ignore_index)
+        outputs = {name: value.reshape(targets.shape) for name, value in stats.items()}
+        result: dict[str, Tensor | None] = {k: o.detach() for k, o in outputs.items()}
+        result["grad_hidden"] = result["grad_weight"] = None
+        if upstream:
+            gh, gw = torch.autograd.grad(_vjp(outputs, upstream), (h64, w64))
+            result["grad_hidden"] = gh.reshape(hidden.shape)
+            result["grad_weight"] = gw
+    return result
+
+
+def reference_outputs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    vocab_size: int | None = None,
+) -> dict[str, Tensor]:
+    """fp64 ``{"logprob", "entropy", "lse"}``, each ``[*]``, zero on ignored rows.
+
+    Arguments as in :func:`reference_all`.
+
+    Example:
+        >>> from lp_testing import make_problem
+        >>> p = make_problem(4, 8, 11)
+        >>> reference_outputs(p.hidden, p.weight, p.targets)["logprob"].dtype
+        torch.float64
+    """
+    result = reference_all(
+        hidden,
+        weight,
+        targets,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        vocab_size=vocab_size,
+    )
+    return {name: result[name] for name in OUTPUTS}  # type: ignore[misc]
+
+
+def reference_grads(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    grad_logprob: Tensor | None = None,
+    grad_entropy: Tensor | None = None,
+    grad_lse: Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    vocab_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """fp64 ``(grad_hidden [*, H], grad_weight [V_pad, H])`` for per-row upstream gradients.
+
+    Arguments as in :func:`reference_all`; at least one ``grad_*`` must be given.
+
+    Raises:
+        ValueError: no upstream gradient, or one that is not ``[*]``.
+    """
+    if grad_logprob is None and grad_entropy is None and grad_lse is None:
+        raise ValueError("reference_grads: give at least one of grad_logprob/entropy/lse")
+    result = reference_all(
+        hidden,
+        weight,
+        targets,
+        grad_logprob=grad_logprob,
+        grad_entropy=grad_entropy,
+        grad_lse=grad_lse,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        vocab_size=vocab_size,
+    )
+    return result["grad_hidden"], result["grad_weight"]  # type: ignore[return-value]
+
+
+def reference_from_logits(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    grad_logprob: Tensor | None = None,
+    grad_entropy: Tensor | None = None,
+    grad_lse: Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    vocab_size: int | None = None,
+) -> dict[str, Tensor | None]:
+    """fp64 truth for ``vocab_parallel_logprob``, which starts from logits.
+
+    Args:
+        logits: ``[*, V_pad]`` the full (gathered) logits, any float dtype; ``z = logits / T``.
+        targets: ``[*]`` int64.
+        grad_logprob, grad_entropy, grad_lse: ``[*]`` upstream gradients or None.
+        temperature, ignore_index, vocab_size: as in :func:`reference_all`.
+
+    Returns:
+        ``{"logprob", "entropy", "lse"}`` ``[*]`` float64 and ``"grad_logits"``
+        ``[*, V_pad]`` float64 (zero in padding columns), or None without upstream gradient.
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must share the "
+            f"leading shape"
+        )
+    v = _resolve_vocab(logits.shape[-1], targets, vocab_size, ignore_index)
+    upstream = _upstream(
+        {"logprob": grad_logprob, "entropy": grad_entropy, "lse": grad_lse},
+        targets.shape,
+        torch.float64,
+    )
+    x64 = logits.detach().to(torch.float64).requires_grad_(bool(upstream))
+    with torch.enable_grad():
+        z = x64.reshape(-1, logits.shape[-1])[:, :v] / temperature
+        stats = _statistics(z, targets.reshape(-1), ignore_index)
+        outputs = {name: value.reshape(targets.shape) for name, value in stats.items()}
+        result: dict[str, Tensor | None] = {k: o.detach() for k, o in outputs.items()}
+        result["grad_logits"] = None
+        if upstream:
+            (result["grad_logits"],) = torch.autograd.grad(_vjp(outputs, upstream), (x64,))
+    return result
+
+
+def _baseline_statistics(
+    logits: Tensor, targets: Tensor, ignore_index: int, v: int
+) -> dict[str, Tensor]:
+    """The naive user's fp32 statistics from low-precision logits ``[*, V_pad]``."""
+    keep = targets != ignore_index
+    safe = torch.where(keep, targets, 0)
+    real = logits[..., :v].float()
+    logp = real.log_softmax(-1)
+    out = {
+        "logprob": logp.gather(-1, safe.unsqueeze(-1)).squeeze(-1),
+        "entropy": -(logp.exp() * logp).sum(-1),
+        "lse": real.logsumexp(-1),
+    }
+    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+    return {name: torch.where(keep, value, zero) for name, value in out.items()}
+
+
+def materialized_baseline(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    grad_logprob: Tensor | None = None,
+    grad_entropy: Tensor | None = None,
+    grad_lse: Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    vocab_size: int | None = None,
+) -> dict[str, Tensor | None]:
+    """The plain materialized-logits computation in the input dtype (the error yardstick).
+
+    Logits ``hidden @ weight.T / T`` are formed in the inputs' dtype (a bf16 GEMM gives
+    bf16 logits), then upcast to float32 for ``log_softmax``, exactly as a user without
+    lp would write it. Runs on the inputs' device.
+
+    Arguments as in :func:`reference_all`.
+
+    Returns:
+        Same keys as :func:`reference_all`: outputs ``[*]`` float32, ``grad_hidden`` and
+        ``grad_weight`` in the dtypes of hidden and weight (None without upstream gradient).
+    """
+    h2, t1 = _flat(hidden, targets)
+    v = _resolve_vocab(weight.shape[0], targets, vocab_size, ignore_index)
+    upstream = _upstream(
+        {"logprob": grad_logprob, "entropy": grad_entropy, "lse": grad_lse},
+        targets.shape,
+        torch.float32,
+    )
+    h = h2.detach().clone().requires_grad_(bool(upstream))
+    w = weight.detach().clone().requires_grad_(bool(upstream))
+    with torch.enable_grad():
+        logits = h @ w.T
+        if temperature != 1.0:
+            logits = logits / temperature
+        stats = _baseline_statistics(logits, t1, ignore_index, v)
+        outputs = {name: value.reshape(targets.shape) for name, value in stats.items()}
+        result: dict[str, Tensor | None] = {k: o.detach() for k, o in outputs.items()}
+        result["grad_hidden"] = result["grad_weight"] = None
+        if upstream:
+            gh, gw = torch.autograd.grad(_vjp(outputs, upstream), (h, w))
+            result["grad_hidden"] = gh.reshape(hidden.shape)
+            result["grad_weight"] = gw
+    return result
+
+
+def materialized_baseline_from_logits(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    grad_logprob: Tensor | None = None,
+    grad_entropy: Tensor | None = None,
+    grad_lse: Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    vocab_size: int | None = None,
+) -> dict[str, Tensor | None]:
+    """The plain computation from low-precision logits (yardstick for the logits op).
+
+    ``logits / T`` in the logits' dtype, then float32 ``log_softmax``.
+
+    Returns:
+        Same keys as :func:`reference_from_logits`: outputs ``[*]`` float32 and
+        ``grad_logits`` in the logits' dtype (None without upstream gradient).
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must share the "
+            f"leading shape"
+        )
+    v = _resolve_vocab(logits.shape[-1], targets, vocab_size, ignore_index)
+    upstream = _upstream(
+        {"logprob": grad_logprob, "entropy": grad_entropy, "lse": grad_lse},
+        targets.shape,
+        torch.float32,
+    )
+    x = logits.detach().clone().requires_grad_(bool(upstream))
+    with torch.enable_grad():
+        scaled = x / temperature if temperature != 1.0 else x
+        stats = _baseline_statistics(scaled, targets, ignore_index, v)
+        result: dict[str, Tensor | None] = {k: o.detach() for k, o in stats.items()}
+        result["grad_logits"] = None
+        if upstream:
+            (result["grad_logits"],) = torch.autograd.grad(_vjp(stats, upstream), (x,))
+    return result

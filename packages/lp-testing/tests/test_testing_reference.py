@@ -1,0 +1,171 @@
+"""The fp64 references against hand computations and finite differences."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from lp_testing import (
+    assert_close,
+    make_problem,
+    materialized_baseline,
+    materialized_baseline_from_logits,
+    reference_all,
+    reference_from_logits,
+    reference_grads,
+    reference_outputs,
+)
+from lp_testing.reference import OUTPUTS
+
+
+def test_outputs_match_hand_computation() -> None:
+    hidden = torch.tensor([[1.0, 2.0], [0.5, -1.0], [3.0, 0.0]])
+    weight = torch.tensor([[0.1, 0.2], [-0.3, 0.4], [0.5, -0.6], [9.0, 9.0]])  # row 3: padding
+    targets = torch.tensor([2, -100, 0])
+    temperature = 0.5
+    out = reference_outputs(
+        hidden, weight, targets, temperature=temperature, vocab_size=3, ignore_index=-100
+    )
+    for i in (0, 2):
+        z = [
+            sum(h * w for h, w in zip(hidden[i].tolist(), row, strict=True)) / temperature
+            for row in weight[:3].tolist()
+        ]
+        lse = math.log(sum(math.exp(x) for x in z))
+        p = [math.exp(x - lse) for x in z]
+        entropy = -sum(pi * math.log(pi) for pi in p)
+        assert out["logprob"][i].item() == pytest.approx(z[int(targets[i])] - lse, rel=1e-12)
+        assert out["lse"][i].item() == pytest.approx(lse, rel=1e-12)
+        assert out["entropy"][i].item() == pytest.approx(entropy, rel=1e-12)
+    for name in OUTPUTS:
+        assert out[name].dtype == torch.float64
+        assert out[name][1].item() == 0.0  # the ignored row
+
+
+class _Reference(torch.autograd.Function):
+    """reference_outputs forward, reference_grads backward: gradcheck compares the two."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, options):  # type: ignore[override]
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.options = options
+        out = reference_outputs(hidden, weight, targets, **options)
+        return out["logprob"], out["entropy"], out["lse"]
+
+    @staticmethod
+    def backward(ctx, g_logprob, g_entropy, g_lse):  # type: ignore[override]
+        hidden, weight, targets = ctx.saved_tensors
+        gh, gw = reference_grads(
+            hidden,
+            weight,
+            targets,
+            grad_logprob=g_logprob,
+            grad_entropy=g_entropy,
+            grad_lse=g_lse,
+            **ctx.options,
+        )
+        return gh, gw, None, None
+
+
+def test_grads_match_finite_differences() -> None:
+    p = make_problem((2, 2), 5, 6, padded_vocab=8, ignore_frac=0.25, temperature=0.7, seed=3)
+    hidden = p.hidden.double().requires_grad_()
+    weight = p.weight.double().requires_grad_()
+    assert bool(p.ignored.any())
+    assert torch.autograd.gradcheck(
+        lambda h, w: _Reference.apply(h, w, p.targets, p.op_kwargs()),
+        (hidden, weight),
+        fast_mode=True,
+    )
+
+
+def test_grads_zero_on_ignored_rows_and_padding() -> None:
+    p = make_problem(9, 8, 20, padded_vocab=24, ignore_frac=0.3, seed=1)
+    up = p.upstream()
+    gh, gw = reference_grads(p.hidden, p.weight, p.targets, **up, **p.op_kwargs())
+    assert gh.shape == p.hidden.shape and gw.shape == p.weight.shape
+    assert gh[p.ignored].abs().max() == 0
+    assert gh[~p.ignored].abs().min() > 0
+    assert gw[20:].abs().max() == 0
+    # Each upstream gradient alone; their sum is the combined gradient (linearity).
+    parts = [
+        reference_grads(p.hidden, p.weight, p.targets, **{k: v}, **p.op_kwargs())
+        for k, v in up.items()
+    ]
+    assert torch.allclose(sum(g[0] for g in parts), gh, rtol=1e-12, atol=1e-14)
+    assert torch.allclose(sum(g[1] for g in parts), gw, rtol=1e-12, atol=1e-14)
+
+
+def test_padding_and_temperature() -> None:
+    p = make_problem(11, 16, 30, padded_vocab=32, temperature=0.6, seed=2)
+    full = reference_outputs(p.hidden, p.weight, p.targets, **p.op_kwargs())
+    cut = reference_outputs(p.hidden, p.weight[:30].double() / 0.6, p.targets)
+    for name in OUTPUTS:
+        assert torch.allclose(full[name], cut[name], rtol=1e-12, atol=1e-12)
+    # The padding rows are large: including them would change the result a lot.
+    wrong = reference_outputs(p.hidden, p.weight.double() / 0.6, p.targets)
+    assert (wrong["lse"] - full["lse"]).abs().max() > 1.0
+
+
+def test_leading_shape_and_from_logits() -> None:
+    p = make_problem((3, 4), 8, 13, padded_vocab=16, ignore_frac=0.2, seed=4, temperature=1.3)
+    up = p.upstream()
+    truth = reference_all(p.hidden, p.weight, p.targets, **up, **p.op_kwargs())
+    assert truth["logprob"].shape == (3, 4) and truth["grad_hidden"].shape == (3, 4, 8)
+    logits = (p.hidden.double() @ p.weight.double().T).requires_grad_()
+    from_logits = reference_from_logits(logits, p.targets, **up, **p.op_kwargs())
+    for name in OUTPUTS:
+        assert torch.allclose(from_logits[name], truth[name], rtol=1e-12, atol=1e-12)
+    g = from_logits["grad_logits"]
+    assert g.shape == (3, 4, 16) and g[..., 13:].abs().max() == 0
+    assert torch.allclose(g @ p.weight.double(), truth["grad_hidden"], rtol=1e-10, atol=1e-12)
+    assert from_logits["grad_logits"] is not None and logits.grad is None
+    assert reference_from_logits(logits, p.targets)["grad_logits"] is None
+
+
+def test_baseline_fp32_close_and_bf16_worse() -> None:
+    p = make_problem(40, 64, 300, ignore_frac=0.1, seed=5)
+    up = p.upstream()
+    truth = reference_all(p.hidden, p.weight, p.targets, **up, **p.op_kwargs())
+    base32 = materialized_baseline(p.hidden, p.weight, p.targets, **up, **p.op_kwargs())
+    pb = p.to(dtype=torch.bfloat16)
+    base16 = materialized_baseline(pb.hidden, pb.weight, pb.targets, **up, **pb.op_kwargs())
+    assert base16["grad_hidden"].dtype == torch.bfloat16
+    assert base16["grad_weight"].dtype == torch.bfloat16
+    assert base16["logprob"].dtype == torch.float32
+    for name in (*OUTPUTS, "grad_hidden", "grad_weight"):
+        assert_close(base32[name], truth[name], atol=1e-5, rtol=1e-5, name=name)
+        err32 = (base32[name].double() - truth[name]).abs().max()
+        # bf16 truth differs from fp32 truth (rounded inputs): compare each to its own.
+        truth16 = reference_all(pb.hidden, pb.weight, pb.targets, **up, **pb.op_kwargs())[name]
+        err16 = (base16[name].double() - truth16).abs().max()
+        assert err16 > 10 * err32, name
+    assert base16["logprob"][pb.ignored].abs().max() == 0
+
+
+def test_baseline_from_logits() -> None:
+    p = make_problem(6, 8, 10, padded_vocab=12, ignore_frac=0.3, seed=6, temperature=0.9)
+    logits = (p.hidden @ p.weight.T).to(torch.bfloat16)
+    up = p.upstream()
+    base = materialized_baseline_from_logits(logits, p.targets, **up, **p.op_kwargs())
+    truth = reference_from_logits(logits, p.targets, **up, **p.op_kwargs())
+    assert base["grad_logits"].dtype == torch.bfloat16
+    for name in (*OUTPUTS, "grad_logits"):
+        assert_close(base[name], truth[name], atol=2e-2, rtol=2e-2, name=name)
+
+
+def test_rejects_bad_inputs() -> None:
+    p = make_problem(4, 8, 10, padded_vocab=12)
+    bad = p.targets.clone()
+    bad[0] = 10  # padding column: out of the real vocabulary
+    with pytest.raises(
+        ValueError, match=r"1 targets are neither ignore_index \(-100\) nor in \[0, 10\)"
+    ):
+        reference_outputs(p.hidden, p.weight, bad, vocab_size=10)
+    with pytest.raises(ValueError, match="one value per row"):
+        reference_grads(p.hidden, p.weight, p.targets, grad_logprob=torch.tensor(1.0))
+    with pytest.raises(ValueError, match="at least one"):
+        reference_grads(p.hidden, p.weight, p.targets)
+    with pytest.raises(ValueError, match="leading shape"):
+        reference_outputs(p.hidden, p.weight, p.targets[:3])
