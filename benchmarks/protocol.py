@@ -127,7 +127,9 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def bench_shape(name: str, providers: list[str], *, warmup: int, reps: int, check: bool) -> list[dict]:
+def bench_shape(
+    name: str, providers: list[str], *, warmup: int, reps: int, check: bool
+) -> list[dict]:
     n, h, v = SHAPES[name]
     hidden, weight, targets, grad_out = make_inputs(n, h, v)
     mm_ms = statistics.median(time_cuda(lambda: hidden @ weight.T, warmup=warmup, reps=reps))
@@ -191,7 +193,10 @@ def environment(commit: str | None) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'shape':5} {'provider':13} {'ms':>8} {'floor':>8} {'x floor':>7} {'GiB':>6} {'err lp':>9} {'err gh':>9} {'err gw':>9}"
+    head = (
+        f"{'shape':5} {'provider':13} {'ms':>8} {'floor':>8} {'x floor':>7} {'GiB':>6} "
+        f"{'err lp':>9} {'err gh':>9} {'err gw':>9}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -199,7 +204,8 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['shape']:5} {r['provider']:13} {r['error']}")
             continue
         errs = " ".join(
-            f"{r.get(k, float('nan')):9.2e}" for k in ("err_logprob", "err_grad_hidden", "err_grad_weight")
+            f"{r.get(k, float('nan')):9.2e}"
+            for k in ("err_logprob", "err_grad_hidden", "err_grad_weight")
         )
         print(
             f"{r['shape']:5} {r['provider']:13} {r['ms']:8.2f} {r['floor_ms']:8.2f} "
@@ -230,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     for s in args.shapes.split(","):
         if s not in SHAPES:
             ap.error(f"unknown shape {s!r}; choose from {sorted(SHAPES)}")
-        rows += bench_shape(s, providers, warmup=args.warmup, reps=args.reps, check=not args.no_check)
+        rows += bench_shape(
+            s, providers, warmup=args.warmup, reps=args.reps, check=not args.no_check
+        )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "protocol.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import statistics
 
-import torch
 from protocol import SHAPES, make_inputs, time_cuda
 
 import lp_kernels.backends.triton_linear as tlin
@@ -39,23 +38,32 @@ def main() -> None:
     for s in args.shapes.split(","):
         n, h, v = SHAPES[s]
         hidden, weight, targets, grad_out = make_inputs(n, h, v)
-        floor = 4 * statistics.median(time_cuda(lambda: hidden @ weight.T, warmup=2, reps=5))
+        floor = 4 * statistics.median(
+            time_cuda(lambda h=hidden, w=weight: h @ w.T, warmup=2, reps=5)
+        )
         hl, wl = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
         for name in args.variants.split(","):
             tlin.GPU_CONFIG = dataclasses.replace(base, **VARIANTS[name])
 
-            def fwd():
+            def fwd(hl=hl, wl=wl, targets=targets):
                 return linear_logprob(hl, wl, targets, backend="triton", validate=False).logprob
 
-            def step():
+            def step(hl=hl, wl=wl, grad_out=grad_out, fwd=fwd):
                 hl.grad = wl.grad = None
                 fwd().backward(grad_out)
 
             try:
                 t_f = statistics.median(time_cuda(fwd, warmup=2, reps=5))
                 t_all = statistics.median(time_cuda(step, warmup=1, reps=5))
-                row = {"shape": s, "variant": name, "fwd_ms": t_f, "total_ms": t_all,
-                       "bwd_ms": t_all - t_f, "floor_ms": floor, "x_floor": t_all / floor}
+                row = {
+                    "shape": s,
+                    "variant": name,
+                    "fwd_ms": t_f,
+                    "total_ms": t_all,
+                    "bwd_ms": t_all - t_f,
+                    "floor_ms": floor,
+                    "x_floor": t_all / floor,
+                }
             except Exception as exc:  # report and go on: a variant may not compile
                 row = {"shape": s, "variant": name, "error": repr(exc)[:200]}
             rows.append(row)
@@ -69,7 +77,10 @@ def main() -> None:
         if "error" in r:
             print(f"{r['shape']:5} {r['variant']:16} {r['error']}")
         else:
-            print(f"{r['shape']:5} {r['variant']:16} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} {r['total_ms']:8.2f} {r['x_floor']:7.3f}")
+            print(
+                f"{r['shape']:5} {r['variant']:16} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} "
+                f"{r['total_ms']:8.2f} {r['x_floor']:7.3f}"
+            )
 
 
 if __name__ == "__main__":

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lp_testing import assert_bitwise_equal, make_problem
 
 from lp_kernels import linear_logprob, vocab_parallel_logprob
+from lp_testing import assert_bitwise_equal, make_problem
 
 
-def _run(hidden, weight, targets, *, chunk_size=None, temperature=0.9, vocab_size=None, backend="torch"):
+def _run(
+    hidden, weight, targets, *, chunk_size=None, temperature=0.9, vocab_size=None, backend="torch"
+):
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
     out = linear_logprob(
@@ -44,7 +46,9 @@ def _skip_torch_backend_on_cuda(device: str, backend: str) -> None:
 
 @pytest.mark.parametrize("dtype", list(DTYPE_IDS), ids=DTYPE_IDS.get)
 def test_run_to_run_bitwise(dtype, device, backend):
-    p = make_problem(67, 48, 1031, dtype=dtype, device=device, seed=11, ignore_frac=0.1, padded_vocab=1040)
+    p = make_problem(
+        67, 48, 1031, dtype=dtype, device=device, seed=11, ignore_frac=0.1, padded_vocab=1040
+    )
     a = _run(p.hidden, p.weight, p.targets, vocab_size=p.vocab_size, chunk_size=32, backend=backend)
     b = _run(p.hidden, p.weight, p.targets, vocab_size=p.vocab_size, chunk_size=32, backend=backend)
     for name, x, y in zip(("logprob", "entropy", "lse"), a[0], b[0], strict=True):
@@ -113,10 +117,14 @@ def test_vocab_parallel_logprob_batch_and_chunk_invariance(device):
     full = vocab_parallel_logprob(logits, targets, return_entropy=True, return_lse=True)
     for rows in (torch.tensor([3]), torch.arange(0, 120, 7)):
         rows = rows.to(device)
-        sub = vocab_parallel_logprob(logits[rows], targets[rows], return_entropy=True, return_lse=True)
+        sub = vocab_parallel_logprob(
+            logits[rows], targets[rows], return_entropy=True, return_lse=True
+        )
         for name, a, b in zip(("logprob", "entropy", "lse"), full, sub, strict=True):
             assert_bitwise_equal(b, a[rows], name)
     for chunk in (1, 17, 64):
-        out = vocab_parallel_logprob(logits, targets, return_entropy=True, return_lse=True, chunk_size=chunk)
+        out = vocab_parallel_logprob(
+            logits, targets, return_entropy=True, return_lse=True, chunk_size=chunk
+        )
         for name, a, b in zip(("logprob", "entropy", "lse"), full, out, strict=True):
             assert_bitwise_equal(b, a, f"{name} chunk_size={chunk}")

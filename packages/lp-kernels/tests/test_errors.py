@@ -12,7 +12,11 @@ H, V, N = 8, 50, 6
 
 def _args():
     g = torch.Generator().manual_seed(0)
-    return torch.randn(N, H, generator=g), torch.randn(V, H, generator=g), torch.randint(0, V, (N,), generator=g)
+    return (
+        torch.randn(N, H, generator=g),
+        torch.randn(V, H, generator=g),
+        torch.randint(0, V, (N,), generator=g),
+    )
 
 
 def _call(**over):
@@ -25,17 +29,29 @@ def _call(**over):
     ("over", "exc", "match"),
     [
         ({"hidden": [[1.0]]}, TypeError, "hidden must be a torch.Tensor"),
-        ({"hidden": torch.ones(N, H, dtype=torch.int64)}, TypeError, "hidden must be float32, bfloat16 or float16"),
+        (
+            {"hidden": torch.ones(N, H, dtype=torch.int64)},
+            TypeError,
+            "hidden must be float32, bfloat16 or float16",
+        ),
         ({"hidden": torch.ones(N, H, dtype=torch.float64)}, TypeError, "hidden must be float32"),
         ({"weight": torch.ones(V)}, ValueError, "weight must have at least 2"),
         ({"weight": torch.ones(2, V, H)}, ValueError, "weight must be 2-D"),
-        ({"weight": torch.ones(V, H, dtype=torch.bfloat16)}, TypeError, "dtype differs from hidden"),
+        (
+            {"weight": torch.ones(V, H, dtype=torch.bfloat16)},
+            TypeError,
+            "dtype differs from hidden",
+        ),
         ({"weight": torch.ones(V, H + 1)}, ValueError, "hidden size"),
         ({"weight": torch.ones(0, H)}, ValueError, "V_local = 0"),
         ({"weight": torch.ones(V, H, device="meta")}, ValueError, "different device"),
         ({"targets": torch.zeros(N)}, TypeError, "targets must be an int64"),
         ({"targets": torch.zeros(N + 1, dtype=torch.long)}, ValueError, "leading shape of hidden"),
-        ({"hidden": torch.ones(N, 0), "weight": torch.ones(V, 0)}, ValueError, "non-empty last dimension"),
+        (
+            {"hidden": torch.ones(N, 0), "weight": torch.ones(V, 0)},
+            ValueError,
+            "non-empty last dimension",
+        ),
         ({"temperature": 0.0}, ValueError, "temperature must be finite and > 0"),
         ({"temperature": -1.0}, ValueError, "temperature must be finite and > 0"),
         ({"temperature": float("nan")}, ValueError, "temperature must be finite and > 0"),
@@ -61,7 +77,9 @@ def test_bad_arguments(over, exc, match):
 def test_targets_out_of_range_reports_count_and_range():
     hidden, weight, targets = _args()
     targets[1], targets[4] = V, -3
-    with pytest.raises(ValueError, match=r"2 target\(s\) are outside \[0, 50\) and not ignore_index=-100") as info:
+    with pytest.raises(
+        ValueError, match=r"2 target\(s\) are outside \[0, 50\) and not ignore_index=-100"
+    ) as info:
         linear_logprob(hidden, weight, targets)
     assert "[1]=50" in str(info.value) and "[4]=-3" in str(info.value)
     with pytest.raises(ValueError, match=r"outside \[0, 40\)"):  # padded vocabulary

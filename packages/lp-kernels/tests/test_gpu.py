@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from lp_testing import assert_close, make_problem, run_ranks, split_vocab
 
 from lp_kernels import linear_logprob
+from lp_testing import assert_close, make_problem, run_ranks, split_vocab
 
 
 def _nccl_rank(rank, world, problem, mode, reduce, backend):
@@ -43,22 +43,42 @@ def _nccl_rank(rank, world, problem, mode, reduce, backend):
 @pytest.mark.parametrize(("mode", "reduce"), [("even", True), ("uneven", True), ("uneven", False)])
 def test_nccl_tp2_matches_single_gpu(dtype, mode, reduce, backend):
     world = 2
-    problem = make_problem(1031, 256, 20011, dtype=dtype, seed=3, ignore_frac=0.1, padded_vocab=20096, temperature=0.9)
+    problem = make_problem(
+        1031, 256, 20011, dtype=dtype, seed=3, ignore_frac=0.1, padded_vocab=20096, temperature=0.9
+    )
     p = problem.to("cuda").with_grad()
     ref = linear_logprob(
-        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend=backend, **p.op_kwargs()
+        p.hidden,
+        p.weight,
+        p.targets,
+        return_entropy=True,
+        return_lse=True,
+        backend=backend,
+        **p.op_kwargs(),
     )
     g = torch.linspace(-1, 1, p.n, device="cuda")
     (ref.logprob * g + ref.entropy * g.flip(0) + ref.lse * 0.5).sum().backward()
-    results = run_ranks(_nccl_rank, world, problem, mode, reduce, backend, backend="nccl", timeout=90)
+    results = run_ranks(
+        _nccl_rank, world, problem, mode, reduce, backend, backend="nccl", timeout=90
+    )
     eps = 1e-5 if dtype == torch.float32 else 1e-2
     partial = torch.zeros_like(p.hidden.grad, dtype=torch.float32)
     for rank, (bounds, lp, ent, lse, gh, gw) in enumerate(results):
         start, size = bounds[rank]
         tag = f"[{dtype} {mode} reduce={reduce} rank {rank}]"
-        for name, got, want in (("logprob", lp, ref.logprob), ("entropy", ent, ref.entropy), ("lse", lse, ref.lse)):
+        for name, got, want in (
+            ("logprob", lp, ref.logprob),
+            ("entropy", ent, ref.entropy),
+            ("lse", lse, ref.lse),
+        ):
             assert_close(got, want.cpu(), rtol=1e-5, atol=1e-4, name=name + tag)
-        assert_close(gw, p.weight.grad[start : start + size].cpu(), rtol=eps, atol=eps, name="grad_weight" + tag)
+        assert_close(
+            gw,
+            p.weight.grad[start : start + size].cpu(),
+            rtol=eps,
+            atol=eps,
+            name="grad_weight" + tag,
+        )
         if reduce:
             assert_close(gh, p.hidden.grad.cpu(), rtol=eps, atol=eps, name="grad_hidden" + tag)
         else:
@@ -70,7 +90,9 @@ def test_nccl_tp2_matches_single_gpu(dtype, mode, reduce, backend):
 
 @pytest.mark.gpu
 def test_no_host_sync_with_validate_false():
-    p = make_problem(512, 128, 5003, dtype=torch.bfloat16, device="cuda", seed=1, ignore_frac=0.1).with_grad()
+    p = make_problem(
+        512, 128, 5003, dtype=torch.bfloat16, device="cuda", seed=1, ignore_frac=0.1
+    ).with_grad()
     kw = {"return_entropy": True, "return_lse": True, "validate": False, **p.op_kwargs()}
     linear_logprob(p.hidden, p.weight, p.targets, **kw).logprob.sum().backward()  # warm-up
     torch.cuda.synchronize()

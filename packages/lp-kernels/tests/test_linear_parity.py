@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from lp_kernels import linear_logprob
 from lp_testing import (
     AWKWARD_SHAPES,
     DTYPES,
@@ -17,8 +19,6 @@ from lp_testing import (
     materialized_baseline,
     reference_all,
 )
-
-from lp_kernels import linear_logprob
 
 # (temperature, ignore_frac, padded columns, return_entropy, return_lse)
 OPTIONS = {
@@ -67,10 +67,18 @@ def _check(problem, tol, *, entropy: bool, lse: bool, chunk_size=None, backend="
     assert out.lse is None or lse
     assert p.hidden.grad.dtype == p.hidden.dtype and p.weight.grad.dtype == p.weight.dtype
     assert_close(
-        p.hidden.grad, truth["grad_hidden"], baseline=base["grad_hidden"], name="grad_hidden" + tag, **tol.kwargs()
+        p.hidden.grad,
+        truth["grad_hidden"],
+        baseline=base["grad_hidden"],
+        name="grad_hidden" + tag,
+        **tol.kwargs(),
     )
     assert_close(
-        p.weight.grad, truth["grad_weight"], baseline=base["grad_weight"], name="grad_weight" + tag, **tol.kwargs()
+        p.weight.grad,
+        truth["grad_weight"],
+        baseline=base["grad_weight"],
+        name="grad_weight" + tag,
+        **tol.kwargs(),
     )
     assert_zero(p.hidden.grad, where=p.ignored, name=f"grad_hidden on ignored rows{tag}")
     assert_zero(p.weight.grad[p.vocab_size :], name=f"grad_weight of padded rows{tag}")
@@ -102,10 +110,18 @@ def test_parity_awkward_shapes(shape, tol, opts, device, backend):
 def test_any_mix_of_upstream_gradients(mix, device, backend):
     """Gradients from any subset of the outputs, each with its own per-row upstream gradient."""
     tol = DTYPES[0]
-    p = make_problem(29, 24, 211, device=device, seed=3, ignore_frac=0.2, temperature=1.3).with_grad()
+    p = make_problem(
+        29, 24, 211, device=device, seed=3, ignore_frac=0.2, temperature=1.3
+    ).with_grad()
     up = p.upstream()
     out = linear_logprob(
-        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend=backend, **p.op_kwargs()
+        p.hidden,
+        p.weight,
+        p.targets,
+        return_entropy=True,
+        return_lse=True,
+        backend=backend,
+        **p.op_kwargs(),
     )
     grads = {
         "entropy-only": {"grad_entropy": up["grad_entropy"]},
@@ -137,7 +153,9 @@ def test_leading_dims_and_int32_targets(device, backend):
     p = make_problem((3, 5), 16, 101, device=device, seed=2, ignore_frac=0.2).with_grad()
     out = linear_logprob(p.hidden, p.weight, p.targets.int(), return_entropy=True, backend=backend)
     assert out.logprob.shape == (3, 5) and out.entropy.shape == (3, 5)
-    truth = reference_all(p.hidden, p.weight, p.targets, grad_logprob=torch.ones(3, 5, device=device))
+    truth = reference_all(
+        p.hidden, p.weight, p.targets, grad_logprob=torch.ones(3, 5, device=device)
+    )
     out.logprob.sum().backward()
     assert_close(out.logprob, truth["logprob"], rtol=1e-5, atol=1e-5, name="logprob")
     assert_close(p.hidden.grad, truth["grad_hidden"], rtol=1e-5, atol=1e-6, name="grad_hidden")
@@ -145,7 +163,9 @@ def test_leading_dims_and_int32_targets(device, backend):
 
 def test_empty_input(device, backend):
     p = make_problem(0, 8, 31, device=device).with_grad()
-    out = linear_logprob(p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend=backend)
+    out = linear_logprob(
+        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend=backend
+    )
     assert out.logprob.shape == (0,) and out.entropy.shape == (0,) and out.lse.shape == (0,)
     out.logprob.sum().backward()
     assert p.hidden.grad.shape == (0, 8)
@@ -167,5 +187,7 @@ def test_extreme_logits_stay_exact(backend):
 
 def test_large_split_and_chunk_counts(device, backend):
     """V spanning several vocabulary splits and backward chunks of every backend config."""
-    p = make_problem(40, 24, 5003, device=device, seed=8, ignore_frac=0.1, padded_vocab=5120, temperature=1.1)
+    p = make_problem(
+        40, 24, 5003, device=device, seed=8, ignore_frac=0.1, padded_vocab=5120, temperature=1.1
+    )
     _check(p, DTYPES[0], entropy=True, lse=True, backend=backend)

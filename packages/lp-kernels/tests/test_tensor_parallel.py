@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from lp_testing import RankError, assert_close, make_problem, run_ranks, split_vocab
 
 import lp_kernels._dist as lp_dist
 from lp_kernels import linear_logprob, vocab_parallel_logprob
+from lp_testing import RankError, assert_close, make_problem, run_ranks, split_vocab
 
 CASES = [  # (split mode, reduce_grad_hidden)
     ("even", True),
@@ -25,9 +25,7 @@ CASES = [  # (split mode, reduce_grad_hidden)
 
 
 def _problem():
-    return make_problem(
-        31, 24, 389, seed=13, ignore_frac=0.15, padded_vocab=400, temperature=0.85
-    )
+    return make_problem(31, 24, 389, seed=13, ignore_frac=0.15, padded_vocab=400, temperature=0.85)
 
 
 def _upstream(n):
@@ -65,11 +63,15 @@ def _linear_rank(rank, world, problem, cases, backend="torch"):
     return results
 
 
-@pytest.mark.parametrize(("world", "backend"), [(2, "torch"), (3, "torch"), (4, "torch"), (3, "triton")])
+@pytest.mark.parametrize(
+    ("world", "backend"), [(2, "torch"), (3, "torch"), (4, "torch"), (3, "triton")]
+)
 def test_linear_logprob_tp_matches_single_process(world, backend):
     problem = _problem()
     p = problem.with_grad()
-    ref = linear_logprob(p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, **p.op_kwargs())
+    ref = linear_logprob(
+        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, **p.op_kwargs()
+    )
     _loss(ref, _upstream(p.n)).backward()
     per_rank = run_ranks(_linear_rank, world, problem, CASES, backend, timeout=240)
     for c, (mode, reduce) in enumerate(CASES):
@@ -78,15 +80,31 @@ def test_linear_logprob_tp_matches_single_process(world, backend):
             bounds, lp, ent, lse, gh, gw = per_rank[rank][c]
             start, size = bounds[rank]
             tag = f"[P={world} {mode} reduce={reduce} rank {rank}]"
-            for name, got, want in (("logprob", lp, ref.logprob), ("entropy", ent, ref.entropy), ("lse", lse, ref.lse)):
+            for name, got, want in (
+                ("logprob", lp, ref.logprob),
+                ("entropy", ent, ref.entropy),
+                ("lse", lse, ref.lse),
+            ):
                 assert_close(got, want, rtol=1e-5, atol=1e-5, name=name + tag)
-            assert_close(gw, p.weight.grad[start : start + size], rtol=1e-5, atol=1e-5, name="grad_weight" + tag)
+            assert_close(
+                gw,
+                p.weight.grad[start : start + size],
+                rtol=1e-5,
+                atol=1e-5,
+                name="grad_weight" + tag,
+            )
             if reduce:
                 assert_close(gh, p.hidden.grad, rtol=1e-5, atol=1e-5, name="grad_hidden" + tag)
             else:
                 partial_sum += gh
         if not reduce:
-            assert_close(partial_sum, p.hidden.grad, rtol=1e-5, atol=1e-5, name=f"sum of partials [P={world}]")
+            assert_close(
+                partial_sum,
+                p.hidden.grad,
+                rtol=1e-5,
+                atol=1e-5,
+                name=f"sum of partials [P={world}]",
+            )
         # Every rank returns bitwise the same outputs.
         for rank in range(1, world):
             for k in (1, 2, 3):
@@ -98,8 +116,14 @@ def _logits_rank(rank, world, logits, targets, vocab_size):
     start, size = bounds[rank]
     x = logits[:, start : start + size].clone().requires_grad_()
     out = vocab_parallel_logprob(
-        x, targets, tp_group=dist.group.WORLD, vocab_start=start, vocab_size=vocab_size,
-        return_entropy=True, return_lse=True, temperature=1.5,
+        x,
+        targets,
+        tp_group=dist.group.WORLD,
+        vocab_start=start,
+        vocab_size=vocab_size,
+        return_entropy=True,
+        return_lse=True,
+        temperature=1.5,
     )
     g = _upstream(targets.numel())
     _loss(out, g).backward()
@@ -111,16 +135,31 @@ def test_vocab_parallel_logprob_tp_matches_single_process():
     logits = (problem.hidden @ problem.weight.T).detach()
     x = logits.clone().requires_grad_()
     ref = vocab_parallel_logprob(
-        x, problem.targets, vocab_size=problem.vocab_size, return_entropy=True, return_lse=True, temperature=1.5
+        x,
+        problem.targets,
+        vocab_size=problem.vocab_size,
+        return_entropy=True,
+        return_lse=True,
+        temperature=1.5,
     )
     _loss(ref, _upstream(problem.n)).backward()
     for rank, (bounds, lp, ent, lse, gx) in enumerate(
         run_ranks(_logits_rank, 3, logits, problem.targets, problem.vocab_size, timeout=120)
     ):
         start, size = bounds[rank]
-        for name, got, want in (("logprob", lp, ref.logprob), ("entropy", ent, ref.entropy), ("lse", lse, ref.lse)):
+        for name, got, want in (
+            ("logprob", lp, ref.logprob),
+            ("entropy", ent, ref.entropy),
+            ("lse", lse, ref.lse),
+        ):
             assert_close(got, want, rtol=1e-5, atol=1e-5, name=f"{name}[rank {rank}]")
-        assert_close(gx, x.grad[:, start : start + size], rtol=1e-5, atol=1e-6, name=f"grad_logits[rank {rank}]")
+        assert_close(
+            gx,
+            x.grad[:, start : start + size],
+            rtol=1e-5,
+            atol=1e-6,
+            name=f"grad_logits[rank {rank}]",
+        )
 
 
 def _count_gathers_rank(rank, world):
@@ -191,15 +230,25 @@ def test_triton_tp_with_unequal_split_counts():
     equal-sized statistics (a rank-dependent size would hang the all-gather)."""
     problem = make_problem(9, 16, 2600, seed=21, ignore_frac=0.2, padded_vocab=2688)
     p = problem.with_grad()
-    ref = linear_logprob(p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, **p.op_kwargs())
+    ref = linear_logprob(
+        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, **p.op_kwargs()
+    )
     _loss(ref, _upstream(p.n)).backward()
     cases = [("uneven", True)]
     per_rank = run_ranks(_linear_rank, 2, problem, cases, "triton", timeout=240)
     for rank in range(2):
-        bounds, lp, ent, lse, gh, gw = per_rank[rank][0]
+        bounds, lp, ent, _lse, gh, gw = per_rank[rank][0]
         start, size = bounds[rank]
         assert_close(lp, ref.logprob, rtol=1e-5, atol=1e-5, name=f"logprob[rank {rank}]")
         assert_close(ent, ref.entropy, rtol=1e-5, atol=1e-5, name=f"entropy[rank {rank}]")
         assert_close(gh, p.hidden.grad, rtol=1e-5, atol=1e-5, name=f"grad_hidden[rank {rank}]")
-        assert_close(gw, p.weight.grad[start : start + size], rtol=1e-5, atol=1e-5, name=f"grad_weight[rank {rank}]")
-    assert split_vocab(problem.v_padded, 2, mode="uneven")[1][1] > 1024  # spans 2+ interpreter splits
+        assert_close(
+            gw,
+            p.weight.grad[start : start + size],
+            rtol=1e-5,
+            atol=1e-5,
+            name=f"grad_weight[rank {rank}]",
+        )
+    assert (
+        split_vocab(problem.v_padded, 2, mode="uneven")[1][1] > 1024
+    )  # spans 2+ interpreter splits

@@ -1,13 +1,13 @@
-"""vocab_parallel_logprob (logits input): parity, padded columns, and the streaming backward buffer."""
+"""vocab_parallel_logprob (logits input): parity, padding, the streaming backward buffer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from lp_testing import DTYPES, assert_close, assert_zero, make_problem, reference_from_logits
 
 from lp_kernels import vocab_parallel_logprob
 from lp_kernels._matmul import scratch
+from lp_testing import DTYPES, assert_close, assert_zero, make_problem, reference_from_logits
 
 
 def _logits(n, v, dtype, device, seed, pad=0):
@@ -18,17 +18,31 @@ def _logits(n, v, dtype, device, seed, pad=0):
 
 
 @pytest.mark.parametrize("tol", DTYPES, ids=str)
-@pytest.mark.parametrize(("n", "v", "pad", "chunk"), [(1, 31, 0, None), (37, 1009, 15, 5), (128, 257, 0, 128)])
+@pytest.mark.parametrize(
+    ("n", "v", "pad", "chunk"), [(1, 31, 0, None), (37, 1009, 15, 5), (128, 257, 0, 128)]
+)
 def test_parity(n, v, pad, chunk, tol, device):
     logits = _logits(n, v, tol.dtype, device, seed=n, pad=pad).requires_grad_()
     targets = make_problem(n, 4, v, seed=n, ignore_frac=0.2, device=device).targets
     g = torch.randn(3, n, generator=torch.Generator().manual_seed(1)).to(device)
     out = vocab_parallel_logprob(
-        logits, targets, temperature=0.8, vocab_size=v, return_entropy=True, return_lse=True, chunk_size=chunk
+        logits,
+        targets,
+        temperature=0.8,
+        vocab_size=v,
+        return_entropy=True,
+        return_lse=True,
+        chunk_size=chunk,
     )
     (out.logprob * g[0] + out.entropy * g[1] + out.lse * g[2]).sum().backward()
     truth = reference_from_logits(
-        logits, targets, grad_logprob=g[0], grad_entropy=g[1], grad_lse=g[2], temperature=0.8, vocab_size=v
+        logits,
+        targets,
+        grad_logprob=g[0],
+        grad_entropy=g[1],
+        grad_lse=g[2],
+        temperature=0.8,
+        vocab_size=v,
     )
     # Inputs are the logits themselves, so fp32 math on them is exact up to fp32 rounding.
     for name in ("logprob", "entropy", "lse"):
@@ -37,7 +51,11 @@ def test_parity(n, v, pad, chunk, tol, device):
     eps = torch.finfo(tol.dtype).eps
     scale = float(truth["grad_logits"].abs().max())
     assert_close(
-        logits.grad, truth["grad_logits"], rtol=2 * eps, atol=8 * eps * scale, name=f"grad_logits[{tol}]"
+        logits.grad,
+        truth["grad_logits"],
+        rtol=2 * eps,
+        atol=8 * eps * scale,
+        name=f"grad_logits[{tol}]",
     )
     assert_zero(logits.grad[:, v:], name="grad of padded columns")
     assert_zero(logits.grad[targets == -100], name="grad of ignored rows")
@@ -71,7 +89,7 @@ def test_leading_dims(device):
 
 @pytest.mark.gpu
 def test_streaming_backward_peak_memory():
-    """Backward peak above the saved state is the gradient plus O(one fp32 chunk), never list + cat."""
+    """Backward peak above the saved state: the gradient plus O(one fp32 chunk), no list + cat."""
     n, v, chunk = 4096, 32000, 256
     logits = _logits(n, v, torch.float32, "cuda", seed=0).requires_grad_()
     targets = torch.randint(0, v, (n,), device="cuda")

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+
 from lp_testing import assert_bitwise_equal, assert_close, assert_zero, error_report
 
 TRUTH = torch.tensor([[1.0, -2.0, 3.0], [0.5, 0.0, -4.0]], dtype=torch.float64)

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
+
 from lp_testing import InsufficientDevicesError, RankError, run_ranks, spawn
 from lp_testing.dist import _function_ref, _FunctionRef
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lp_testing import preserved_torch_globals
 
 pytest_plugins = ["pytester"]

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from lp_testing import (
     AWKWARD_SHAPES,
     DTYPES,

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from lp_testing import (
     assert_close,
     make_problem,

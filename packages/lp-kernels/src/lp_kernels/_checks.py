@@ -22,7 +22,9 @@ def check_tensor(x: Any, name: str, *, min_dim: int = 1) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < min_dim:
-        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}"
+        )
     return x
 
 
@@ -31,10 +33,14 @@ def check_float_dtype(x: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
-def check_targets(targets: Any, lead_shape: torch.Size, device: torch.device, lead_name: str) -> None:
+def check_targets(
+    targets: Any, lead_shape: torch.Size, device: torch.device, lead_name: str
+) -> None:
     check_tensor(targets, "targets", min_dim=0)
     if targets.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"targets must be an int64 (or int32) tensor of token ids, got {targets.dtype}")
+        raise TypeError(
+            f"targets must be an int64 (or int32) tensor of token ids, got {targets.dtype}"
+        )
     if targets.shape != lead_shape:
         raise ValueError(
             f"targets must have the leading shape of {lead_name}, {tuple(lead_shape)}; "

@@ -29,7 +29,14 @@ _DTYPE_NAMES = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items(
 _UNSET = -1
 # Fields of the per-rank record, in order.
 _FIELDS = (
-    "v_local", "vocab_start", "vocab_size", "hidden", "dtype", "deterministic", "tile", "problem"
+    "v_local",
+    "vocab_start",
+    "vocab_size",
+    "hidden",
+    "dtype",
+    "deterministic",
+    "tile",
+    "problem",
 )
 
 
@@ -190,7 +197,8 @@ def _check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:
             from lp_kernels._checks import WEIGHT_PROBLEMS
 
             raise ValueError(
-                f"the weight shard of rank {r} does not fit hidden: {WEIGHT_PROBLEMS[rec['problem']]}"
+                f"the weight shard of rank {r} does not fit hidden: "
+                f"{WEIGHT_PROBLEMS[rec['problem']]}"
             )
         if rec["v_local"] <= 0:
             raise ValueError(
@@ -225,7 +233,9 @@ def _check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:
         starts = tuple(i * sizes[0] for i in range(world))
     elif not all(given):
         missing = [i for i, g in enumerate(given) if not g]
-        raise ValueError(f"vocab_start must be given on every rank or on none; missing on {missing}")
+        raise ValueError(
+            f"vocab_start must be given on every rank or on none; missing on {missing}"
+        )
     else:
         starts = tuple(r["vocab_start"] for r in recs)
         expected = 0

@@ -134,7 +134,7 @@ def d_logits_(
 
 
 def target_columns(targets: torch.Tensor, ignore_index: int, vocab_start: int, v_real: int):
-    """``(column in this shard [N] int64, target is in this shard [N] bool, row ignored [N] bool)``."""
+    """``(column in this shard, target is in this shard, row is ignored)``, each ``[N]``."""
     ignored = targets == ignore_index
     t_local = targets.long() - vocab_start
     in_shard = (~ignored) & (t_local >= 0) & (t_local < v_real)

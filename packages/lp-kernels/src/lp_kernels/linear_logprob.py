@@ -45,9 +45,7 @@ def _resolve_backend(backend: str, device: torch.device) -> type[torch.autograd.
         return LinearLogprobTorch
     if not _triton_importable():
         raise RuntimeError("backend='triton' needs the triton package (it ships with CUDA torch)")
-    if device.type == "cuda":
-        pass
-    elif device.type == "cpu" and _triton_interpreting():
+    if device.type == "cuda" or (device.type == "cpu" and _triton_interpreting()):
         pass
     else:
         raise ValueError(
@@ -190,7 +188,9 @@ def linear_logprob(
         vocab_start=vocab_start,
         vocab_size=vocab_size,
         chunk_size=chunk_size
-        or default_chunk_rows(max(0, min(weight.shape[0], vocab_size - vocab_start)), hidden.device),
+        or default_chunk_rows(
+            max(0, min(weight.shape[0], vocab_size - vocab_start)), hidden.device
+        ),
         tp_group=tp_group,
         tp_size=tp_size,
         max_v_local=max_v_local,
@@ -205,4 +205,3 @@ def linear_logprob(
         entropy.view(lead) if entropy is not None else None,
         lse.view(lead) if lse is not None else None,
     )
-

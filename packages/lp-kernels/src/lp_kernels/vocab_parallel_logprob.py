@@ -85,7 +85,8 @@ class VocabParallelLogprob(torch.autograd.Function):
         v_real = p.local_real_columns(v_local)
         t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
         g_lp, g_ent, g_lse = (
-            None if g is None else torch.where(ignored, 0.0, g.float()) for g in (g_lp, g_ent, g_lse)
+            None if g is None else torch.where(ignored, 0.0, g.float())
+            for g in (g_lp, g_ent, g_lse)
         )
         grad = scratch.empty((n, v_local), dtype=logits.dtype, device=logits.device)
         for r0, r1, rows in chunks(n, p.chunk_size):
@@ -96,7 +97,10 @@ class VocabParallelLogprob(torch.autograd.Function):
                 None if mean_z is None else padded_rows(mean_z, r0, r1, rows),
                 padded_rows(t_local, r0, r1, rows),
                 padded_rows(in_shard, r0, r1, rows, False),
-                *(None if g is None else padded_rows(g, r0, r1, rows) for g in (g_lp, g_ent, g_lse)),
+                *(
+                    None if g is None else padded_rows(g, r0, r1, rows)
+                    for g in (g_lp, g_ent, g_lse)
+                ),
             )
             if p.temperature != 1.0:
                 dz.mul_(p.inv_temperature)

@@ -54,8 +54,10 @@ def default_chunk_rows(v_real: int, device: torch.device) -> int:
     return max(_MIN_ROWS, min(rows, _MAX_ROWS[kind]))
 
 
-def padded_rows(x: torch.Tensor, r0: int, r1: int, rows: int, fill: float | bool = 0) -> torch.Tensor:
-    """Rows ``[r0, r1)`` of ``x``, padded with ``fill`` to ``rows`` rows (a view when no padding)."""
+def padded_rows(
+    x: torch.Tensor, r0: int, r1: int, rows: int, fill: float | bool = 0
+) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of ``x`` padded with ``fill`` to ``rows`` rows (a view if unpadded)."""
     if r1 - r0 == rows:
         return x[r0:r1]
     out = torch.full((rows, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
@@ -74,7 +76,9 @@ class LinearLogprobTorch(torch.autograd.Function):
     """Chunked torch implementation; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, p: LogprobParams):
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, p: LogprobParams
+    ):
         ctx.set_materialize_grads(False)
         n = hidden.shape[0]
         v_real = p.local_real_columns(weight.shape[0])

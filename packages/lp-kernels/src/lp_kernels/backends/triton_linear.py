@@ -1,4 +1,6 @@
-"""The ``triton`` backend of ``linear_logprob``: fused logits + softmax statistics, no logits in memory.
+"""The ``triton`` backend of ``linear_logprob``: fused logits and softmax statistics.
+
+The logits never reach memory in the forward; the backward's scratch is one chunk.
 
 Data flow for one rank (V_r = real columns of this shard, S = V_r / V_SPLIT splits)::
 
@@ -283,7 +285,11 @@ def _launch_opts(cfg: TileConfig, device: torch.device) -> dict:
 
 
 def forward_stats(
-    hidden: torch.Tensor, w_real: torch.Tensor, t_col: torch.Tensor, p: LogprobParams, cfg: TileConfig
+    hidden: torch.Tensor,
+    w_real: torch.Tensor,
+    t_col: torch.Tensor,
+    p: LogprobParams,
+    cfg: TileConfig,
 ) -> torch.Tensor:
     """``[S, N, 4]`` fp32 partial statistics of this shard's splits.
 
@@ -365,7 +371,9 @@ class LinearLogprobTriton(torch.autograd.Function):
     """Fused Triton implementation; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, p: LogprobParams):
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, p: LogprobParams
+    ):
         ctx.set_materialize_grads(False)
         cfg = config_for(hidden.device)
         hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
@@ -394,12 +402,17 @@ class LinearLogprobTriton(torch.autograd.Function):
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
         g_lp, g_ent, g_lse = (
-            None if g is None else torch.where(ignored, 0.0, g.float()) for g in (g_lp, g_ent, g_lse)
+            None if g is None else torch.where(ignored, 0.0, g.float())
+            for g in (g_lp, g_ent, g_lse)
         )
         zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        c0 = ((g_lse if g_lse is not None else zero) - (g_lp if g_lp is not None else zero)).expand(n)
+        c0 = ((g_lse if g_lse is not None else zero) - (g_lp if g_lp is not None else zero)).expand(
+            n
+        )
         c0 = c0.contiguous()
-        grad_h32 = torch.zeros((n, h_dim), dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_h32 = (
+            torch.zeros((n, h_dim), dtype=torch.float32, device=hidden.device) if need_h else None
+        )
         grad_w = torch.zeros_like(weight) if need_w else None
         if n > 0 and v_real > 0:
             width = min(cfg.vocab_chunk, v_real)
@@ -407,7 +420,21 @@ class LinearLogprobTriton(torch.autograd.Function):
             for v_begin in range(0, v_real, cfg.vocab_chunk):
                 v_count = min(cfg.vocab_chunk, v_real - v_begin)
                 dl = dl_buf[:, :v_count]
-                _dlogits(hidden, w_real, t_col, lse, mean_z, g_lp, g_ent, c0, dl, v_begin, v_count, p, cfg)
+                _dlogits(
+                    hidden,
+                    w_real,
+                    t_col,
+                    lse,
+                    mean_z,
+                    g_lp,
+                    g_ent,
+                    c0,
+                    dl,
+                    v_begin,
+                    v_count,
+                    p,
+                    cfg,
+                )
                 if need_w:
                     grad_w[v_begin : v_begin + v_count] = _grad_weight_slice(dl, hidden)
                 if need_h:
