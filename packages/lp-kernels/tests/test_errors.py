@@ -65,13 +65,18 @@ def _call(**over):
         ({"vocab_size": 0}, ValueError, "vocab_size must be"),
         ({"vocab_start": 10}, ValueError, "vocab_start=10 needs tp_group"),
         ({"deterministic": True}, NotImplementedError, "deterministic=True"),
-        ({"backend": "triton"}, NotImplementedError, "backend='triton'"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
 def test_bad_arguments(over, exc, match):
     with pytest.raises(exc, match=match):
         _call(**over)
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read per call, in one place
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        _call(backend="triton")
 
 
 def test_targets_out_of_range_reports_count_and_range():

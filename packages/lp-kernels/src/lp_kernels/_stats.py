@@ -133,6 +133,22 @@ def d_logits_(
     return z
 
 
+def masked_outputs(
+    ignored: torch.Tensor,
+    zt: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    *,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(logprob, entropy, lse)`` from merged statistics, exactly 0 on ignored rows."""
+    return (
+        torch.where(ignored, 0.0, zt - lse),
+        None if entropy is None else torch.where(ignored, 0.0, entropy),
+        torch.where(ignored, 0.0, lse) if return_lse else None,
+    )
+
+
 def target_columns(targets: torch.Tensor, ignore_index: int, vocab_start: int, v_real: int):
     """``(column in this shard, target is in this shard, row is ignored)``, each ``[N]``."""
     ignored = targets == ignore_index

@@ -27,7 +27,14 @@ from torch.autograd.function import once_differentiable
 from lp_kernels import _checks
 from lp_kernels._dist import gather_stats, resolve_vocab
 from lp_kernels._matmul import scratch
-from lp_kernels._stats import N_STATS, d_logits_, local_stats, merge_stats, target_columns
+from lp_kernels._stats import (
+    N_STATS,
+    d_logits_,
+    local_stats,
+    masked_outputs,
+    merge_stats,
+    target_columns,
+)
 from lp_kernels._types import LogProbOutput, LogprobParams
 from lp_kernels.backends.torch_linear import chunks, default_chunk_rows, padded_rows
 
@@ -70,11 +77,7 @@ class VocabParallelLogprob(torch.autograd.Function):
         )
         ctx.save_for_backward(logits, targets, lse, mean_z)
         ctx.params = p
-        return (
-            torch.where(ignored, 0.0, zt - lse),
-            torch.where(ignored, 0.0, ent) if ent is not None else None,
-            torch.where(ignored, 0.0, lse) if p.return_lse else None,
-        )
+        return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
     @staticmethod
     @once_differentiable

@@ -35,7 +35,14 @@ from torch.autograd.function import once_differentiable
 
 from lp_kernels._dist import all_reduce_sum_, gather_stats
 from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
-from lp_kernels._stats import N_STATS, d_logits_, local_stats, merge_stats, target_columns
+from lp_kernels._stats import (
+    N_STATS,
+    d_logits_,
+    local_stats,
+    masked_outputs,
+    merge_stats,
+    target_columns,
+)
 from lp_kernels._types import LogprobParams
 
 _SCRATCH_BYTES = {"cuda": 1 << 30, "cpu": 1 << 27}
@@ -101,12 +108,9 @@ class LinearLogprobTorch(torch.autograd.Function):
             stats[r0:r1] = part[: r1 - r0]
         gathered = gather_stats(stats, p.tp_group, p.tp_size)
         lse, mean_z, zt, ent = merge_stats(gathered, entropy=p.return_entropy)
-        logprob = torch.where(ignored, 0.0, zt - lse)
-        lse_out = torch.where(ignored, 0.0, lse)
-        ent_out = torch.where(ignored, 0.0, ent) if ent is not None else None
         ctx.save_for_backward(hidden, weight, targets, lse, mean_z)
         ctx.params = p
-        return logprob, ent_out, (lse_out if p.return_lse else None)
+        return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
     @staticmethod
     @once_differentiable

@@ -44,7 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from lp_kernels._dist import all_reduce_sum_, gather_stats
 from lp_kernels._matmul import mm_f32, scratch
-from lp_kernels._stats import N_STATS, target_columns
+from lp_kernels._stats import N_STATS, masked_outputs, target_columns
 from lp_kernels._types import LogprobParams
 
 
@@ -384,12 +384,9 @@ class LinearLogprobTriton(torch.autograd.Function):
         stats = forward_stats(hidden, w_real, t_col, p, cfg)
         gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, S, N, 4]
         lse, mean_z, zt, ent = merge(gathered.flatten(0, 1), entropy=p.return_entropy)
-        logprob = torch.where(ignored, 0.0, zt - lse)
-        ent_out = torch.where(ignored, 0.0, ent) if ent is not None else None
-        lse_out = torch.where(ignored, 0.0, lse) if p.return_lse else None
         ctx.save_for_backward(hidden, weight, t_col, ignored, lse, mean_z)
         ctx.params = p
-        return logprob, ent_out, lse_out
+        return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
     @staticmethod
     @once_differentiable
