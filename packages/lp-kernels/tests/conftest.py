@@ -30,3 +30,21 @@ def backend(request: pytest.FixtureRequest) -> str:
         if device == "cuda" and _interpreting():
             pytest.skip("TRITON_INTERPRET=1 is set: the CUDA triton path is not compiled")
     return request.param
+
+
+# Hypothesis profiles: "ci" (default) is bounded and derandomized so CI is reproducible;
+# LP_HYPOTHESIS_PROFILE=long explores more (a GPU host or a nightly job).
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # hypothesis is a dev dependency; the property tests skip without it
+    pass
+else:
+    settings.register_profile(
+        "ci",
+        max_examples=25,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
+    settings.register_profile("long", max_examples=400, deadline=None)
+    settings.load_profile(os.environ.get("LP_HYPOTHESIS_PROFILE", "ci"))

@@ -252,3 +252,19 @@ def test_triton_tp_with_unequal_split_counts():
     assert (
         split_vocab(problem.v_padded, 2, mode="uneven")[1][1] > 1024
     )  # spans 2+ interpreter splits
+
+
+def _group_of_one_rank(rank, world, problem):
+    h = problem.hidden.clone().requires_grad_()
+    out = linear_logprob(h, problem.weight, problem.targets, tp_group=dist.group.WORLD)
+    out.logprob.sum().backward()
+    return out.logprob, h.grad
+
+
+def test_group_of_size_one_equals_no_group():
+    problem = make_problem(11, 8, 50, seed=2, ignore_frac=0.2)
+    h = problem.hidden.clone().requires_grad_()
+    ref = linear_logprob(h, problem.weight, problem.targets)
+    ref.logprob.sum().backward()
+    ((lp, gh),) = run_ranks(_group_of_one_rank, 1, problem, timeout=60)
+    assert torch.equal(lp, ref.logprob) and torch.equal(gh, h.grad)
