@@ -9,10 +9,12 @@ Data flow for one rank (V_r = real columns of this shard, S = V_r / V_SPLIT spli
                 online (m, s, a, t) per row  ->  stats [S, N, 4]   (logits never stored)
               all-gather over tp_group -> [P * S, N, 4]
               _merge_kernel: merge the P * S partials of each row in order -> lse, E, t, entropy
-    backward  for each vocabulary chunk of VOCAB_CHUNK columns (fixed):
+    backward  for each vocabulary chunk of VOCAB_CHUNK columns, for each token chunk of
+              TOKEN_CHUNK rows (both fixed):
                 _dlogits_kernel: recompute z tile by tile, d l = d z / T, stored in the
-                    input dtype -> scratch [N, VOCAB_CHUNK]             (bounded by a chunk)
-                grad_W[chunk]  = d l^T @ h         cuBLAS, one GEMM over all tokens, fp32 acc
+                    input dtype -> scratch [TOKEN_CHUNK, VOCAB_CHUNK]   (bounded, any N)
+                grad_W[chunk] = d l^T @ h          cuBLAS: one GEMM when N fits one token
+                    chunk, else fp32 accumulation over token chunks ([VOCAB_CHUNK, H])
                 grad_h (fp32) += d l @ W[chunk]    _matmul_acc_kernel, each program owns its tile
               grad_h all-reduced over tp_group (fp32) unless reduce_grad_hidden=False
 
@@ -43,7 +45,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from lp_kernels._dist import all_reduce_sum_, gather_stats
-from lp_kernels._matmul import mm_f32, scratch
+from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
 from lp_kernels._stats import N_STATS, masked_outputs, target_columns
 from lp_kernels._types import LogprobParams
 
@@ -57,6 +59,7 @@ class TileConfig:
     block_h: int
     v_split: int
     vocab_chunk: int
+    token_chunk: int
     mm_block_m: int
     mm_block_n: int
     mm_block_k: int
@@ -65,12 +68,12 @@ class TileConfig:
 
 
 GPU_CONFIG = TileConfig(
-    block_n=128, block_v=128, block_h=64, v_split=8192, vocab_chunk=8192,
+    block_n=128, block_v=128, block_h=64, v_split=8192, vocab_chunk=8192, token_chunk=8192,
     mm_block_m=128, mm_block_n=128, mm_block_k=64, num_warps=8, num_stages=3,
 )  # fmt: skip
 # Large blocks under the interpreter: its cost scales with the number of block operations.
 INTERPRET_CONFIG = TileConfig(
-    block_n=64, block_v=256, block_h=64, v_split=1024, vocab_chunk=2048,
+    block_n=64, block_v=256, block_h=64, v_split=1024, vocab_chunk=2048, token_chunk=128,
     mm_block_m=64, mm_block_n=64, mm_block_k=256, num_warps=4, num_stages=1,
 )  # fmt: skip
 
@@ -412,30 +415,40 @@ class LinearLogprobTriton(torch.autograd.Function):
         )
         grad_w = torch.zeros_like(weight) if need_w else None
         if n > 0 and v_real > 0:
-            width = min(cfg.vocab_chunk, v_real)
-            dl_buf = scratch.empty((n, width), dtype=hidden.dtype, device=hidden.device)
+            rows = min(cfg.token_chunk, n)
+            dl_buf = scratch.empty(
+                (rows, min(cfg.vocab_chunk, v_real)), dtype=hidden.dtype, device=hidden.device
+            )
+            # fp32 accumulator for a grad_W slice when N spans several token chunks
+            acc_w = None
+            if need_w and n > rows and weight.dtype != torch.float32:
+                acc_w = torch.empty(
+                    (min(cfg.vocab_chunk, v_real), h_dim), dtype=torch.float32, device=hidden.device
+                )
             for v_begin in range(0, v_real, cfg.vocab_chunk):
                 v_count = min(cfg.vocab_chunk, v_real - v_begin)
-                dl = dl_buf[:, :v_count]
-                _dlogits(
-                    hidden,
-                    w_real,
-                    t_col,
-                    lse,
-                    mean_z,
-                    g_lp,
-                    g_ent,
-                    c0,
-                    dl,
-                    v_begin,
-                    v_count,
-                    p,
-                    cfg,
-                )
-                if need_w:
-                    grad_w[v_begin : v_begin + v_count] = _grad_weight_slice(dl, hidden)
-                if need_h:
-                    _matmul_acc_(grad_h32, dl, w_real[v_begin : v_begin + v_count], cfg)
+                w_chunk = w_real[v_begin : v_begin + v_count]
+                gw_slice = grad_w[v_begin : v_begin + v_count] if need_w else None
+                acc = gw_slice if acc_w is None else acc_w[:v_count].zero_()
+                for r0 in range(0, n, rows):
+                    r1 = min(n, r0 + rows)
+
+                    def cut(x, r0=r0, r1=r1):
+                        return None if x is None else x[r0:r1]
+
+                    dl = dl_buf[: r1 - r0, :v_count]
+                    _dlogits(
+                        hidden[r0:r1], w_real, t_col[r0:r1], lse[r0:r1], cut(mean_z),
+                        cut(g_lp), cut(g_ent), c0[r0:r1], dl, v_begin, v_count, p, cfg,
+                    )  # fmt: skip
+                    if need_w and rows == n:  # one token chunk: finish the slice in one GEMM
+                        gw_slice.copy_(_grad_weight_slice(dl, hidden))
+                    elif need_w:
+                        addmm_f32_(acc, dl.T, hidden[r0:r1])
+                    if need_h:
+                        _matmul_acc_(grad_h32[r0:r1], dl, w_chunk, cfg)
+                if need_w and acc_w is not None:
+                    gw_slice.copy_(acc)
         grad_h = None
         if need_h:
             if p.tp_size > 1 and p.reduce_grad_hidden:
