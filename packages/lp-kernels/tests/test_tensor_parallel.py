@@ -201,6 +201,8 @@ def _bad_layout_rank(rank, world, case):
     elif case == "hidden-size":  # one rank's shard has the wrong H
         w = p.weight[:30] if rank == 0 else torch.randn(30, 9)
         kw = {}
+    elif case == "deterministic-flag":
+        w, kw = p.weight[rank * 30 : rank * 30 + 30], {"deterministic": rank == 0}
     elif case == "vocab-size":
         w, kw = p.weight[rank * 30 : rank * 30 + 30], {"vocab_size": 60 if rank == 0 else 59}
     else:
@@ -215,6 +217,7 @@ def _bad_layout_rank(rank, world, case):
         ("uneven-without-start", "explicit vocab_start"),
         ("hidden-size", "rank 1 does not fit hidden"),
         ("vocab-size", "disagree on the vocab_size"),
+        ("deterministic-flag", "disagree on the deterministic flag"),
     ],
 )
 def test_bad_layout_raises_on_every_rank(case, message):

@@ -157,11 +157,6 @@ def linear_logprob(
     h_dim = hidden.shape[-1]
     if h_dim == 0:
         raise ValueError("hidden must have a non-empty last dimension H")
-    if deterministic:
-        raise NotImplementedError(
-            "deterministic=True (tensor-parallel invariant tile merge) is not available in this "
-            "version of lp-kernels; outputs are still bitwise reproducible run to run"
-        )
     problem = _checks.weight_problem(weight, hidden)
     if tp_group is None and problem:
         raise _checks.weight_error(problem, weight, hidden)
@@ -176,6 +171,11 @@ def linear_logprob(
         device=hidden.device,
         problem=problem,
     )
+    if deterministic:  # after the layout check, so ranks that disagree on it all raise there
+        raise NotImplementedError(
+            "deterministic=True (tensor-parallel invariant tile merge) is not available in this "
+            "version of lp-kernels; outputs are still bitwise reproducible run to run"
+        )
     _checks.check_ignore_index(ignore_index, vocab_size)
     if validate:
         _checks.validate_targets(targets, vocab_size, ignore_index)
