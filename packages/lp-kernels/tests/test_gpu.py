@@ -102,3 +102,47 @@ def test_no_host_sync_with_validate_false():
         (out.logprob + out.entropy + out.lse).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _fp32_reference_logprob(hidden, weight, targets, rows=1024):
+    """Chunked fp32 reference of logprob and grad_hidden for upstream gradient 1 (TF32 off)."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        lp = torch.empty(hidden.shape[0], device=hidden.device)
+        gh = torch.empty(hidden.shape, device=hidden.device)
+        w32 = weight.float()
+        for r0 in range(0, hidden.shape[0], rows):
+            z = hidden[r0 : r0 + rows].float() @ w32.T
+            ls = torch.log_softmax(z, dim=-1)
+            t = targets[r0 : r0 + rows]
+            lp[r0 : r0 + rows] = ls.gather(1, t[:, None]).squeeze(1)
+            dz = -ls.exp_()
+            dz[torch.arange(len(t), device=t.device), t] += 1.0
+            gh[r0 : r0 + rows] = dz @ w32
+        return lp, gh
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize(
+    ("n", "h", "v"),
+    [(17000, 64, 130003), (40, 8192, 262147)],
+    ids=["NxV>2^31", "VxH>2^31"],
+)
+def test_large_index_products(n, h, v, backend):
+    """int64 offsets: N x V and V x H past 2^31 (row * stride computed in int64)."""
+    assert n * v > 2**31 or v * h > 2**31
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, h, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", generator=g) * (2 / h**0.5)).to(torch.bfloat16)
+    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
+    targets[-1] = v - 1  # the last column of the last row: the largest offsets
+    out = linear_logprob(hidden, weight, targets, backend=backend)
+    out.logprob.sum().backward()
+    ref_lp, ref_gh = _fp32_reference_logprob(hidden.detach(), weight, targets)
+    assert_close(out.logprob, ref_lp, rtol=1e-4, atol=1e-3, name=f"logprob[{backend}]")
+    rel = float((hidden.grad.float() - ref_gh).norm() / ref_gh.norm())
+    assert rel < 1e-2, f"grad_hidden relative error {rel:.2e}"
