@@ -27,6 +27,8 @@ import torch.distributed as dist
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _DTYPE_NAMES = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
 _UNSET = -1
+# deterministic=True: the global vocabulary tile whose partials are merged in order.
+DETERMINISTIC_TILE = 128
 # Fields of the per-rank record, in order.
 _FIELDS = (
     "v_local",
@@ -52,6 +54,15 @@ class ShardLayout:
     @property
     def world_size(self) -> int:
         return len(self.sizes)
+
+    @property
+    def start(self) -> int:
+        """Global id of this rank's first row."""
+        return self.starts[self.rank]
+
+    def real_columns(self, rank: int) -> int:
+        """How many of ``rank``'s rows are real vocabulary (below ``vocab_size``)."""
+        return max(0, min(self.sizes[rank], self.vocab_size - self.starts[rank]))
 
 
 class _LayoutCache:
@@ -144,14 +155,13 @@ def resolve_vocab(
     device: torch.device,
     problem: int = 0,
     tile: int = 0,
-) -> tuple[int, int, int, int]:
-    """``(tp_size, vocab_start, vocab_size, max_v_local)`` of this rank, validated across ranks.
+) -> ShardLayout:
+    """This rank's view of the validated layout (checked across ranks under a group).
 
-    ``max_v_local`` is the largest shard: kernels that exchange per-split statistics size
-    the exchange by it, so every rank sends the same number of bytes.
+    Without a group the layout is one shard ``[0, v_local)``.
     """
     if group is not None:
-        layout = resolve_layout(
+        return resolve_layout(
             group,
             v_local=v_local,
             vocab_start=vocab_start,
@@ -163,12 +173,6 @@ def resolve_vocab(
             device=device,
             problem=problem,
         )
-        return (
-            layout.world_size,
-            layout.starts[layout.rank],
-            layout.vocab_size,
-            max(layout.sizes),
-        )
     if v_local == 0:
         raise ValueError("the vocabulary dimension is empty (V_local = 0)")
     if vocab_size is None:
@@ -178,7 +182,7 @@ def resolve_vocab(
             f"vocab_size={vocab_size} exceeds the {v_local} vocabulary entries given "
             "(without tp_group they are the whole vocabulary)"
         )
-    return 1, 0, vocab_size, v_local
+    return ShardLayout(starts=(0,), sizes=(v_local,), vocab_size=vocab_size, rank=0)
 
 
 def _check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:
@@ -255,6 +259,14 @@ def _check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:
         raise ValueError(
             f"vocab_size must be in [1, {total}] (the shards cover {total} ids), got {vocab_size}"
         )
+    if recs[0]["deterministic"]:
+        for i, (st, sz) in enumerate(zip(starts, sizes, strict=True)):
+            end_ok = i == world - 1 or (st + sz) % DETERMINISTIC_TILE == 0
+            if st % DETERMINISTIC_TILE or not end_ok:
+                raise ValueError(
+                    f"deterministic=True needs shard bounds on multiples of {DETERMINISTIC_TILE} "
+                    f"(Megatron pads the vocabulary so): rank {i} holds [{st}, {st + sz})"
+                )
     return ShardLayout(starts=starts, sizes=sizes, vocab_size=vocab_size, rank=rank)
 
 

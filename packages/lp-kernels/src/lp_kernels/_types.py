@@ -54,6 +54,12 @@ class LogprobParams:
     """Sum ``grad_hidden`` over ``tp_group`` in backward; False returns this rank's partial."""
     max_v_local: int = 0
     """Rows of the largest shard in ``tp_group`` (sizes the per-split statistics exchange)."""
+    shard_starts: tuple[int, ...] = (0,)
+    """Global start of every rank's shard, in rank order."""
+    shard_sizes: tuple[int, ...] = ()
+    """Rows of every rank's shard, in rank order."""
+    deterministic: bool = False
+    """Tensor-parallel invariant mode (see lp_kernels.backends.torch_deterministic)."""
 
     @property
     def inv_temperature(self) -> float:

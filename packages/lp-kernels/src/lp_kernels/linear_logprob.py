@@ -160,7 +160,7 @@ def linear_logprob(
     problem = _checks.weight_problem(weight, hidden)
     if tp_group is None and problem:
         raise _checks.weight_error(problem, weight, hidden)
-    tp_size, vocab_start, vocab_size, max_v_local = resolve_vocab(
+    layout = resolve_vocab(
         tp_group,
         v_local=weight.shape[0],
         vocab_start=vocab_start,
@@ -171,6 +171,7 @@ def linear_logprob(
         device=hidden.device,
         problem=problem,
     )
+    vocab_start, vocab_size = layout.start, layout.vocab_size
     if deterministic:  # after the layout check, so ranks that disagree on it all raise there
         raise NotImplementedError(
             "deterministic=True (tensor-parallel invariant tile merge) is not available in this "
@@ -192,8 +193,10 @@ def linear_logprob(
             max(0, min(weight.shape[0], vocab_size - vocab_start)), hidden.device
         ),
         tp_group=tp_group,
-        tp_size=tp_size,
-        max_v_local=max_v_local,
+        tp_size=layout.world_size,
+        max_v_local=max(layout.sizes),
+        shard_starts=layout.starts,
+        shard_sizes=layout.sizes,
         reduce_grad_hidden=bool(reduce_grad_hidden),
     )
     lead = targets.shape

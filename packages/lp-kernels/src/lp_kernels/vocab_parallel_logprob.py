@@ -177,7 +177,7 @@ def vocab_parallel_logprob(
         tp_group=tp_group,
     )
     v_local = logits.shape[-1]
-    tp_size, vocab_start, vocab_size, max_v_local = resolve_vocab(
+    layout = resolve_vocab(
         tp_group,
         v_local=v_local,
         vocab_start=vocab_start,
@@ -187,6 +187,7 @@ def vocab_parallel_logprob(
         deterministic=False,
         device=logits.device,
     )
+    vocab_start, vocab_size = layout.start, layout.vocab_size
     _checks.check_ignore_index(ignore_index, vocab_size)
     if validate:
         _checks.validate_targets(targets, vocab_size, ignore_index)
@@ -200,8 +201,10 @@ def vocab_parallel_logprob(
         vocab_size=vocab_size,
         chunk_size=chunk_size or default_chunk_rows(v_real, logits.device),
         tp_group=tp_group,
-        tp_size=tp_size,
-        max_v_local=max_v_local,
+        tp_size=layout.world_size,
+        max_v_local=max(layout.sizes),
+        shard_starts=layout.starts,
+        shard_sizes=layout.sizes,
     )
     lead = targets.shape
     logprob, entropy, lse = VocabParallelLogprob.apply(
