@@ -64,7 +64,7 @@ def _call(**over):
         ({"vocab_size": V + 1}, ValueError, "vocab_size=51 exceeds"),
         ({"vocab_size": 0}, ValueError, "vocab_size must be"),
         ({"vocab_start": 10}, ValueError, "vocab_start=10 needs tp_group"),
-        ({"deterministic": True}, NotImplementedError, "deterministic=True"),
+        ({"deterministic": True, "backend": "triton"}, NotImplementedError, "deterministic=True"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )

@@ -32,8 +32,20 @@ def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _resolve_backend(backend: str, device: torch.device) -> type[torch.autograd.Function]:
+def _resolve_backend(
+    backend: str, device: torch.device, *, deterministic: bool = False
+) -> type[torch.autograd.Function]:
     """The autograd Function for ``backend``. Errors inside a backend propagate; no fallback."""
+    if deterministic:
+        if backend == "triton" or device.type != "cpu":
+            raise NotImplementedError(
+                "deterministic=True is implemented for the torch backend on CPU only in this "
+                "version (the triton path is planned); without it results are still bitwise "
+                "reproducible run to run"
+            )
+        from lp_kernels.backends.torch_deterministic import LinearLogprobTorchDeterministic
+
+        return LinearLogprobTorchDeterministic
     if backend == "auto":
         use_triton = (
             device.type == "cuda"
@@ -107,8 +119,11 @@ def linear_logprob(
         reduce_grad_hidden: under ``tp_group``, sum ``grad_hidden`` over the group
             (fp32). False returns this rank's partial for the caller to reduce
             (e.g. a sequence-parallel reduce-scatter).
-        deterministic: tensor-parallel invariance (bitwise identical results for
-            any TP degree). Not available in this version.
+        deterministic: tensor-parallel invariance: outputs and both gradients are
+            bitwise identical for any TP degree and any layout whose shard bounds are
+            multiples of 128 (else ``ValueError`` on every rank). This version provides
+            it for the torch backend on CPU; elsewhere it raises
+            ``NotImplementedError``.
         backend: ``"torch"`` (chunked torch ops, CPU and GPU), ``"triton"`` (the
             fused kernel; CUDA, or CPU under ``TRITON_INTERPRET=1``), or ``"auto"``:
             triton on CUDA devices of compute capability >= 8.0, else torch.
@@ -125,8 +140,8 @@ def linear_logprob(
         TypeError: wrong tensor types or dtypes.
         ValueError: shape mismatches, bad options, targets out of range (with
             ``validate=True``), an inconsistent shard layout (on every rank).
-        NotImplementedError: ``deterministic=True``, which this version does not
-            provide.
+        NotImplementedError: ``deterministic=True`` on CUDA or with the triton
+            backend, which this version does not provide yet.
 
     Example:
         >>> import torch
@@ -172,15 +187,11 @@ def linear_logprob(
         problem=problem,
     )
     vocab_start, vocab_size = layout.start, layout.vocab_size
-    if deterministic:  # after the layout check, so ranks that disagree on it all raise there
-        raise NotImplementedError(
-            "deterministic=True (tensor-parallel invariant tile merge) is not available in this "
-            "version of lp-kernels; outputs are still bitwise reproducible run to run"
-        )
     _checks.check_ignore_index(ignore_index, vocab_size)
     if validate:
         _checks.validate_targets(targets, vocab_size, ignore_index)
-    function = _resolve_backend(backend, hidden.device)
+    # after the layout check, so ranks that disagree on `deterministic` all raise there
+    function = _resolve_backend(backend, hidden.device, deterministic=bool(deterministic))
     params = LogprobParams(
         temperature=temperature,
         ignore_index=ignore_index,

@@ -1,0 +1,206 @@
+"""``deterministic=True`` for the torch backend: bitwise tensor-parallel invariance (CPU).
+
+Outputs and both gradients are bitwise identical for any TP degree and any shard
+layout whose bounds are multiples of ``TILE`` (128) columns. Data flow::
+
+    forward   per chunk of rows, z = (h W_r^T) / T                 [C, V_r] fp32
+              per global 128-column tile: (m, s, a, t)              [C, T_r, 4]
+              all-gather -> keep each rank's real tiles, in rank order
+                         =  the global tile sequence             [N, T_global, 4]
+              merge over the tile axis (one shape for every layout) -> outputs
+    backward  d l as in the default path (rounded to the input dtype for the GEMMs)
+              grad_W_r += d l^T h_c                                 (local rows, fp32)
+              grad_h: each 128-column tile's contribution d l[:, tile] @ W[tile] is
+                      computed in fp32 from zero, scaled by 2^e_n and rounded to int64,
+                      and summed in int64: exact, so the order (and the TP all-reduce)
+                      cannot change the bits; one rounding back at the end.
+
+The fixed-point scale per row comes from a bound that every rank computes alike:
+``|grad_h[n, j]| <= sum_v |d l[n, v]| * max|W| <= (|g_lse - g_lp| + |g_lp| +
+2 |g_ent| zmax_n) / T * max|W| * (1 + 2^-8)`` with ``zmax_n = |h_n| max_v |W_v| / T``
+(Cauchy-Schwarz); the maxima over the vocabulary are exact all-reduce MAXes. With
+``e_n = floor(61 - log2(2 * bound))`` the int64 sum cannot overflow, and its resolution,
+``bound * 2^-61``, is far below fp32's for any realistic gradient.
+
+Scope: the torch backend on CPU, where the per-row results of these GEMMs and
+reductions do not depend on the shard width (tested). On CUDA the torch backend's GEMMs
+are not shape-invariant, so ``deterministic=True`` there needs the triton backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from lp_kernels._dist import DETERMINISTIC_TILE as TILE
+from lp_kernels._dist import all_reduce_sum_, gather_stats
+from lp_kernels._matmul import addmm_f32_, mm_f32
+from lp_kernels._stats import N_STATS, d_logits_, masked_outputs, target_columns
+from lp_kernels._types import LogprobParams
+from lp_kernels.backends.torch_linear import chunks, padded_rows
+
+
+def _tiles(real: int) -> int:
+    return -(-real // TILE)
+
+
+def _tile_stats(z: torch.Tensor, t_local, in_shard, *, entropy: bool) -> torch.Tensor:
+    """``[C, T_r, 4]`` partials of each 128-column tile of ``z [C, V_r]`` (overwritten)."""
+    rows, v_real = z.shape
+    n_tiles = _tiles(v_real)
+    out = torch.zeros((rows, n_tiles, N_STATS), dtype=torch.float32, device=z.device)
+    if n_tiles == 0:
+        return out
+    zt = torch.where(in_shard, z.gather(1, torch.where(in_shard, t_local, 0)[:, None])[:, 0], 0.0)
+    tile_of_t = torch.where(in_shard, t_local // TILE, 0)
+    out[torch.arange(rows, device=z.device), tile_of_t, 3] = zt
+    zz = torch.full((rows, n_tiles * TILE), float("-inf"), dtype=torch.float32, device=z.device)
+    zz[:, :v_real] = z
+    zz = zz.view(rows, n_tiles, TILE)
+    m = zz.amax(dim=2)
+    d = zz - m[..., None]  # -inf on padding columns of the last tile
+    e = torch.exp(d)
+    out[..., 0] = m
+    out[..., 1] = e.sum(dim=2)
+    if entropy:
+        out[..., 2] = torch.where(e > 0, e * d, 0.0).sum(dim=2)
+    return out
+
+
+def _merge_tiles(stats: torch.Tensor, *, entropy: bool):
+    """Merge ``[N, T, 4]`` tile partials over the tile axis (see lp_kernels._stats)."""
+    m, s, a, t = stats.unbind(dim=2)
+    big_m = m.amax(dim=1)
+    w = torch.exp(m - big_m[:, None])
+    big_s = (w * s).sum(dim=1)
+    zt = t.sum(dim=1)  # one nonzero per row: exact
+    log_s = torch.log(big_s)
+    lse = big_m + log_s
+    if not entropy:
+        return lse, None, zt, None
+    shift = torch.where(w > 0, m - big_m[:, None], 0.0)
+    mean_shift = (w * (a + shift * s)).sum(dim=1) / big_s
+    return lse, big_m + mean_shift, zt, log_s - mean_shift
+
+
+def _global_tiles(gathered: torch.Tensor, p: LogprobParams) -> torch.Tensor:
+    """``[P, N, T_max, 4]`` -> ``[N, T_global, 4]``: each rank's real tiles, in rank order."""
+    parts = []
+    for r, (start, size) in enumerate(zip(p.shard_starts, p.shard_sizes, strict=True)):
+        real = max(0, min(size, p.vocab_size - start))
+        parts.append(gathered[r, :, : _tiles(real)])
+    return torch.cat(parts, dim=1)
+
+
+def _all_max(x: torch.Tensor, p: LogprobParams) -> torch.Tensor:
+    if p.tp_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=p.tp_group)
+    return x
+
+
+class LinearLogprobTorchDeterministic(torch.autograd.Function):
+    """TP-invariant torch implementation; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, p: LogprobParams):
+        ctx.set_materialize_grads(False)
+        n = hidden.shape[0]
+        v_real = p.local_real_columns(weight.shape[0])
+        w_real = weight[:v_real]
+        t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
+        t_max = _tiles(max(p.shard_sizes))
+        stats = torch.zeros((n, t_max, N_STATS), dtype=torch.float32, device=hidden.device)
+        for r0, r1, rows in chunks(n, p.chunk_size):
+            z = mm_f32(padded_rows(hidden, r0, r1, rows), w_real.T)
+            if p.temperature != 1.0:
+                z.mul_(p.inv_temperature)
+            part = _tile_stats(
+                z,
+                padded_rows(t_local, r0, r1, rows),
+                padded_rows(in_shard, r0, r1, rows, False),
+                entropy=p.return_entropy,
+            )
+            stats[r0:r1, : part.shape[1]] = part[: r1 - r0]
+        tiles = _global_tiles(gather_stats(stats, p.tp_group, p.tp_size), p)
+        lse, mean_z, zt, ent = _merge_tiles(tiles, entropy=p.return_entropy)
+        ctx.save_for_backward(hidden, weight, targets, lse, mean_z)
+        ctx.params = p
+        return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lp, g_ent, g_lse):
+        hidden, weight, targets, lse, mean_z = ctx.saved_tensors
+        p: LogprobParams = ctx.params
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n, h_dim = hidden.shape
+        v_real = p.local_real_columns(weight.shape[0])
+        w_real = weight[:v_real]
+        t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
+        g_lp, g_ent, g_lse = (
+            None if g is None else torch.where(ignored, 0.0, g.float())
+            for g in (g_lp, g_ent, g_lse)
+        )
+        scale = None
+        if need_h:
+            scale = _fixed_point_scale(hidden, w_real, g_lp, g_ent, g_lse, p)
+            acc_h = torch.zeros((n, h_dim), dtype=torch.int64, device=hidden.device)
+        acc_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+
+        def pad(x, r0, r1, rows):
+            return None if x is None else padded_rows(x, r0, r1, rows)
+
+        for r0, r1, rows in chunks(n, p.chunk_size):
+            h_c = padded_rows(hidden, r0, r1, rows)
+            z = mm_f32(h_c, w_real.T)
+            if p.temperature != 1.0:
+                z.mul_(p.inv_temperature)
+            dz = d_logits_(
+                z,
+                padded_rows(lse, r0, r1, rows),
+                pad(mean_z, r0, r1, rows),
+                padded_rows(t_local, r0, r1, rows),
+                padded_rows(in_shard, r0, r1, rows, False),
+                pad(g_lp, r0, r1, rows),
+                pad(g_ent, r0, r1, rows),
+                pad(g_lse, r0, r1, rows),
+            )
+            if p.temperature != 1.0:
+                dz.mul_(p.inv_temperature)
+            dl = dz.to(hidden.dtype)
+            if need_h:
+                exp2 = torch.exp2(padded_rows(scale, r0, r1, rows))[:, None]
+                for c0 in range(0, v_real, TILE):
+                    leaf = mm_f32(dl[:, c0 : c0 + TILE], w_real[c0 : c0 + TILE]).double()
+                    acc_h[r0:r1] += torch.round(leaf * exp2)[: r1 - r0].to(torch.int64)
+            if need_w and v_real > 0:
+                addmm_f32_(acc_w[:v_real], dl.T, h_c)
+        grad_h = None
+        if need_h:
+            if p.tp_size > 1 and p.reduce_grad_hidden:
+                all_reduce_sum_(acc_h, p.tp_group, p.tp_size)
+            grad_h = (acc_h.double() * torch.exp2(-scale)[:, None]).to(hidden.dtype)
+        grad_w = acc_w.to(weight.dtype) if need_w else None
+        return grad_h, grad_w, None, None
+
+
+def _fixed_point_scale(hidden, w_real, g_lp, g_ent, g_lse, p: LogprobParams) -> torch.Tensor:
+    """Per-row exponent e_n (float64, integral) with ``|grad_h[n]| * 2^e_n < 2^60``."""
+    dev = hidden.device
+    if w_real.shape[0] > 0:
+        w32 = w_real.float()
+        local = torch.stack([w32.abs().amax(), torch.linalg.vector_norm(w32, dim=1).amax()])
+    else:
+        local = torch.zeros(2, device=dev)
+    w_abs, w_norm = _all_max(local.double(), p).unbind()
+    zero = torch.zeros(hidden.shape[0], dtype=torch.float64, device=dev)
+    g_lp64 = zero if g_lp is None else g_lp.double()
+    g_lse64 = zero if g_lse is None else g_lse.double()
+    g_ent64 = zero if g_ent is None else g_ent.double()
+    inv_t = p.inv_temperature
+    zmax = torch.linalg.vector_norm(hidden.double(), dim=1) * w_norm * inv_t
+    bound = (g_lse64 - g_lp64).abs() + g_lp64.abs() + 2 * g_ent64.abs() * zmax
+    bound = 2 * 1.01 * bound * inv_t * w_abs
+    # clamped so that 2^e stays finite in float64 (a smaller e only coarsens, never overflows)
+    return torch.where(bound > 0, torch.floor(60 - torch.log2(bound)), 0.0).clamp(-900, 900)
