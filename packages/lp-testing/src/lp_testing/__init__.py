@@ -8,6 +8,8 @@
   materialized-logits baseline.
 - :mod:`lp_testing.compare`: :func:`assert_close` (relative to the baseline's error),
   :func:`assert_bitwise_equal`, :func:`assert_zero`, :func:`error_report`.
+- :mod:`lp_testing.megatron_cpu`: :class:`MegatronCpuPatches`, the test-only patches that
+  run a tiny megatron-core GPTModel on CPU (apply inside each rank).
 - :mod:`lp_testing.plugin`: pytest markers ``gpu``/``multigpu`` and fixtures.
 
 The names below are imported on first use (PEP 562), so that importing the pytest plugin
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
         set_forkserver_preload,
         spawn,
     )
+    from lp_testing.megatron_cpu import MegatronCpuPatches
     from lp_testing.problems import (
         AWKWARD_SHAPES,
         DTYPES,
@@ -66,6 +69,7 @@ _EXPORTS: dict[str, str] = {
         ["InsufficientDevicesError", "RankError", "run_ranks", "set_forkserver_preload", "spawn"],
         "dist",
     ),
+    "MegatronCpuPatches": "megatron_cpu",
     **dict.fromkeys(
         [
             "AWKWARD_SHAPES",
@@ -101,6 +105,7 @@ __all__ = [
     "DTYPES",
     "ErrorReport",
     "InsufficientDevicesError",
+    "MegatronCpuPatches",
     "Problem",
     "RankError",
     "Shape",

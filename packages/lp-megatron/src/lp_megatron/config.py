@@ -1,0 +1,95 @@
+"""``LogprobHeadConfig``: the options of the lp log-prob head for a Megatron GPTModel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Backend = Literal["auto", "torch", "triton"]
+_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class LogprobHeadConfig:
+    """Options of :func:`lp_megatron.install_logprob_head`; ``LogprobHeadConfig()`` is the
+    common case.
+
+    Example:
+        >>> from lp_megatron import LogprobHeadConfig
+        >>> LogprobHeadConfig(temperature=0.7, vocab_size=50257).backend
+        'auto'
+    """
+
+    backend: Backend = "auto"
+    """lp_kernels backend: ``"torch"`` (chunked torch ops), ``"triton"`` (fused kernel,
+    CUDA), or ``"auto"`` (triton on CUDA devices of compute capability >= 8.0, else torch)."""
+
+    chunk_size: int | None = None
+    """Token rows per step of the vocabulary loop (a memory knob). None = the backend
+    default, which never depends on the number of tokens."""
+
+    temperature: float = 1.0
+    """Logits are divided by it (> 0) before the softmax; the weight is not copied."""
+
+    vocab_size: int | None = None
+    """The real (unpadded) global vocabulary. Megatron pads the output layer to a multiple
+    of ``make_vocab_size_divisible_by * TP``; ids ``>= vocab_size`` are padding and never
+    enter the softmax. None = every row of the (padded) output layer is a real token."""
+
+    ignore_index: int = -100
+    """Label value of tokens to skip: their log-prob is 0 and they get no gradient."""
+
+    deterministic: bool = False
+    """Passed to ``lp_kernels.linear_logprob(deterministic=...)``: tensor-parallel
+    invariance (the same bits for any TP degree), with the constraints and availability
+    lp_kernels documents (it raises at the first :meth:`LogprobHead.logprobs` call where
+    it cannot provide it). Not available on the fallback (logits) path."""
+
+    validate: bool = True
+    """Check label ids against the vocabulary (one host sync per call). False = no host
+    sync at all."""
+
+    allow_fallback: bool = True
+    """When the model post-processes its logits in a way the head does not reproduce
+    (MuP output scaling, multi-token prediction, a bias or a non-standard output layer):
+    True keeps the stock output layer and warns once (``head.logprobs`` then takes the
+    logits); False raises ValueError at install."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.chunk_size is not None and (
+            isinstance(self.chunk_size, bool)
+            or not isinstance(self.chunk_size, int)
+            or self.chunk_size <= 0
+        ):
+            raise ValueError(
+                f"chunk_size must be None (backend default) or a positive int, "
+                f"got {self.chunk_size!r}"
+            )
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise ValueError(f"temperature must be a positive float, got {self.temperature!r}")
+        if not self.temperature > 0 or self.temperature == float("inf"):
+            raise ValueError(
+                f"temperature must be > 0 and finite, got {self.temperature!r}; use 1.0 for "
+                "the model's own distribution"
+            )
+        if self.vocab_size is not None and (
+            isinstance(self.vocab_size, bool)
+            or not isinstance(self.vocab_size, int)
+            or self.vocab_size <= 0
+        ):
+            raise ValueError(
+                f"vocab_size must be None (every output row is a token) or the real "
+                f"vocabulary size > 0, got {self.vocab_size!r}"
+            )
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise ValueError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        if self.vocab_size is not None and 0 <= self.ignore_index < self.vocab_size:
+            raise ValueError(
+                f"ignore_index={self.ignore_index} is a real token id (vocab_size="
+                f"{self.vocab_size}); use a negative value such as -100"
+            )
+        for name in ("deterministic", "validate", "allow_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

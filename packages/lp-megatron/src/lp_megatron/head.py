@@ -1,0 +1,417 @@
+"""The lp log-prob head for a megatron-core ``GPTModel``, installed without editing model source.
+
+Data flow while installed (last pipeline stage; P = tensor-parallel ranks)::
+
+    decoder hidden [s, b, h]  (or [s/P, b, h] under sequence parallel)
+      -> HiddenOutputLayer (in place of model.output_layer)
+           SP:     all-gather dim 0            backward: reduce-scatter dim 0 (sums over P)
+           no SP:  identity                    (no copy_to_tensor_model_parallel_region)
+           remembers the weight: the ``weight=`` GPTModel passes (tied embeddings) or its own
+      -> GPTModel transposes: output [b, s, h] where the logits [b, s, V/P] were
+      -> head.logprobs(output, labels)
+           linear_logprob(hidden, weight shard [V/P, h], labels, tp_group, vocab_start)
+           -> LogProbOutput(logprob, entropy, lse), each [b, s] fp32, the same on every rank
+
+Gradient of the hidden state, summed over the P vocabulary shards exactly once:
+
+- Without sequence parallel every rank holds the whole hidden and a partial gradient
+  (its vocabulary shard's share). The stock ``ColumnParallelLinear`` sums it with the
+  backward all-reduce of ``copy_to_tensor_model_parallel_region`` (or ``allreduce_dgrad``).
+  The replacement layer skips that op and ``linear_logprob(reduce_grad_hidden=True)``
+  does the all-reduce instead: one sum.
+- With sequence parallel the gather's backward reduce-scatter already sums the
+  partials, so ``reduce_grad_hidden=False``: again one sum.
+
+The weight gradient is each rank's own shard's (no collective), as in the stock layer.
+Models whose logits are post-processed after the output layer (MuP output scaling,
+multi-token prediction, a bias, a non-standard output layer class) keep the stock
+layer; ``head.logprobs`` then computes the same quantities from the (vocabulary-parallel)
+logits with ``lp_kernels.vocab_parallel_logprob``, after one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+from lp_kernels import LogProbOutput, linear_logprob, vocab_parallel_logprob
+from lp_megatron.config import LogprobHeadConfig
+
+_HEAD_ATTR = "_lp_logprob_head"
+
+
+class HiddenOutputLayer(torch.nn.Module):
+    """Stand-in for a GPTModel's ``output_layer`` that returns the hidden state, not logits.
+
+    Registers the stock layer's weight ``Parameter`` (the same object, or None for tied
+    embeddings) as its own ``weight``, so parameters, optimizer state, state-dict keys
+    and gradient buffers are unchanged. Attributes it does not define (``config``,
+    ``tp_group``, ``output_size``, ...) are read from the stock layer.
+    """
+
+    def __init__(self, stock: torch.nn.Module) -> None:
+        super().__init__()
+        # Kept outside _modules: the stock layer's parameters must not appear twice.
+        self.__dict__["stock"] = stock
+        self.__dict__["last_weight"] = None
+        self.__dict__["last_gathered"] = False
+        self._parameters["weight"] = stock.weight  # may be None (tied embeddings)
+        self.bias = None
+        self.sequence_parallel = bool(getattr(stock, "sequence_parallel", False))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["stock"], name)
+
+    def forward(
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
+    ) -> tuple[torch.Tensor, None]:
+        """Returns ``(hidden [s, b, h], None)``, all-gathered along s under sequence parallel.
+
+        Args:
+            input_: ``[s, b, h]``, or ``[s/P, b, h]`` under sequence parallel.
+            weight: ``[V/P, h]``, the shard GPTModel passes for tied embeddings; else None
+                and the layer's own weight is used.
+            runtime_gather_output: ignored (there are no logits to gather).
+        """
+        if weight is None:
+            weight = self.weight
+            if weight is None:
+                raise RuntimeError(
+                    "the output layer has no weight of its own (tied embeddings) and the "
+                    "model passed none"
+                )
+        self.__dict__["last_weight"] = weight
+        self.__dict__["last_gathered"] = self.sequence_parallel
+        if self.sequence_parallel:
+            # forward: all-gather dim 0, backward: reduce-scatter dim 0
+            input_ = gather_from_sequence_parallel_region(
+                input_, tensor_parallel_output_grad=True, group=self.stock.tp_group
+            )
+        return input_, None
+
+    # Checkpointing goes through the stock layer, so nothing changes while installed.
+    def sharded_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.stock.sharded_state_dict(*args, **kwargs)
+
+    def get_extra_state(self) -> Any:
+        return self.stock.get_extra_state()
+
+    def set_extra_state(self, state: Any) -> None:
+        self.stock.set_extra_state(state)
+
+
+def _unwrap(module: Any) -> Any:
+    """Peel DDP / Float16Module / FSDP-style wrappers (``.module``) off ``module``."""
+    seen = 0
+    while not hasattr(module, "output_layer") and hasattr(module, "module") and seen < 16:
+        module = module.module
+        seen += 1
+    return module
+
+
+def _find_gpt_model(model: Any) -> Any | None:
+    """The (unwrapped) model chunk that owns the output layer, or None (not last stage)."""
+    chunks: Sequence[Any] = model if isinstance(model, (list, tuple)) else [model]
+    if not chunks:
+        raise ValueError("install_logprob_head got an empty list of model chunks")
+    for chunk in reversed(chunks):
+        inner = _unwrap(chunk)
+        if not isinstance(inner, torch.nn.Module):
+            raise TypeError(
+                f"expected a GPTModel, a wrapper with .module, or a list of them; got "
+                f"{type(chunk).__name__}"
+            )
+        layer = getattr(inner, "output_layer", None)
+        if getattr(inner, "post_process", True) and layer is not None:
+            return inner
+    return None
+
+
+def _fallback_reasons(gpt: Any) -> list[str]:
+    """What the head would not reproduce on this model (empty: the head is exact)."""
+    cfg = gpt.config
+    layer = gpt.output_layer
+    reasons = []
+    if getattr(cfg, "use_mup", False) and getattr(cfg, "mup_output_mult", 1.0) != 1.0:
+        reasons.append(f"MuP output scaling (mup_output_mult={cfg.mup_output_mult})")
+    stock_scale = getattr(LanguageModule, "_scale_logits", None)  # absent before MuP support
+    if stock_scale is not None and getattr(type(gpt), "_scale_logits", stock_scale) is not (
+        stock_scale
+    ):
+        reasons.append(f"{type(gpt).__name__} overrides _scale_logits")
+    if getattr(cfg, "mtp_num_layers", None):
+        reasons.append("multi-token prediction (mtp_num_layers) reuses the output layer")
+    if getattr(cfg, "defer_embedding_wgrad_compute", False):
+        reasons.append("defer_embedding_wgrad_compute")
+    if type(layer) is not tensor_parallel.ColumnParallelLinear:
+        reasons.append(f"output layer is {type(layer).__name__}, not ColumnParallelLinear")
+    elif getattr(layer, "bias", None) is not None:
+        reasons.append("output layer has a bias")
+    return reasons
+
+
+def _tp_layout(group: Any) -> tuple[Any, int, int]:
+    """``(group or None, rank, size)`` of the tensor-parallel group."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return None, 0, 1
+    size = dist.get_world_size(group)
+    if size == 1:
+        return None, 0, 1
+    return group, dist.get_rank(group), size
+
+
+def _labels_guard(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: the model cannot compute its own loss from a hidden state."""
+    labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
+    if labels is not None:
+        raise RuntimeError(
+            "the lp log-prob head is installed: call the model with labels=None and pass "
+            "the output and labels to head.logprobs(), or head.remove() first"
+        )
+
+
+class LogprobHead:
+    """Handle returned by :func:`install_logprob_head`; also a context manager.
+
+    Attributes:
+        config: the :class:`LogprobHeadConfig` it was installed with.
+        model: the unwrapped GPTModel (chunk) that owns the output layer, or None on a
+            pipeline stage without one.
+        fallback_reason: why the stock output layer was kept, or None.
+    """
+
+    def __init__(self, model: Any, config: LogprobHeadConfig, fallback_reason: str | None):
+        self.config = config
+        self.model = model
+        self.fallback_reason = fallback_reason
+        self._stock: torch.nn.Module | None = None
+        self._layer: HiddenOutputLayer | None = None
+        self._hook: Any = None
+        self._installed = False
+
+    @property
+    def installed(self) -> bool:
+        """True from install until :meth:`remove`."""
+        return self._installed
+
+    @property
+    def fused(self) -> bool:
+        """True when the output layer returns hidden states (not on fallback or other stages)."""
+        return self._layer is not None
+
+    def _install(self) -> None:
+        gpt = self.model
+        if gpt is not None:
+            gpt.__dict__[_HEAD_ATTR] = self
+            if self.fallback_reason is None:
+                self._stock = gpt.output_layer
+                self._layer = HiddenOutputLayer(self._stock)
+                gpt.output_layer = self._layer
+                self._hook = gpt.register_forward_pre_hook(_labels_guard, with_kwargs=True)
+        self._installed = True
+
+    def remove(self) -> None:
+        """Restore the stock output layer (the model returns logits again). Idempotent."""
+        if not self._installed:
+            return
+        gpt = self.model
+        if gpt is not None:
+            if self._layer is not None and gpt.output_layer is self._layer:
+                gpt.output_layer = self._stock
+            if self._hook is not None:
+                self._hook.remove()
+            if gpt.__dict__.get(_HEAD_ATTR) is self:
+                del gpt.__dict__[_HEAD_ATTR]
+        self._layer = self._stock = self._hook = None
+        self._installed = False
+
+    def __enter__(self) -> LogprobHead:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def logprobs(
+        self,
+        output: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        return_entropy: bool = False,
+        return_lse: bool = False,
+    ) -> LogProbOutput:
+        """Per-token log-probs of ``labels`` from the model's output (last pipeline stage).
+
+        Args:
+            output: what the model returned with ``labels=None``: the hidden state
+                ``[b, s, h]`` (or, after a fallback, the logits ``[b, s, V/P]`` or
+                ``[b, s, V]``), from the latest forward of this model. An fp32 output of
+                a bf16/fp16 model (``Float16Module`` upcasts it) is cast back to the
+                weight dtype, which is exact.
+            labels: ``[b, s]`` int64 global token ids; ``config.ignore_index`` skips.
+            return_entropy: also return the per-token entropy (differentiable).
+            return_lse: also return the per-token log-sum-exp (differentiable).
+
+        Returns:
+            ``LogProbOutput(logprob, entropy, lse)``, each ``[b, s]`` float32 and the
+            same on every tensor-parallel rank.
+
+        Raises:
+            RuntimeError: the head was removed, this stage has no output layer, or the
+                model has not run forward since install.
+            NotImplementedError: ``config.deterministic=True`` where lp_kernels or the
+                fallback path cannot provide it.
+        """
+        if not self._installed:
+            raise RuntimeError("this LogprobHead was removed; install_logprob_head() again")
+        if self.model is None:
+            raise RuntimeError(
+                "this pipeline stage has no output layer; log-probs exist on the last stage"
+            )
+        cfg = self.config
+        common: dict[str, Any] = dict(
+            temperature=cfg.temperature,
+            ignore_index=cfg.ignore_index,
+            return_entropy=return_entropy,
+            return_lse=return_lse,
+            vocab_size=cfg.vocab_size,
+            chunk_size=cfg.chunk_size,
+            validate=cfg.validate,
+        )
+        stock = self._stock if self._layer is not None else self.model.output_layer
+        group, rank, size = _tp_layout(getattr(stock, "tp_group", None))
+        if self._layer is None:
+            return self._logprobs_from_logits(output, labels, stock, group, rank, size, common)
+        weight = self._layer.last_weight
+        if weight is None:
+            raise RuntimeError("run the model forward (labels=None) before head.logprobs()")
+        if output.dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16):
+            # Float16Module upcasts the model output (fp32_output=True); the hidden state was
+            # computed in the weight dtype, so casting back is exact.
+            output = output.to(weight.dtype)
+        if output.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"output has last dim {output.shape[-1]}, the hidden size is {weight.shape[1]}: "
+                "pass what the model returned while the head was installed"
+            )
+        return linear_logprob(
+            output,
+            weight,
+            labels,
+            tp_group=group,
+            vocab_start=rank * weight.shape[0],
+            # SP: the gather's reduce-scatter sums grad_hidden over TP; else lp does it.
+            reduce_grad_hidden=not self._layer.last_gathered,
+            deterministic=cfg.deterministic,
+            backend=cfg.backend,
+            **common,
+        )
+
+    def _logprobs_from_logits(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        stock: Any,
+        group: Any,
+        rank: int,
+        size: int,
+        common: dict[str, Any],
+    ) -> LogProbOutput:
+        """Fallback: the stock layer produced (possibly vocabulary-parallel) logits."""
+        if self.config.deterministic:
+            raise NotImplementedError(
+                f"deterministic=True is not available on the fallback path ({self.fallback_reason})"
+            )
+        v_local = stock.output_size_per_partition
+        if group is not None and logits.shape[-1] == v_local * size:
+            group, rank = None, 0  # runtime_gather_output=True: full logits on every rank
+        return vocab_parallel_logprob(
+            logits, labels, tp_group=group, vocab_start=rank * logits.shape[-1], **common
+        )
+
+
+def install_logprob_head(model: Any, config: LogprobHeadConfig | None = None) -> LogprobHead:
+    """Make a Megatron GPTModel return hidden states and get log-probs from lp instead.
+
+    While installed, ``model(input_ids, position_ids, attention_mask)`` (``labels=None``)
+    returns the hidden state ``[b, s, h]`` where it returned logits ``[b, s, V/P]``; pass
+    it to :meth:`LogprobHead.logprobs`. Calling the model with ``labels`` raises.
+
+    Args:
+        model: a ``GPTModel``, a wrapper with ``.module`` (DDP, Float16Module), or a list
+            of model chunks (virtual pipeline); the chunk that owns the output layer
+            (``post_process``) is used. On other pipeline stages the head is inert.
+        config: options; default ``LogprobHeadConfig()``.
+
+    Returns:
+        The :class:`LogprobHead`. Installing again with an equal config returns the same
+        head (idempotent).
+
+    Raises:
+        ValueError: installed already with a different config; ``config.vocab_size``
+            larger than the output layer; a model the head cannot reproduce with
+            ``config.allow_fallback=False``.
+        TypeError: ``model`` is not a module (or a list of modules).
+
+    Example:
+        >>> with install_logprob_head(model) as head:  # doctest: +SKIP
+        ...     hidden = model(tokens, position_ids, attention_mask)
+        ...     out = head.logprobs(hidden, labels, return_entropy=True)
+    """
+    config = LogprobHeadConfig() if config is None else config
+    if not isinstance(config, LogprobHeadConfig):
+        raise TypeError(f"config must be a LogprobHeadConfig, got {type(config).__name__}")
+    gpt = _find_gpt_model(model)
+    if gpt is not None:
+        existing = gpt.__dict__.get(_HEAD_ATTR)
+        if existing is not None and existing.installed:
+            if existing.config != config:
+                raise ValueError(
+                    "a log-prob head with a different config is installed on this model; "
+                    "call head.remove() first"
+                )
+            return existing
+        layer = gpt.output_layer
+        v_padded = getattr(layer, "output_size", None)
+        if config.vocab_size is not None and v_padded is not None and config.vocab_size > v_padded:
+            raise ValueError(
+                f"config.vocab_size={config.vocab_size} exceeds the output layer's "
+                f"{v_padded} rows; pass the real vocabulary size or None"
+            )
+        reasons = _fallback_reasons(gpt)
+        reason = "; ".join(reasons) if reasons else None
+        if reason is not None:
+            if not config.allow_fallback:
+                raise ValueError(
+                    f"the lp head cannot reproduce this model's logits ({reason}); set "
+                    "allow_fallback=True to keep the stock output layer"
+                )
+            warnings.warn(
+                f"lp_megatron: keeping the stock output layer ({reason}); head.logprobs() "
+                "will compute from the materialized logits",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    else:
+        reason = None
+    head = LogprobHead(gpt, config, reason)
+    head._install()
+    return head
