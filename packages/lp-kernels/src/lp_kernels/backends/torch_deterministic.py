@@ -36,9 +36,9 @@ from torch.autograd.function import once_differentiable
 from lp_kernels._dist import DETERMINISTIC_TILE as TILE
 from lp_kernels._dist import all_reduce_sum_, gather_stats
 from lp_kernels._matmul import addmm_f32_, mm_f32
-from lp_kernels._stats import N_STATS, d_logits_, masked_outputs, target_columns
+from lp_kernels._stats import N_STATS, masked_outputs, target_columns
 from lp_kernels._types import LogprobParams
-from lp_kernels.backends.torch_linear import chunks, padded_rows
+from lp_kernels.backends.torch_linear import chunks, logits_grad_chunks, padded_rows
 
 
 def _tiles(real: int) -> int:
@@ -137,40 +137,21 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         n, h_dim = hidden.shape
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
-        t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
-        g_lp, g_ent, g_lse = (
+        ignored = targets == p.ignore_index
+        g_lp_, g_ent_, g_lse_ = (
             None if g is None else torch.where(ignored, 0.0, g.float())
             for g in (g_lp, g_ent, g_lse)
         )
         scale = None
         if need_h:
-            scale = _fixed_point_scale(hidden, w_real, g_lp, g_ent, g_lse, p)
+            scale = _fixed_point_scale(hidden, w_real, g_lp_, g_ent_, g_lse_, p)
             acc_h = torch.zeros((n, h_dim), dtype=torch.int64, device=hidden.device)
         acc_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-
-        def pad(x, r0, r1, rows):
-            return None if x is None else padded_rows(x, r0, r1, rows)
-
-        for r0, r1, rows in chunks(n, p.chunk_size):
-            h_c = padded_rows(hidden, r0, r1, rows)
-            z = mm_f32(h_c, w_real.T)
-            if p.temperature != 1.0:
-                z.mul_(p.inv_temperature)
-            dz = d_logits_(
-                z,
-                padded_rows(lse, r0, r1, rows),
-                pad(mean_z, r0, r1, rows),
-                padded_rows(t_local, r0, r1, rows),
-                padded_rows(in_shard, r0, r1, rows, False),
-                pad(g_lp, r0, r1, rows),
-                pad(g_ent, r0, r1, rows),
-                pad(g_lse, r0, r1, rows),
-            )
-            if p.temperature != 1.0:
-                dz.mul_(p.inv_temperature)
-            dl = dz.to(hidden.dtype)
+        for r0, r1, h_c, dl in logits_grad_chunks(
+            hidden, w_real, targets, lse, mean_z, (g_lp, g_ent, g_lse), p
+        ):
             if need_h:
-                exp2 = torch.exp2(padded_rows(scale, r0, r1, rows))[:, None]
+                exp2 = torch.exp2(padded_rows(scale, r0, r1, dl.shape[0]))[:, None]
                 for c0 in range(0, v_real, TILE):
                     leaf = mm_f32(dl[:, c0 : c0 + TILE], w_real[c0 : c0 + TILE]).double()
                     acc_h[r0:r1] += torch.round(leaf * exp2)[: r1 - r0].to(torch.int64)

@@ -121,42 +121,15 @@ class LinearLogprobTorch(torch.autograd.Function):
         n, h_dim = hidden.shape
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
-        t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
-
-        def per_row(g):  # upstream gradient as fp32 [N], zero on ignored rows
-            return None if g is None else torch.where(ignored, 0.0, g.float())
-
-        g_lp, g_ent, g_lse = per_row(g_lp), per_row(g_ent), per_row(g_lse)
-        if g_ent is not None and mean_z is None:
-            raise RuntimeError("entropy gradient without return_entropy (internal error)")
         reduce_h = p.tp_size > 1 and p.reduce_grad_hidden
         grad_h = None
         if need_h:
             h_dtype = torch.float32 if reduce_h else hidden.dtype
             grad_h = scratch.empty((n, h_dim), dtype=h_dtype, device=hidden.device)
         acc_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-
-        def pad(x, r0, r1, rows):
-            return None if x is None else padded_rows(x, r0, r1, rows)
-
-        for r0, r1, rows in chunks(n, p.chunk_size):
-            h_c = padded_rows(hidden, r0, r1, rows)
-            z = mm_f32(h_c, w_real.T)
-            if p.temperature != 1.0:
-                z.mul_(p.inv_temperature)
-            dz = d_logits_(
-                z,
-                padded_rows(lse, r0, r1, rows),
-                pad(mean_z, r0, r1, rows),
-                padded_rows(t_local, r0, r1, rows),
-                padded_rows(in_shard, r0, r1, rows, False),
-                pad(g_lp, r0, r1, rows),
-                pad(g_ent, r0, r1, rows),
-                pad(g_lse, r0, r1, rows),
-            )
-            if p.temperature != 1.0:
-                dz.mul_(p.inv_temperature)
-            dl = dz.to(hidden.dtype)
+        for r0, r1, h_c, dl in logits_grad_chunks(
+            hidden, w_real, targets, lse, mean_z, (g_lp, g_ent, g_lse), p
+        ):
             if need_h:
                 grad_h[r0:r1] = mm_f32(dl, w_real)[: r1 - r0]
             if need_w and v_real > 0:
@@ -165,3 +138,40 @@ class LinearLogprobTorch(torch.autograd.Function):
             grad_h = all_reduce_sum_(grad_h, p.tp_group, p.tp_size).to(hidden.dtype)
         grad_w = acc_w.to(weight.dtype) if need_w else None  # no copy for fp32 weights
         return grad_h, grad_w, None, None
+
+
+def logits_grad_chunks(hidden, w_real, targets, lse, mean_z, upstream, p: LogprobParams):
+    """Yield ``(r0, r1, h_c, d_l)`` per chunk: the padded hidden rows and ``d loss / d logits``.
+
+    ``d_l [rows, V_r]`` is rounded to the input dtype, ready for the two gradient GEMMs;
+    padding rows and ignored rows have zero upstream gradient.
+    """
+    v_real = w_real.shape[0]
+    t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
+    g_lp, g_ent, g_lse = (
+        None if g is None else torch.where(ignored, 0.0, g.float()) for g in upstream
+    )
+    if g_ent is not None and mean_z is None:
+        raise RuntimeError("entropy gradient without return_entropy (internal error)")
+
+    def pad(x, r0, r1, rows):
+        return None if x is None else padded_rows(x, r0, r1, rows)
+
+    for r0, r1, rows in chunks(hidden.shape[0], p.chunk_size):
+        h_c = padded_rows(hidden, r0, r1, rows)
+        z = mm_f32(h_c, w_real.T)
+        if p.temperature != 1.0:
+            z.mul_(p.inv_temperature)
+        dz = d_logits_(
+            z,
+            padded_rows(lse, r0, r1, rows),
+            pad(mean_z, r0, r1, rows),
+            padded_rows(t_local, r0, r1, rows),
+            padded_rows(in_shard, r0, r1, rows, False),
+            pad(g_lp, r0, r1, rows),
+            pad(g_ent, r0, r1, rows),
+            pad(g_lse, r0, r1, rows),
+        )
+        if p.temperature != 1.0:
+            dz.mul_(p.inv_temperature)
+        yield r0, r1, h_c, dz.to(hidden.dtype)
