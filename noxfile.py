@@ -3,7 +3,7 @@
     cpu     (default, what CI runs)  install the workspace from uv.lock, run the CPU tests
     gpu-tp  the GPU and multi-GPU tests; also runs offline against an installed env (--no-venv)
     lint    ruff check + black --check
-    bench   the main-job command (`lp demo` for now)
+    bench   the main-job command (`lp bench`)
 
 Each session gets its own uv virtualenv under .nox/ and installs the workspace into it with
 `uv sync --locked`, so the tests run exactly what uv.lock pins.
@@ -122,10 +122,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """The main-job command, `lp demo`; extra arguments go to it (`nox -s bench -- --n 128`)."""
+    """The main-job command, `lp bench`; extra arguments go to it (`nox -s bench -- --reps 1`)."""
     _uv_sync(session, "--all-packages")
     if _no_venv(session):
         lp, env = [_python(session), "-m", "lp_kernels.cli"], _source_env()
     else:
         lp, env = ["lp"], {}
-    session.run(*lp, "demo", *session.posargs, env=env)
+    session.run(*lp, "bench", *session.posargs, env=env)

@@ -71,3 +71,126 @@ def test_bad_arguments_exit_nonzero_with_message(argv, message, capsys):
         main(argv)
     assert exc.value.code != 0
     assert message in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- lp bench
+
+
+ROW_KEYS = {"shape", "N", "H", "V", "dtype", "provider", "floor_ms", "ms", "ms_all", "x_floor"}
+ROW_KEYS |= {"peak_bytes", "peak_gib", "err_logprob", "maxabs_logprob"}
+ROW_KEYS |= {"err_grad_hidden", "err_grad_weight"}
+ENV_KEYS = {"device", "device_name", "torch", "triton", "lp_kernels", "python", "commit", "date"}
+
+
+def test_bench_writes_json_and_prints_table(tmp_path, capsys):
+    argv = ["bench", "--shapes", "16x8x97", "--reps", "1", "--device", "cpu"]
+    assert main([*argv, "--entropy", "--temperature", "0.7", "--out", str(tmp_path)]) == 0
+
+    out = capsys.readouterr().out
+    table = out[out.index("shape ") :]  # the table is printed last
+    for text in ("lp-torch", "materialized", "err grad_w", "err entropy", "16x8x97"):
+        assert text in table
+
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["command"] == "bench"
+    assert doc["env"].keys() >= ENV_KEYS and doc["env"]["device"] == "cpu"
+    config = doc["config"]
+    assert config["shapes"] == [{"name": "16x8x97", "N": 16, "H": 8, "V": 97}]
+    assert config["dtypes"] == ["fp32", "bf16"] and config["temperature"] == 0.7
+    assert config["entropy"] is True and config["reps"] == 1
+    rows = doc["rows"]
+    assert [(r["dtype"], r["provider"]) for r in rows] == [
+        ("fp32", "lp-torch"),
+        ("fp32", "materialized"),
+        ("bf16", "lp-torch"),
+        ("bf16", "materialized"),
+    ]
+    for row in rows:
+        assert row.keys() >= ROW_KEYS | {"err_entropy"}, row.keys()
+        assert row["floor_ms"] is None and row["x_floor"] is None  # CPU: no floor
+        assert row["ms"] > 0 and len(row["ms_all"]) == 1 and row["peak_bytes"] > 0
+        tol = 1e-5 if row["dtype"] == "fp32" else 2e-2
+        for key in ("err_logprob", "err_grad_hidden", "err_grad_weight", "err_entropy"):
+            assert row[key] < tol, (row["dtype"], row["provider"], key, row[key])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--shapes", "S9"], "argument --shapes"),
+        (["bench", "--shapes", "4x0x10"], "argument --shapes"),
+        (["bench", "--backends", "lp-foo"], "argument --backends"),
+        (["bench", "--backends", "lp-triton", "--device", "cpu"], "argument --backends"),
+        (["bench", "--backends", "liger", "--device", "cpu"], "argument --backends"),
+        (["bench", "--dtype", "fp8"], "argument --dtype"),
+        (["bench", "--temperature", "0"], "argument --temperature"),
+        (["bench", "--temperature", "hot"], "argument --temperature"),
+        (["bench", "--reps", "0"], "argument --reps"),
+        (["bench", "--warmup", "-1"], "argument --warmup"),
+        (["check", "--bogus"], "unrecognized arguments"),
+    ],
+    ids=[
+        "unknown-shape",
+        "zero-hidden",
+        "unknown-backend",
+        "triton-on-cpu",
+        "peer-on-cpu",
+        "bad-dtype",
+        "temperature-zero",
+        "temperature-nan",
+        "reps-zero",
+        "warmup-negative",
+        "check-unknown-flag",
+    ],
+)
+def test_bench_bad_arguments_exit_nonzero_naming_the_argument(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code != 0
+    assert message in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- lp check
+
+
+def test_check_passes_with_tp(capsys):
+    assert main(["check", "--quick"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert lines and all(line.startswith("PASS") for line in lines), out
+    assert any("parity" in line for line in lines)
+    assert any("bitwise" in line for line in lines)
+    assert any("gloo TP=2" in line for line in lines)
+
+
+def test_check_fails_with_exit_1_on_wrong_reference(capsys, monkeypatch):
+    from lp_kernels import bench
+
+    right = bench.check_reference
+
+    def wrong(*args, **kwargs):
+        ref = right(*args, **kwargs)
+        ref["lse"] = ref["lse"] + 0.5
+        return ref
+
+    monkeypatch.setattr(bench, "check_reference", wrong)
+
+    assert main(["check", "--quick", "--no-tp"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  torch parity" in out and "(lse)" in out
+    assert "PASS  torch bitwise" in out
+    assert " 0 failed" not in out
+
+
+def test_check_tp_failure_is_reported(capsys, monkeypatch):
+    from lp_kernels import bench
+
+    def broken(payload, world=2, timeout=bench.TP_TIMEOUT_S):
+        raise RuntimeError("TP rank 1 failed: boom")
+
+    monkeypatch.setattr(bench, "run_tp_ranks", broken)
+    monkeypatch.setattr(bench, "check_parity", lambda backend, device, shapes: [])
+
+    assert main(["check"]) == 1
+    assert "FAIL  torch gloo TP=2" in capsys.readouterr().out

@@ -16,8 +16,16 @@ abs error of logprob / entropy / lse / grad_hidden / grad_weight against fp64, a
 repeated runs are bitwise equal. On CPU, memory is measured by a dispatch mode that tracks
 the storages allocated during the call; on CUDA by torch.cuda.max_memory_allocated.
 
-This module depends on torch only; later subcommands (`lp bench`, `lp check`) hang off the
-same subparser.
+    lp bench [--shapes S1,S2|NxHxV,...] [--backends lp-triton,lp-torch,materialized,...]
+             [--dtype bf16|fp16|fp32|both] [--temperature T] [--entropy] [--reps R]
+             [--warmup W] [--device auto|cpu|cuda] [--out DIR]
+    lp check [--quick] [--no-tp]
+
+`lp bench` runs the performance protocol of `lp_kernels.bench` (the S1-S4 shapes on a GPU,
+an embedded small problem on CPU) and prints a table last; `lp check` is a short self-test
+of the installed backends (parity, reproducibility, gloo TP=2), one PASS/FAIL line per check.
+
+This module depends on torch only (rich and matplotlib are used when importable).
 """
 
 from __future__ import annotations
@@ -377,6 +385,187 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- bench, check
+
+
+def _shapes_arg(text: str):
+    from lp_kernels.bench import parse_shapes
+
+    try:
+        return parse_shapes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _backends_arg(text: str) -> tuple[str, ...]:
+    from lp_kernels.bench import ALL_PROVIDERS
+
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("no backend given")
+    for name in names:
+        if name not in ALL_PROVIDERS:
+            raise argparse.ArgumentTypeError(
+                f"unknown backend {name!r}; choose from {', '.join(ALL_PROVIDERS)}"
+            )
+    return tuple(dict.fromkeys(names))
+
+
+def _temperature_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
+def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lp_kernels import bench
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        parser.error("argument --device: cuda requested but CUDA is not available")
+    cuda = device == "cuda"
+    if args.backends is None:
+        providers = tuple(bench.default_providers(device))
+    else:
+        providers = args.backends
+        for name in providers:
+            why = bench.provider_available(name, device)
+            if why is not None:
+                parser.error(f"argument --backends: {name} is not available here: {why}")
+    if args.shapes is None:
+        shapes = tuple((k, *v) for k, v in (bench.SHAPES if cuda else bench.CPU_SHAPES).items())
+    else:
+        shapes = args.shapes
+    if args.dtype is None:
+        dtypes = bench.default_bench_dtypes(device)
+    else:
+        dtypes = ("fp32", "bf16") if args.dtype == "both" else (args.dtype,)
+    cfg = bench.BenchConfig(
+        shapes=shapes,
+        providers=providers,
+        dtypes=dtypes,
+        device=device,
+        temperature=args.temperature,
+        entropy=args.entropy,
+        reps=args.reps if args.reps is not None else (5 if cuda else 3),
+        warmup=args.warmup if args.warmup is not None else (2 if cuda else 1),
+        check=not args.no_check,
+        seed=args.seed,
+    )
+    env = bench.environment(device=device)
+    ref = "fp32 (TF32 off)" if cuda else "fp64"
+    print(
+        f"lp bench: {device} ({env['device_name']}), torch {env['torch']}, "
+        f"triton {env['triton'] or '-'}, commit {env['commit']}"
+    )
+    print(
+        f"providers {', '.join(providers)}; dtypes {', '.join(dtypes)}; T={cfg.temperature}; "
+        f"entropy {'on' if cfg.entropy else 'off'}; median of {cfg.reps} after {cfg.warmup} "
+        f"warm-up; errors vs the {ref} reference"
+    )
+    total = len(shapes) * len(dtypes) * len(providers)
+    rows: list[dict] = []
+    progress = _progress(total)
+    try:
+        for shape in shapes:
+            for dtype_name in dtypes:
+                progress.describe(f"{shape[0]} {dtype_name}")
+                rows += bench.bench_problem(shape, dtype_name, cfg, progress.advance)
+    finally:
+        progress.close()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        config = asdict(cfg) | {
+            "shapes": [dict(zip(("name", "N", "H", "V"), s, strict=True)) for s in shapes],
+            "tp": 1,
+        }
+        doc = {"command": "bench", "env": env, "config": config, "rows": rows}
+        bench.dump_json(doc, args.out / "bench.json")
+        print(f"wrote {args.out / 'bench.json'}")
+        try:
+            if bench.write_plot(rows, args.out / "bench.png", device):
+                print(f"wrote {args.out / 'bench.png'}")
+            else:
+                print("no plot: matplotlib is not importable")
+        except Exception as exc:  # the figures are already on disk; a plot is a bonus
+            print(f"no plot: {type(exc).__name__}: {exc}")
+    print()
+    bench.print_table(rows)
+    failed = [r for r in rows if "error" in r]
+    return 1 if failed else 0
+
+
+class _Progress:
+    """A rich progress bar when rich is importable, else one plain line per finished row."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.what = total, 0, ""
+        self._bar = None
+        try:
+            from rich.progress import Progress
+
+            self._bar = Progress(transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("lp bench", total=total)
+        except ImportError:
+            pass
+
+    def describe(self, what: str) -> None:
+        self.what = what
+        if self._bar is not None:
+            self._bar.update(self._task, description=what)
+
+    def advance(self, row: dict) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.advance(self._task)
+            return
+        status = f"{row['ms']:.2f} ms" if "ms" in row else row.get("error") or "skipped"
+        print(f"  [{self.done}/{self.total}] {self.what} {row['provider']}: {status}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _progress(total: int) -> _Progress:
+    return _Progress(total)
+
+
+def _cmd_check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lp_kernels import bench
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    backends = bench.check_backends(device)
+    print(
+        f"lp check: backends {', '.join(backends)} on {device}, torch {torch.__version__}; "
+        "errors are max abs error / max(1, max |fp64 reference|)"
+    )
+
+    def report(res) -> None:
+        print(f"{'PASS' if res.passed else 'FAIL'}  {res.name}: {res.detail}", flush=True)
+
+    start = time.perf_counter()
+    results = bench.run_checks(quick=args.quick, tp=not args.no_tp, report=report)
+    failed = sum(not r.passed for r in results)
+    took = time.perf_counter() - start
+    print(f"{len(results) - failed} passed, {failed} failed in {took:.1f} s")
+    return 1 if failed else 0
+
+
 def _version(dist: str) -> str:
     try:
         return version(dist)
@@ -408,6 +597,67 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--chunk-size", type=_positive_int, default=None)
     demo.add_argument("--json", type=Path, default=None, metavar="PATH", help="write figures")
     demo.set_defaults(func=_cmd_demo)
+
+    bench = commands.add_parser(
+        "bench",
+        help="time lp against the matmul floor and the materialized path (GPU: S1-S4)",
+        description="The performance protocol: forward + backward of a per-token logprob "
+        "with a random upstream gradient. On a GPU the S1-S4 shapes, a floor of 4 cuBLAS "
+        "matmuls measured in the same run and errors against an fp32 reference; on CPU a "
+        "small embedded problem timed with perf_counter, errors against fp64. Peers "
+        "(liger-kernel, cut-cross-entropy) join when importable. Tensor-parallel benchmarks "
+        "(torchrun) are not part of this command yet. Exit status 1 if a provider failed.",
+    )
+    bench.add_argument(
+        "--shapes",
+        type=_shapes_arg,
+        default=None,
+        help="comma-separated names (S1..S4, cpu) or NxHxV; default S1-S4 on GPU, "
+        "cpu (256x128x16003) on CPU",
+    )
+    bench.add_argument(
+        "--backends",
+        type=_backends_arg,
+        default=None,
+        help="comma-separated: lp-triton, lp-torch, lp-auto, materialized, liger, cce; "
+        "default: all available",
+    )
+    bench.add_argument(
+        "--dtype",
+        choices=[*DTYPES, "both"],
+        default=None,
+        help="default bf16 on GPU, both (fp32 + bf16) on CPU",
+    )
+    bench.add_argument("--temperature", type=_temperature_arg, default=1.0, help="default 1")
+    bench.add_argument(
+        "--entropy", action="store_true", help="also return entropy, with its own upstream grad"
+    )
+    bench.add_argument(
+        "--reps", type=_positive_int, default=None, help="timed runs (default 5 GPU, 3 CPU)"
+    )
+    bench.add_argument(
+        "--warmup", type=_non_negative_int, default=None, help="default 2 GPU, 1 CPU"
+    )
+    bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    bench.add_argument("--seed", type=int, default=0, help="default 0")
+    bench.add_argument("--no-check", action="store_true", help="skip the reference and errors")
+    bench.add_argument(
+        "--out", type=Path, default=None, metavar="DIR", help="write bench.json (+ bench.png)"
+    )
+    bench.set_defaults(func=_cmd_bench)
+
+    check = commands.add_parser(
+        "check",
+        help="self-test of the installed backends (parity, reproducibility, gloo TP=2)",
+        description="For each available backend (torch; triton on CUDA, or on CPU under "
+        "TRITON_INTERPRET=1): logprob/entropy/lse and both gradients against an fp64 "
+        "reference on small awkward shapes, bitwise reproducibility run to run, and a gloo "
+        "TP=2 run on CPU with uneven shards against the single-process result. One "
+        "PASS/FAIL line per check; exit status 1 on any failure.",
+    )
+    check.add_argument("--quick", action="store_true", help="one shape per backend only")
+    check.add_argument("--no-tp", action="store_true", help="skip the gloo TP=2 check")
+    check.set_defaults(func=_cmd_check)
     return parser
 
 
