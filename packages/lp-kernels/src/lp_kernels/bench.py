@@ -52,6 +52,8 @@ from pathlib import Path
 
 import torch
 
+from lp_kernels.linear_logprob import _triton_interpreting
+
 SHAPES: dict[str, tuple[int, int, int]] = {
     "S1": (8192, 4096, 151936),
     "S2": (16384, 2048, 248320),
@@ -316,7 +318,7 @@ def provider_available(name: str, device: str) -> str | None:
     if name == "lp-triton":
         if importlib.util.find_spec("triton") is None:
             return "triton is not importable"
-        if device != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        if device != "cuda" and not _triton_interpreting():
             return "the triton backend needs CUDA (or TRITON_INTERPRET=1 on CPU)"
     return None
 
@@ -775,7 +777,7 @@ def _max_err(res: dict, ref: dict) -> tuple[float, str]:
 def check_backends(device: str) -> list[str]:
     names = ["torch"]
     if importlib.util.find_spec("triton") is not None and (
-        device == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+        device == "cuda" or _triton_interpreting()
     ):
         names.append("triton")
     return names
