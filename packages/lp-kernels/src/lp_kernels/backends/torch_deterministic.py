@@ -38,7 +38,11 @@ from lp_kernels._dist import all_reduce_sum_, gather_stats
 from lp_kernels._matmul import addmm_f32_, mm_f32
 from lp_kernels._stats import N_STATS, masked_outputs, target_columns
 from lp_kernels._types import LogprobParams
-from lp_kernels.backends.torch_linear import chunks, logits_grad_chunks, padded_rows
+from lp_kernels.backends.torch_linear import (
+    logits_grad_chunks,
+    padded_rows,
+    scaled_logits_chunks,
+)
 
 
 def _tiles(real: int) -> int:
@@ -111,10 +115,7 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
         t_max = _tiles(max(p.shard_sizes))
         stats = torch.zeros((n, t_max, N_STATS), dtype=torch.float32, device=hidden.device)
-        for r0, r1, rows in chunks(n, p.chunk_size):
-            z = mm_f32(padded_rows(hidden, r0, r1, rows), w_real.T)
-            if p.temperature != 1.0:
-                z.mul_(p.inv_temperature)
+        for r0, r1, rows, _, z in scaled_logits_chunks(hidden, w_real, p):
             part = _tile_stats(
                 z,
                 padded_rows(t_local, r0, r1, rows),

@@ -79,6 +79,16 @@ def chunks(n: int, chunk: int):
         yield r0, min(n, r0 + chunk), chunk
 
 
+def scaled_logits_chunks(hidden: torch.Tensor, w_real: torch.Tensor, p: LogprobParams):
+    """Yield ``(r0, r1, rows, h_c, z)``: padded hidden rows and ``z = h_c W_r^T / T`` in fp32."""
+    for r0, r1, rows in chunks(hidden.shape[0], p.chunk_size):
+        h_c = padded_rows(hidden, r0, r1, rows)
+        z = mm_f32(h_c, w_real.T)  # [rows, V_r]
+        if p.temperature != 1.0:
+            z.mul_(p.inv_temperature)
+        yield r0, r1, rows, h_c, z
+
+
 class LinearLogprobTorch(torch.autograd.Function):
     """Chunked torch implementation; see the module docstring."""
 
@@ -92,11 +102,7 @@ class LinearLogprobTorch(torch.autograd.Function):
         w_real = weight[:v_real]
         t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
         stats = scratch.empty((n, N_STATS), dtype=torch.float32, device=hidden.device)
-        for r0, r1, rows in chunks(n, p.chunk_size):
-            h_c = padded_rows(hidden, r0, r1, rows)
-            z = mm_f32(h_c, w_real.T)  # [rows, V_r]
-            if p.temperature != 1.0:
-                z.mul_(p.inv_temperature)
+        for r0, r1, rows, _, z in scaled_logits_chunks(hidden, w_real, p):
             part = torch.empty((rows, N_STATS), dtype=torch.float32, device=hidden.device)
             local_stats(
                 z,
@@ -157,11 +163,7 @@ def logits_grad_chunks(hidden, w_real, targets, lse, mean_z, upstream, p: Logpro
     def pad(x, r0, r1, rows):
         return None if x is None else padded_rows(x, r0, r1, rows)
 
-    for r0, r1, rows in chunks(hidden.shape[0], p.chunk_size):
-        h_c = padded_rows(hidden, r0, r1, rows)
-        z = mm_f32(h_c, w_real.T)
-        if p.temperature != 1.0:
-            z.mul_(p.inv_temperature)
+    for r0, r1, rows, h_c, z in scaled_logits_chunks(hidden, w_real, p):
         dz = d_logits_(
             z,
             padded_rows(lse, r0, r1, rows),
