@@ -24,12 +24,17 @@ VARIANTS = {
     "bh128-s2": {"block_h": 128, "num_stages": 2},
     "mm128x256": {"mm_block_n": 256},
     "chunk16k": {"vocab_chunk": 16384},
+    "bv256-mm256": {"block_v": 256, "mm_block_n": 256},
+    "bv256-mm256-s4": {"block_v": 256, "mm_block_n": 256, "num_stages": 4},
+    "bv256-mm256-w4": {"block_v": 256, "mm_block_n": 256, "num_warps": 4},
+    "bn256-bv128-mm256": {"block_n": 256, "mm_block_n": 256},
+    "bv256-mm256x128": {"block_v": 256, "mm_block_m": 256},
 }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="S1,S4")
+    ap.add_argument("--shapes", default="S1,S3,S4")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -8,7 +8,9 @@ from lp_kernels import linear_logprob
 from lp_testing import assert_close, assert_zero, materialized_baseline, reference_all
 
 
-def check_against_fp64(problem, tol, *, entropy: bool, lse: bool, chunk_size=None, backend="torch"):
+def check_against_fp64(
+    problem, tol, *, entropy: bool, lse: bool, chunk_size=None, backend="torch", deterministic=False
+):
     """Run linear_logprob with random per-row upstream gradients; compare everything to fp64.
 
     Tolerances are relative to the materialized-logits path in the same dtype.
@@ -31,6 +33,7 @@ def check_against_fp64(problem, tol, *, entropy: bool, lse: bool, chunk_size=Non
         return_lse=lse,
         chunk_size=chunk_size,
         backend=backend,
+        deterministic=deterministic,
     )
     loss = (out.logprob * grads["grad_logprob"]).sum()
     if entropy:

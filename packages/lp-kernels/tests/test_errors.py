@@ -64,13 +64,20 @@ def _call(**over):
         ({"vocab_size": V + 1}, ValueError, "vocab_size=51 exceeds"),
         ({"vocab_size": 0}, ValueError, "vocab_size must be"),
         ({"vocab_start": 10}, ValueError, "vocab_start=10 needs tp_group"),
-        ({"deterministic": True, "backend": "triton"}, NotImplementedError, "deterministic=True"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
 def test_bad_arguments(over, exc, match):
     with pytest.raises(exc, match=match):
         _call(**over)
+
+
+def test_deterministic_torch_backend_on_cuda_is_refused():
+    from lp_kernels.linear_logprob import _resolve_backend
+
+    # checked from the device type alone, so this needs no GPU
+    with pytest.raises(NotImplementedError, match="backend='triton'"):
+        _resolve_backend("torch", torch.device("cuda"), deterministic=True)
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):

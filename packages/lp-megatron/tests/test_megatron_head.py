@@ -124,14 +124,20 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _parity_rank(rank: int, world_size: int) -> dict:
+def _parity_rank(rank: int, world_size: int, device: str = "cpu", backend: str = "torch") -> dict:
+    """All cases of one TP degree; on ``device="cuda"`` each rank uses GPU ``rank`` (NCCL)."""
     from lp_megatron import install_logprob_head
 
     results = {}
-    with lp_testing.MegatronCpuPatches():
+    on_gpu = device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    with lp_testing.MegatronCpuPatches(cpu=not on_gpu):
         for case in _cases(world_size):
-            model = _build(world_size, case.sp, case.tied)
-            ids, pos, mask, labels, weights = _inputs(case.vocab_size or V_PADDED)
+            model = _build(world_size, case.sp, case.tied).to(device)
+            ids, pos, mask, labels, weights = (
+                t.to(device) for t in _inputs(case.vocab_size or V_PADDED)
+            )
 
             logits = model(ids, pos, mask)
             ref = _reference(logits, labels, case)
@@ -141,7 +147,7 @@ def _parity_rank(rank: int, world_size: int) -> dict:
             config = LogprobHeadConfig(
                 temperature=case.temperature,
                 vocab_size=case.vocab_size,
-                backend="torch",
+                backend=backend,
                 chunk_size=16 if case.extras else None,  # several chunks: b * s = 16
             )
             with install_logprob_head(model, config) as head:
@@ -169,10 +175,7 @@ def _preload():
     )
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=lambda tp: f"tp{tp}")
-def test_parity_with_stock_logits(tp: int) -> None:
-    """Log-probs and every parameter gradient match the stock path (fp32)."""
-    results = lp_testing.run_ranks(_parity_rank, tp, timeout=240)
+def _check_parity(results: list, tp: int) -> None:
     for rank, per_rank in enumerate(results):
         assert set(per_rank) == {c.name for c in _cases(tp)}
         for name, r in per_rank.items():
@@ -191,6 +194,20 @@ def test_parity_with_stock_logits(tp: int) -> None:
     if tp == 2:  # every rank returns the same log-probs
         for name in results[0]:
             torch.testing.assert_close(results[0][name]["lp"], results[1][name]["lp"])
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=lambda tp: f"tp{tp}")
+def test_parity_with_stock_logits(tp: int) -> None:
+    """Log-probs and every parameter gradient match the stock path (fp32)."""
+    _check_parity(lp_testing.run_ranks(_parity_rank, tp, timeout=240), tp)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_parity_with_stock_logits_nccl(backend: str) -> None:
+    """The same cases on 2 GPUs over NCCL (fp32), with each lp backend."""
+    results = lp_testing.run_ranks(_parity_rank, 2, "cuda", backend, backend="nccl", timeout=300)
+    _check_parity(results, 2)
 
 
 class _ScaledGPT:
@@ -341,19 +358,22 @@ def test_config_defaults_and_frozen() -> None:
         config.temperature = 2.0  # type: ignore[misc]
 
 
-def _bf16_rank(rank: int, world_size: int) -> dict:
+def _bf16_rank(rank: int, world_size: int, device: str = "cpu", backend: str = "torch") -> dict:
     from megatron.core.transformer.module import Float16Module
 
     from lp_megatron import install_logprob_head
 
-    with lp_testing.MegatronCpuPatches():
+    on_gpu = device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    with lp_testing.MegatronCpuPatches(cpu=not on_gpu):
         inner = _build(world_size, world_size > 1, True, bf16=True)
-        model = Float16Module(inner.config, inner)  # bf16 params, fp32 output
-        ids, pos, mask, labels, weights = _inputs(V_PADDED)
+        model = Float16Module(inner.config, inner).to(device)  # bf16 params, fp32 output
+        ids, pos, mask, labels, weights = (t.to(device) for t in _inputs(V_PADDED))
         ref = _reference(model(ids, pos, mask), labels, Case(False, True))[0]
         (weights[0] * ref).sum().backward()
         ref_grads = _grads(model)
-        with install_logprob_head(model, LogprobHeadConfig(backend="torch")) as head:
+        with install_logprob_head(model, LogprobHeadConfig(backend=backend)) as head:
             hidden = model(ids, pos, mask)
             assert hidden.dtype == torch.float32  # Float16Module upcasts; the head casts back
             out = head.logprobs(hidden, labels).logprob
@@ -373,7 +393,18 @@ def test_bf16_float16module_smoke() -> None:
     bf16 rounding (observed: log-probs 6e-4, gradients <1% of their max). A gradient
     summed twice (or not at all) over TP would be off by ~100%.
     """
-    for r in lp_testing.run_ranks(_bf16_rank, 2, timeout=240):
+    _check_bf16(lp_testing.run_ranks(_bf16_rank, 2, timeout=240))
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bf16_float16module_nccl(backend: str) -> None:
+    """The bf16 Float16Module case (TP 2 + SP, tied) on 2 GPUs over NCCL."""
+    _check_bf16(lp_testing.run_ranks(_bf16_rank, 2, "cuda", backend, backend="nccl", timeout=300))
+
+
+def _check_bf16(results: list) -> None:
+    for r in results:
         torch.testing.assert_close(r["lp"], r["ref"], rtol=0, atol=5e-3)
         for name, g_ref in r["ref_grads"].items():
             g = r["lp_grads"][name].float()

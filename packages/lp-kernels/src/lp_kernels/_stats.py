@@ -141,11 +141,21 @@ def masked_outputs(
     *,
     return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(logprob, entropy, lse)`` from merged statistics, exactly 0 on ignored rows."""
+    """``(logprob, entropy, lse)`` from merged statistics, exactly 0 on ignored rows.
+
+    A row whose log-sum-exp is not finite (a NaN or inf among its inputs, or logits past
+    the fp32 range) gets NaN in every field, never a finite or infinite stand-in.
+    """
+    nan = torch.full((), float("nan"), dtype=torch.float32, device=lse.device)
+    bad = ~torch.isfinite(lse)
+
+    def out(x):
+        return torch.where(ignored, 0.0, torch.where(bad, nan, x))
+
     return (
-        torch.where(ignored, 0.0, zt - lse),
-        None if entropy is None else torch.where(ignored, 0.0, entropy),
-        torch.where(ignored, 0.0, lse) if return_lse else None,
+        out(zt - lse),
+        None if entropy is None else out(entropy),
+        out(lse) if return_lse else None,
     )
 
 

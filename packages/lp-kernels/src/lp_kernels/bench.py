@@ -15,7 +15,8 @@ Performance protocol (DESIGN.md), one run per shape (N tokens, H hidden, V vocab
 - reference: fp32 on GPU (TF32 off), fp64 on CPU; row chunks of logits, ``log_softmax``
   and the closed-form gradient, independent of lp.
 
-Providers: ``lp-triton``, ``lp-torch``, ``lp-auto`` (lp's backends), ``materialized``
+Providers: ``lp-triton``, ``lp-torch``, ``lp-auto`` (lp's backends; ``lp-triton-det`` and
+``lp-torch-det`` run them with ``deterministic=True``), ``materialized``
 (logits in the input dtype, fp32 ``log_softmax``, gather), and peers when importable
 (never dependencies): ``liger`` (liger-kernel's fused linear cross entropy; a scalar
 loss, so timing and memory only, no error figures) and ``cce`` (Apple's
@@ -64,7 +65,8 @@ CPU_SHAPES: dict[str, tuple[int, int, int]] = {"cpu": (256, 128, 16003)}
 """The embedded default problem of ``lp bench`` on CPU (well under a minute on 2 cores)."""
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-LP_PROVIDERS = ("lp-triton", "lp-torch", "lp-auto")
+LP_PROVIDERS = ("lp-triton", "lp-torch", "lp-auto", "lp-triton-det", "lp-torch-det")
+"""lp's backends; ``-det`` runs ``deterministic=True`` (bitwise TP-invariant mode)."""
 PEERS = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}  # provider -> module
 PEER_DISTS = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}  # provider -> distribution
 ALL_PROVIDERS = (*LP_PROVIDERS, "materialized", *PEERS)
@@ -217,7 +219,9 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 Step = Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]]
 
 
-def provider_lp(backend: str, *, temperature: float = 1.0, entropy: bool = False) -> Step:
+def provider_lp(
+    backend: str, *, temperature: float = 1.0, entropy: bool = False, deterministic: bool = False
+) -> Step:
     from lp_kernels import linear_logprob
 
     def run(hidden, weight, targets, grad_out, grad_entropy=None):
@@ -229,6 +233,7 @@ def provider_lp(backend: str, *, temperature: float = 1.0, entropy: bool = False
             return_entropy=entropy,
             backend=backend,
             validate=False,
+            deterministic=deterministic,
         )
         if entropy:
             torch.autograd.backward([out.logprob, out.entropy], [grad_out, grad_entropy])
@@ -294,7 +299,10 @@ def provider_cce(*, temperature: float = 1.0, entropy: bool = False) -> Step:
 
 def make_provider(name: str, *, temperature: float = 1.0, entropy: bool = False) -> Step:
     if name in LP_PROVIDERS:
-        return provider_lp(name.removeprefix("lp-"), temperature=temperature, entropy=entropy)
+        backend = name.removeprefix("lp-").removesuffix("-det")
+        return provider_lp(
+            backend, temperature=temperature, entropy=entropy, deterministic=name.endswith("-det")
+        )
     factory = {
         "materialized": provider_materialized,
         "liger": provider_liger,
@@ -315,7 +323,9 @@ def provider_available(name: str, device: str) -> str | None:
             return f"{PEERS[name]} is not importable"
         if device != "cuda":
             return "peers run on CUDA only"
-    if name == "lp-triton":
+    if name == "lp-torch-det" and device == "cuda":
+        return "deterministic=True with the torch backend runs on CPU only"
+    if name in ("lp-triton", "lp-triton-det"):
         if importlib.util.find_spec("triton") is None:
             return "triton is not importable"
         if device != "cuda" and not _triton_interpreting():

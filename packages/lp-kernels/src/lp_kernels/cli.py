@@ -619,8 +619,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--backends",
         type=_backends_arg,
         default=None,
-        help="comma-separated: lp-triton, lp-torch, lp-auto, materialized, liger, cce; "
-        "default: all available",
+        help="comma-separated: lp-triton, lp-torch, lp-auto, lp-triton-det, lp-torch-det "
+        "(deterministic=True), materialized, liger, cce; default: all available except -det",
     )
     bench.add_argument(
         "--dtype",

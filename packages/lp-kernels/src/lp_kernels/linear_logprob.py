@@ -36,16 +36,6 @@ def _resolve_backend(
     backend: str, device: torch.device, *, deterministic: bool = False
 ) -> type[torch.autograd.Function]:
     """The autograd Function for ``backend``. Errors inside a backend propagate; no fallback."""
-    if deterministic:
-        if backend == "triton" or device.type != "cpu":
-            raise NotImplementedError(
-                "deterministic=True is implemented for the torch backend on CPU only in this "
-                "version (the triton path is planned); without it results are still bitwise "
-                "reproducible run to run"
-            )
-        from lp_kernels.backends.torch_deterministic import LinearLogprobTorchDeterministic
-
-        return LinearLogprobTorchDeterministic
     if backend == "auto":
         use_triton = (
             device.type == "cuda"
@@ -54,7 +44,17 @@ def _resolve_backend(
         )
         backend = "triton" if use_triton else "torch"
     if backend == "torch":
-        return LinearLogprobTorch
+        if not deterministic:
+            return LinearLogprobTorch
+        if device.type != "cpu":
+            raise NotImplementedError(
+                "deterministic=True with the torch backend runs on CPU only: on CUDA its "
+                "cuBLAS GEMMs pick their summation order from the shard shape. Use "
+                "backend='triton' (or 'auto') on a GPU of compute capability >= 8.0"
+            )
+        from lp_kernels.backends.torch_deterministic import LinearLogprobTorchDeterministic
+
+        return LinearLogprobTorchDeterministic
     if not _triton_importable():
         raise RuntimeError("backend='triton' needs the triton package (it ships with CUDA torch)")
     if device.type == "cuda" or (device.type == "cpu" and _triton_interpreting()):
@@ -64,6 +64,10 @@ def _resolve_backend(
             f"backend='triton' needs CUDA tensors (got {device}); on CPU it runs only under "
             "TRITON_INTERPRET=1 (tests). Use backend='torch' or 'auto'"
         )
+    if deterministic:
+        from lp_kernels.backends.triton_deterministic import LinearLogprobTritonDeterministic
+
+        return LinearLogprobTritonDeterministic
     from lp_kernels.backends.triton_linear import LinearLogprobTriton
 
     return LinearLogprobTriton
@@ -121,9 +125,11 @@ def linear_logprob(
             (e.g. a sequence-parallel reduce-scatter).
         deterministic: tensor-parallel invariance: outputs and both gradients are
             bitwise identical for any TP degree and any layout whose shard bounds are
-            multiples of 128 (else ``ValueError`` on every rank). This version provides
-            it for the torch backend on CPU; elsewhere it raises
-            ``NotImplementedError``.
+            multiples of 128 (else ``ValueError`` on every rank). Provided by the
+            triton backend (GPU; CPU under the interpreter) and the torch backend on
+            CPU; the torch backend on CUDA raises ``NotImplementedError``. With
+            ``reduce_grad_hidden=False`` the returned partial is exact per rank, but
+            the caller's own reduction decides the bits of the sum.
         backend: ``"torch"`` (chunked torch ops, CPU and GPU), ``"triton"`` (the
             fused kernel; CUDA, or CPU under ``TRITON_INTERPRET=1``), or ``"auto"``:
             triton on CUDA devices of compute capability >= 8.0, else torch.
@@ -140,8 +146,7 @@ def linear_logprob(
         TypeError: wrong tensor types or dtypes.
         ValueError: shape mismatches, bad options, targets out of range (with
             ``validate=True``), an inconsistent shard layout (on every rank).
-        NotImplementedError: ``deterministic=True`` on CUDA or with the triton
-            backend, which this version does not provide yet.
+        NotImplementedError: ``deterministic=True`` with ``backend="torch"`` on CUDA.
 
     Example:
         >>> import torch

@@ -60,6 +60,19 @@ class VocabParallelLogprob(torch.autograd.Function):
         n = logits.shape[0]
         v_real = p.local_real_columns(logits.shape[1])
         t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
+        if p.deterministic:
+            from lp_kernels.backends.torch_deterministic import merged_tile_stats
+
+            z_chunks = (
+                (r0, r1, rows, _scaled_chunk(logits, r0, r1, rows, v_real, p.inv_temperature))
+                for r0, r1, rows in chunks(n, p.chunk_size)
+            )
+            lse, mean_z, zt, ent = merged_tile_stats(
+                z_chunks, t_local, in_shard, n, p, logits.device
+            )
+            ctx.save_for_backward(logits, targets, lse, mean_z)
+            ctx.params = p
+            return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
         stats = scratch.empty((n, N_STATS), dtype=torch.float32, device=logits.device)
         for r0, r1, rows in chunks(n, p.chunk_size):
             z = _scaled_chunk(logits, r0, r1, rows, v_real, p.inv_temperature)
@@ -107,6 +120,7 @@ class VocabParallelLogprob(torch.autograd.Function):
             )
             if p.temperature != 1.0:
                 dz.mul_(p.inv_temperature)
+            dz.masked_fill_(padded_rows(ignored, r0, r1, rows, False)[:, None], 0.0)
             grad[r0:r1, :v_real] = dz[: r1 - r0]
             if v_real < v_local:
                 grad[r0:r1, v_real:] = 0.0
@@ -126,6 +140,7 @@ def vocab_parallel_logprob(
     vocab_size: int | None = None,
     chunk_size: int | None = None,
     validate: bool = True,
+    deterministic: bool = False,
 ) -> LogProbOutput:
     """Log-probabilities of ``targets`` from (vocabulary-sharded) logits, in fp32.
 
@@ -151,6 +166,10 @@ def vocab_parallel_logprob(
         chunk_size: token rows per step (at least 16 are used); None = a default
             from the shard width and device, never from N.
         validate: check target ids (one host sync); False = no host sync.
+        deterministic: tensor-parallel invariance: outputs and the logits gradient are
+            bitwise identical for any TP degree and any layout whose shard bounds are
+            multiples of 128 (else ``ValueError`` on every rank): partials of each
+            global 128-column tile are merged in global tile order.
 
     Returns:
         ``LogProbOutput(logprob, entropy, lse)``, each ``[*]`` float32.
@@ -184,7 +203,7 @@ def vocab_parallel_logprob(
         vocab_size=vocab_size,
         hidden=0,
         dtype=logits.dtype,
-        deterministic=False,
+        deterministic=bool(deterministic),
         device=logits.device,
     )
     vocab_start, vocab_size = layout.start, layout.vocab_size
@@ -205,6 +224,7 @@ def vocab_parallel_logprob(
         max_v_local=max(layout.sizes),
         shard_starts=layout.starts,
         shard_sizes=layout.sizes,
+        deterministic=bool(deterministic),
     )
     lead = targets.shape
     logprob, entropy, lse = VocabParallelLogprob.apply(

@@ -78,10 +78,14 @@ class MegatronCpuPatches:
     Args:
         sequence_parallel_norm: also apply patch 3 (the norm swap). It only matters for
             models built with ``sequence_parallel=True``; it is harmless otherwise.
+        cpu: apply patches 1 and 2 (CPU device and RNG). ``cpu=False`` keeps only patch 3,
+            for GPU test ranks without transformer-engine or apex, whose local layer spec
+            otherwise refuses sequence parallelism.
     """
 
-    def __init__(self, sequence_parallel_norm: bool = True) -> None:
+    def __init__(self, sequence_parallel_norm: bool = True, *, cpu: bool = True) -> None:
         self.sequence_parallel_norm = sequence_parallel_norm
+        self.cpu = cpu
         self._saved: list[tuple[Any, str, Any]] = []
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
@@ -92,12 +96,13 @@ class MegatronCpuPatches:
         """Install the patches; returns ``self``. Raises if already applied."""
         if self._saved:
             raise RuntimeError("MegatronCpuPatches already applied; call restore() first")
-        random = importlib.import_module("megatron.core.tensor_parallel.random")
-        self._set(torch.cuda, "current_device", lambda: "cpu")
-        self._set(torch.cuda, "get_rng_state", _cpu_get_rng_state)
-        self._set(torch.cuda, "manual_seed", _cpu_manual_seed)
-        self._set(random, "_get_cuda_rng_state", _cpu_get_rng_state)
-        self._set(random, "_set_cuda_rng_state", _cpu_set_rng_state)
+        if self.cpu:
+            random = importlib.import_module("megatron.core.tensor_parallel.random")
+            self._set(torch.cuda, "current_device", lambda: "cpu")
+            self._set(torch.cuda, "get_rng_state", _cpu_get_rng_state)
+            self._set(torch.cuda, "manual_seed", _cpu_manual_seed)
+            self._set(random, "_get_cuda_rng_state", _cpu_get_rng_state)
+            self._set(random, "_set_cuda_rng_state", _cpu_set_rng_state)
         if self.sequence_parallel_norm:
             torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
             self._set(torch_norm.WrappedTorchNorm, "__new__", staticmethod(_plain_norm_new))

@@ -15,12 +15,8 @@ layout whose bounds are multiples of ``TILE`` (128) columns. Data flow::
                       and summed in int64: exact, so the order (and the TP all-reduce)
                       cannot change the bits; one rounding back at the end.
 
-The fixed-point scale per row comes from a bound that every rank computes alike:
-``|grad_h[n, j]| <= sum_v |d l[n, v]| * max|W| <= (|g_lse - g_lp| + |g_lp| +
-2 |g_ent| zmax_n) / T * max|W| * (1 + 2^-8)`` with ``zmax_n = |h_n| max_v |W_v| / T``
-(Cauchy-Schwarz); the maxima over the vocabulary are exact all-reduce MAXes. With
-``e_n = floor(61 - log2(2 * bound))`` the int64 sum cannot overflow, and its resolution,
-``bound * 2^-61``, is far below fp32's for any realistic gradient.
+The fixed-point scale per row comes from a bound that every rank computes alike
+(``lp_kernels._fixed_point``, shared with the triton backend).
 
 Scope: the torch backend on CPU, where the per-row results of these GEMMs and
 reductions do not depend on the shard width (tested). On CUDA the torch backend's GEMMs
@@ -30,11 +26,11 @@ are not shape-invariant, so ``deterministic=True`` there needs the triton backen
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from lp_kernels._dist import DETERMINISTIC_TILE as TILE
 from lp_kernels._dist import all_reduce_sum_, gather_stats
+from lp_kernels._fixed_point import from_fixed_point, row_exponents
 from lp_kernels._matmul import addmm_f32_, mm_f32
 from lp_kernels._stats import N_STATS, masked_outputs, target_columns
 from lp_kernels._types import LogprobParams
@@ -97,10 +93,24 @@ def _global_tiles(gathered: torch.Tensor, p: LogprobParams) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _all_max(x: torch.Tensor, p: LogprobParams) -> torch.Tensor:
-    if p.tp_size > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=p.tp_group)
-    return x
+def merged_tile_stats(z_chunks, t_local, in_shard, n: int, p: LogprobParams, device):
+    """Tile partials of every ``(r0, r1, rows, z)`` chunk, exchanged and merged in tile order.
+
+    Returns ``(lse, E or None, target logit, entropy or None)``, each ``[N]`` fp32. Shared
+    with ``vocab_parallel_logprob(deterministic=True)``.
+    """
+    t_max = _tiles(max(p.shard_sizes))
+    stats = torch.zeros((n, t_max, N_STATS), dtype=torch.float32, device=device)
+    for r0, r1, rows, z in z_chunks:
+        part = _tile_stats(
+            z,
+            padded_rows(t_local, r0, r1, rows),
+            padded_rows(in_shard, r0, r1, rows, False),
+            entropy=p.return_entropy,
+        )
+        stats[r0:r1, : part.shape[1]] = part[: r1 - r0]
+    tiles = _global_tiles(gather_stats(stats, p.tp_group, p.tp_size), p)
+    return _merge_tiles(tiles, entropy=p.return_entropy)
 
 
 class LinearLogprobTorchDeterministic(torch.autograd.Function):
@@ -113,18 +123,8 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
         t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
-        t_max = _tiles(max(p.shard_sizes))
-        stats = torch.zeros((n, t_max, N_STATS), dtype=torch.float32, device=hidden.device)
-        for r0, r1, rows, _, z in scaled_logits_chunks(hidden, w_real, p):
-            part = _tile_stats(
-                z,
-                padded_rows(t_local, r0, r1, rows),
-                padded_rows(in_shard, r0, r1, rows, False),
-                entropy=p.return_entropy,
-            )
-            stats[r0:r1, : part.shape[1]] = part[: r1 - r0]
-        tiles = _global_tiles(gather_stats(stats, p.tp_group, p.tp_size), p)
-        lse, mean_z, zt, ent = _merge_tiles(tiles, entropy=p.return_entropy)
+        z_chunks = (c[:3] + c[4:] for c in scaled_logits_chunks(hidden, w_real, p))
+        lse, mean_z, zt, ent = merged_tile_stats(z_chunks, t_local, in_shard, n, p, hidden.device)
         ctx.save_for_backward(hidden, weight, targets, lse, mean_z)
         ctx.params = p
         return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
@@ -143,9 +143,9 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
             None if g is None else torch.where(ignored, 0.0, g.float())
             for g in (g_lp, g_ent, g_lse)
         )
-        scale = None
+        scale = bad = None
         if need_h:
-            scale = _fixed_point_scale(hidden, w_real, g_lp_, g_ent_, g_lse_, p)
+            scale, bad = row_exponents(hidden, w_real, lse, ignored, g_lp_, g_ent_, g_lse_, p)
             acc_h = torch.zeros((n, h_dim), dtype=torch.int64, device=hidden.device)
         acc_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         for r0, r1, h_c, dl in logits_grad_chunks(
@@ -162,27 +162,6 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         if need_h:
             if p.tp_size > 1 and p.reduce_grad_hidden:
                 all_reduce_sum_(acc_h, p.tp_group, p.tp_size)
-            grad_h = (acc_h.double() * torch.exp2(-scale)[:, None]).to(hidden.dtype)
+            grad_h = from_fixed_point(acc_h, scale, bad, hidden.dtype)
         grad_w = acc_w.to(weight.dtype) if need_w else None
         return grad_h, grad_w, None, None
-
-
-def _fixed_point_scale(hidden, w_real, g_lp, g_ent, g_lse, p: LogprobParams) -> torch.Tensor:
-    """Per-row exponent e_n (float64, integral) with ``|grad_h[n]| * 2^e_n < 2^60``."""
-    dev = hidden.device
-    if w_real.shape[0] > 0:
-        w32 = w_real.float()
-        local = torch.stack([w32.abs().amax(), torch.linalg.vector_norm(w32, dim=1).amax()])
-    else:
-        local = torch.zeros(2, device=dev)
-    w_abs, w_norm = _all_max(local.double(), p).unbind()
-    zero = torch.zeros(hidden.shape[0], dtype=torch.float64, device=dev)
-    g_lp64 = zero if g_lp is None else g_lp.double()
-    g_lse64 = zero if g_lse is None else g_lse.double()
-    g_ent64 = zero if g_ent is None else g_ent.double()
-    inv_t = p.inv_temperature
-    zmax = torch.linalg.vector_norm(hidden.double(), dim=1) * w_norm * inv_t
-    bound = (g_lse64 - g_lp64).abs() + g_lp64.abs() + 2 * g_ent64.abs() * zmax
-    bound = 2 * 1.01 * bound * inv_t * w_abs
-    # clamped so that 2^e stays finite in float64 (a smaller e only coarsens, never overflows)
-    return torch.where(bound > 0, torch.floor(60 - torch.log2(bound)), 0.0).clamp(-900, 900)

@@ -176,4 +176,6 @@ def logits_grad_chunks(hidden, w_real, targets, lse, mean_z, upstream, p: Logpro
         )
         if p.temperature != 1.0:
             dz.mul_(p.inv_temperature)
+        # exact zeros on ignored rows, even where their hidden is not finite
+        dz.masked_fill_(padded_rows(ignored, r0, r1, rows, False)[:, None], 0.0)
         yield r0, r1, h_c, dz.to(hidden.dtype)

@@ -78,6 +78,9 @@ INTERPRET_CONFIG = TileConfig(
 )  # fmt: skip
 
 
+IGNORED = -2  # target code of an ignored row in the kernels (see target_codes)
+
+
 def config_for(device: torch.device) -> TileConfig:
     return INTERPRET_CONFIG if device.type == "cpu" else GPU_CONFIG
 
@@ -202,7 +205,7 @@ def _dlogits_kernel(
     stride_hn, stride_hh, stride_wv, stride_wh, stride_dn,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, EVEN_H: tl.constexpr,
-    INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, IGNORED: tl.constexpr,
 ):  # fmt: skip
     """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T for columns [v_begin, +v_count)."""
     i_n = tl.program_id(0)
@@ -228,11 +231,13 @@ def _dlogits_kernel(
     else:
         b_dz_over_p = b_c0[:, None]
     b_dz = tl.exp(b_z - b_lse[:, None]) * b_dz_over_p
+    b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
     if HAS_LP:
-        b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
         b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0)
         b_dz += tl.where((v_begin + o_c)[None, :] == b_t[:, None], b_glp[:, None], 0.0)
-    b_dz = tl.where(m_n[:, None] & m_v[None, :], b_dz * inv_t, 0.0)
+    # ignored rows (code IGNORED) get exact zeros, even where their hidden is not finite
+    m_live = m_n & (b_t != IGNORED)
+    b_dz = tl.where(m_live[:, None] & m_v[None, :], b_dz * inv_t, 0.0)
     p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_c[None, :]
     tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & m_v[None, :])
 
@@ -343,7 +348,7 @@ def _dlogits(hidden, w_real, t_col, lse, mean, g_lp, g_ent, c0, out, v_begin, v_
         n, h_dim, v_begin, v_count, p.inv_temperature,
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
-        ENTROPY=g_ent is not None, HAS_LP=g_lp is not None,
+        ENTROPY=g_ent is not None, HAS_LP=g_lp is not None, IGNORED=IGNORED,
         **_flags(hidden, cfg), **_launch_opts(cfg, hidden.device),
     )  # fmt: skip
 
@@ -358,6 +363,18 @@ def _matmul_acc_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: TileCon
         BLOCK_M=cfg.mm_block_m, BLOCK_N=cfg.mm_block_n, BLOCK_K=cfg.mm_block_k,
         INTERPRET=a.device.type == "cpu", PRECISION="ieee", **_launch_opts(cfg, a.device),
     )  # fmt: skip
+
+
+def target_codes(t_local: torch.Tensor, in_shard: torch.Tensor, ignored: torch.Tensor):
+    """Per row: the target's column in this shard, -1 if elsewhere, IGNORED (-2) if ignored."""
+    return torch.where(in_shard, t_local, torch.where(ignored, IGNORED, -1))
+
+
+def lse_coefficient(g_lp, g_lse, n: int, device: torch.device) -> torch.Tensor:
+    """``c0 = g_lse - g_lp`` per row (fp32, contiguous), zeros for absent gradients."""
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    c0 = (g_lse if g_lse is not None else zero) - (g_lp if g_lp is not None else zero)
+    return c0.expand(n).contiguous()
 
 
 def _grad_weight_slice(dl: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -383,7 +400,7 @@ class LinearLogprobTriton(torch.autograd.Function):
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
         t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
-        t_col = torch.where(in_shard, t_local, -1)
+        t_col = target_codes(t_local, in_shard, ignored)
         stats = forward_stats(hidden, w_real, t_col, p, cfg)
         gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, S, N, 4]
         lse, mean_z, zt, ent = merge(gathered.flatten(0, 1), entropy=p.return_entropy)
@@ -405,11 +422,7 @@ class LinearLogprobTriton(torch.autograd.Function):
             None if g is None else torch.where(ignored, 0.0, g.float())
             for g in (g_lp, g_ent, g_lse)
         )
-        zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        c0 = ((g_lse if g_lse is not None else zero) - (g_lp if g_lp is not None else zero)).expand(
-            n
-        )
-        c0 = c0.contiguous()
+        c0 = lse_coefficient(g_lp, g_lse, n, hidden.device)
         grad_h32 = (
             torch.zeros((n, h_dim), dtype=torch.float32, device=hidden.device) if need_h else None
         )

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
+# Usage (repository root, on a CUDA host without nox, e.g. the device tool):
+#   bash benchmarks/gpu_suite.sh [tests] [megatron] [bench] [sweep]      (default: all)
+# Writes logs, JUnit XML and bench.json/bench.png under $OUT (default ./gpu-out).
+# megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
+# are installed into /tmp/site first (the GPU image lacks them).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+  NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+pk=$PWD/packages
+export PYTHONPATH=$pk/lp-kernels/src:$pk/lp-testing/src:$pk/lp-megatron/src:$PYTHONPATH
+stages=${*:-tests megatron bench sweep}
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+run_pytest() {  # name, pytest args...
+  local name=$1
+  shift
+  python3 -m pytest -p lp_testing.plugin -m "gpu or multigpu" -q -W ignore \
+    --junitxml="$OUT/$name.xml" "$@" 2>&1 | tail -n 40 | tee "$OUT/$name.log"
+  return "${PIPESTATUS[0]}"
+}
+for stage in $stages; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    tests)
+      run_pytest kernels packages/lp-kernels/tests packages/lp-testing/tests || status=1 ;;
+    megatron)
+      run_pytest megatron packages/lp-megatron/tests || status=1 ;;
+    bench)
+      python3 -m lp_kernels.cli bench --shapes S1,S2,S3,S4 \
+        --backends lp-triton,lp-triton-det,lp-torch,materialized,liger,cce \
+        --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 30 || status=1 ;;
+    sweep)
+      python3 benchmarks/sweep_tiles.py --out "$OUT/sweep.json" 2>&1 | tail -n 30 || status=1 ;;
+    *) echo "unknown stage $stage"; status=2 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,216 @@
+"""``deterministic=True`` for the triton backend: bitwise tensor-parallel invariance.
+
+Outputs and both gradients are bitwise identical for any TP degree and any shard
+layout whose bounds are multiples of ``TILE`` (128) columns, and stay batch-invariant
+and reproducible run to run. Data flow for one rank::
+
+    forward   per token chunk (rows fixed by the global tile count, never by N):
+                _fwd_stats_kernel with V_SPLIT = BLOCK_V = 128: one partial (m, s, a, t)
+                    per row and global 128-column tile        [T_max, rows, 4]
+                all-gather -> [P, T_max, rows, 4]; _merge_kernel visits the partials in
+                    (rank, tile) order = the global tile order, with empty partials
+                    (m = -inf, s = a = t = 0) in the gaps of uneven layouts; adding an
+                    exact zero leaves an fp32 sum unchanged, so every layout merges alike
+    backward  per vocabulary chunk, per token chunk:
+                _dlogits_kernel (as in the default path; 128-aligned tiles)
+                grad_W[chunk] += d l^T @ h     lp's fixed-tile GEMM (_matmul_acc_kernel):
+                                              a row's result never depends on the shard
+                                              width, unlike cuBLAS' shape-picked kernels
+                grad_h (int64) += round(2^e_n * (d l[:, tile] @ W[tile])) per 128-column
+                                              tile (_matmul_fixed_kernel); exact, so the
+                                              tile order and the TP all-reduce (int64)
+                                              cannot change the bits
+              grad_h = acc * 2^-e_n, one rounding (lp_kernels._fixed_point)
+
+The forward logit tiles and the backward's d_logits tiles cover the same global
+128-column tiles on every layout (shard bounds are multiples of 128, the kernels' column
+tiles start at multiples of 128 of the shard), and every element of a tile is computed
+by the same instruction sequence whatever its position, so each tile's numbers are the
+same on every layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from lp_kernels._dist import DETERMINISTIC_TILE as TILE
+from lp_kernels._dist import all_reduce_sum_, gather_stats
+from lp_kernels._fixed_point import from_fixed_point, row_exponents
+from lp_kernels._stats import N_STATS, masked_outputs, target_columns
+from lp_kernels._types import LogprobParams
+from lp_kernels.backends import triton_linear as tri
+from lp_kernels.backends.triton_linear import TileConfig
+
+# Every column tile is one global vocabulary tile. The fixed-point GEMM keeps an int64
+# and an fp32 accumulator per output element, hence its smaller BLOCK_M on the GPU.
+GPU_CONFIG = dataclasses.replace(
+    tri.GPU_CONFIG, block_v=TILE, v_split=TILE, mm_block_m=128, mm_block_n=128, mm_block_k=64
+)
+FIXED_GPU = (64, 128, 64)  # BLOCK_M, BLOCK_N, BLOCK_K of _matmul_fixed_kernel
+INTERPRET_CONFIG = dataclasses.replace(tri.INTERPRET_CONFIG, block_v=TILE, v_split=TILE)
+FIXED_INTERPRET = (64, 64, TILE)
+_STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
+
+
+def config_for(device: torch.device) -> tuple[TileConfig, tuple[int, int, int]]:
+    if device.type == "cpu":
+        return INTERPRET_CONFIG, FIXED_INTERPRET
+    return GPU_CONFIG, FIXED_GPU
+
+
+@triton.jit
+def _matmul_fixed_kernel(
+    a_ptr, b_ptr, c_ptr, s_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """C (int64) += sum over LEAF-wide K tiles of round(s_m * (A[:, tile] @ B[tile])).
+
+    Each tile's product is an fp32 dot from zero (fixed BLOCK_K order); ``s_m`` is a
+    power of two per row, so the scaling is exact; rounding is half away from zero.
+    """
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    m_m = o_m < M
+    m_n = o_n < N
+    m_c = m_m[:, None] & m_n[None, :]
+    p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
+    # [BLOCK_M, BLOCK_N] int64
+    b_acc = tl.load(p_c, mask=m_c, other=0)
+    b_scale = tl.load(s_ptr + o_m, mask=m_m, other=1.0)
+    p_a = a_ptr + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
+    p_b = b_ptr + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
+    for l0 in range(0, K, LEAF):
+        b_leaf = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kk in tl.static_range(0, LEAF, BLOCK_K):
+            k0 = l0 + kk
+            m_k = (o_k + k0) < K
+            # [BLOCK_M, BLOCK_K]
+            b_a = tl.load(p_a + k0 * stride_ak, mask=m_m[:, None] & m_k[None, :], other=0.0)
+            # [BLOCK_K, BLOCK_N]
+            b_b = tl.load(p_b + k0 * stride_bk, mask=m_k[:, None] & m_n[None, :], other=0.0)
+            if INTERPRET:
+                b_leaf += tl.sum(
+                    b_a.to(tl.float32)[:, :, None] * b_b.to(tl.float32)[None, :, :], axis=1
+                )
+            else:
+                b_leaf = tl.dot(b_a, b_b, b_leaf, input_precision=PRECISION)
+        b_x = b_leaf * b_scale[:, None]
+        b_x = b_x + tl.where(b_x >= 0, 0.5, -0.5)
+        b_acc += b_x.to(tl.int64)
+    tl.store(p_c, b_acc, mask=m_c)
+
+
+def _matmul_fixed_(c, a, b, scale, fixed: tuple[int, int, int], cfg: TileConfig) -> None:
+    m, k = a.shape
+    n = b.shape[1]
+    block_m, block_n, block_k = fixed
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _matmul_fixed_kernel[grid](
+        a, b, c, scale, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        LEAF=TILE, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        INTERPRET=a.device.type == "cpu", PRECISION="ieee", **tri._launch_opts(cfg, a.device),
+    )  # fmt: skip
+
+
+def _stats_rows(p: LogprobParams, cfg: TileConfig) -> int:
+    """Token rows per forward chunk: the gathered partials stay within _STATS_BYTES."""
+    tiles = triton.cdiv(max(p.max_v_local, 1), TILE) * max(p.tp_size, 1)
+    rows = _STATS_BYTES // (tiles * N_STATS * 4)
+    return max(cfg.block_n, rows // cfg.block_n * cfg.block_n)
+
+
+class LinearLogprobTritonDeterministic(torch.autograd.Function):
+    """TP-invariant fused implementation; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, p: LogprobParams):
+        ctx.set_materialize_grads(False)
+        cfg, _ = config_for(hidden.device)
+        hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+        n = hidden.shape[0]
+        v_real = p.local_real_columns(weight.shape[0])
+        w_real = weight[:v_real]
+        t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
+        t_col = tri.target_codes(t_local, in_shard, ignored)
+        parts = []
+        step = _stats_rows(p, cfg)
+        for r0 in range(0, max(n, 1), step):
+            r1 = min(n, r0 + step)
+            stats = tri.forward_stats(hidden[r0:r1], w_real, t_col[r0:r1], p, cfg)
+            gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, T_max, rows, 4]
+            parts.append(tri.merge(gathered.flatten(0, 1), entropy=p.return_entropy))
+        lse, mean_z, zt, ent = (
+            None if part[0] is None else torch.cat(part) for part in zip(*parts, strict=True)
+        )
+        ctx.save_for_backward(hidden, weight, t_col, ignored, lse, mean_z)
+        ctx.params = p
+        return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lp, g_ent, g_lse):
+        hidden, weight, t_col, ignored, lse, mean_z = ctx.saved_tensors
+        p: LogprobParams = ctx.params
+        cfg, fixed = config_for(hidden.device)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n, h_dim = hidden.shape
+        v_real = p.local_real_columns(weight.shape[0])
+        w_real = weight[:v_real]
+        g_lp, g_ent, g_lse = (
+            None if g is None else torch.where(ignored, 0.0, g.float())
+            for g in (g_lp, g_ent, g_lse)
+        )
+        c0 = tri.lse_coefficient(g_lp, g_lse, n, hidden.device)
+        dev = hidden.device
+        if need_h:
+            e, bad = row_exponents(hidden, w_real, lse, ignored, g_lp, g_ent, g_lse, p)
+            scale = torch.exp2(e).float()
+            acc_h = torch.zeros((n, h_dim), dtype=torch.int64, device=dev)
+        grad_w = torch.zeros_like(weight) if need_w else None
+        if n > 0 and v_real > 0:
+            rows = min(cfg.token_chunk, n)
+            width = min(cfg.vocab_chunk, v_real)
+            dl_buf = tri.scratch.empty((rows, width), dtype=hidden.dtype, device=dev)
+            acc_w = None  # fp32 accumulator of a grad_W slice (fp32 weights use grad_w itself)
+            if need_w and weight.dtype != torch.float32:
+                acc_w = torch.empty((width, h_dim), dtype=torch.float32, device=dev)
+            for v_begin in range(0, v_real, cfg.vocab_chunk):
+                v_count = min(cfg.vocab_chunk, v_real - v_begin)
+                w_chunk = w_real[v_begin : v_begin + v_count]
+                if need_w:
+                    gw_slice = grad_w[v_begin : v_begin + v_count]
+                    acc = gw_slice if acc_w is None else acc_w[:v_count].zero_()
+                for r0 in range(0, n, rows):
+                    r1 = min(n, r0 + rows)
+
+                    def cut(x, r0=r0, r1=r1):
+                        return None if x is None else x[r0:r1]
+
+                    dl = dl_buf[: r1 - r0, :v_count]
+                    tri._dlogits(
+                        hidden[r0:r1], w_real, t_col[r0:r1], lse[r0:r1], cut(mean_z),
+                        cut(g_lp), cut(g_ent), c0[r0:r1], dl, v_begin, v_count, p, cfg,
+                    )  # fmt: skip
+                    if need_w:
+                        tri._matmul_acc_(acc, dl.T, hidden[r0:r1], cfg)
+                    if need_h:
+                        _matmul_fixed_(acc_h[r0:r1], dl, w_chunk, scale[r0:r1], fixed, cfg)
+                if need_w and acc_w is not None:
+                    gw_slice.copy_(acc)
+        grad_h = None
+        if need_h:
+            if p.tp_size > 1 and p.reduce_grad_hidden:
+                all_reduce_sum_(acc_h, p.tp_group, p.tp_size)
+            grad_h = from_fixed_point(acc_h, e, bad, hidden.dtype)
+        return grad_h, grad_w, None, None
