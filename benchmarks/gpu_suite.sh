@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
-#   bash benchmarks/gpu_suite.sh [tests] [megatron] [bench] [sweep]      (default: all)
+#   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [bench] [sweep]  (default: all)
 # Writes logs, JUnit XML and bench.json/bench.png under $OUT (default ./gpu-out).
 # megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
 # are installed into /tmp/site first (the GPU image lacks them).
@@ -33,6 +33,10 @@ for stage in $stages; do
   case $stage in
     tests)
       run_pytest kernels packages/lp-kernels/tests packages/lp-testing/tests || status=1 ;;
+    tests-core)  # the GPU-only modules, determinism and deterministic mode (not the parity grid)
+      run_pytest kernels-core packages/lp-kernels/tests/test_gpu.py \
+        packages/lp-kernels/tests/test_determinism.py \
+        packages/lp-kernels/tests/test_deterministic.py || status=1 ;;
     megatron)
       run_pytest megatron packages/lp-megatron/tests || status=1 ;;
     bench)

@@ -20,7 +20,8 @@ Design notes:
   started once, a child would otherwise see the environment of that moment; the parent's
   current ``os.environ`` is therefore sent along and applied in the child before any user
   code runs (CUDA is not initialised in the forkserver, so ``CUDA_VISIBLE_DEVICES`` still
-  takes effect).
+  takes effect). NCCL ranks use ``spawn``: a preloaded module (megatron.core on a GPU host)
+  can initialise CUDA in the forkserver, after which a forked child cannot use CUDA.
 - Rendezvous on a ``FileStore`` in a fresh temp directory: no port is ever chosen, so two
   concurrent test sessions cannot collide.
 - Arguments and results cross the process boundary as plain ``pickle`` bytes, so tensors
@@ -287,8 +288,10 @@ def _child_main(spec: _ChildSpec, rank: int, conn: Connection, alive: Connection
     conn.close()
 
 
-def _context() -> mp.context.BaseContext:
-    if "forkserver" not in mp.get_all_start_methods():
+def _context(backend: str = "gloo") -> mp.context.BaseContext:
+    # NCCL ranks are spawned: a preloaded module may have initialised CUDA in the forkserver
+    # (megatron.core does on a GPU host), and CUDA cannot be used in a forked child then.
+    if backend == "nccl" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_preload_modules))
@@ -467,7 +470,7 @@ def run_ranks(
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise TypeError(f"run_ranks: cannot send fn/args/kwargs to the ranks: {exc}") from exc
 
-    ctx = _context()
+    ctx = _context(backend)
     with tempfile.TemporaryDirectory(prefix="lp-ranks-") as tmp:
         spec = _ChildSpec(
             world_size=world_size,

@@ -63,7 +63,7 @@ def config_for(device: torch.device) -> tuple[TileConfig, tuple[int, int, int]]:
     return GPU_CONFIG, FIXED_GPU
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "N", "K"])
 def _matmul_fixed_kernel(
     a_ptr, b_ptr, c_ptr, s_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -180,7 +180,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         grad_w = torch.zeros_like(weight) if need_w else None
         if n > 0 and v_real > 0:
             rows = min(cfg.token_chunk, n)
-            width = min(cfg.vocab_chunk, v_real)
+            width = tri.buffer_width(v_real, cfg)
             dl_buf = tri.scratch.empty((rows, width), dtype=hidden.dtype, device=dev)
             acc_w = None  # fp32 accumulator of a grad_W slice (fp32 weights use grad_w itself)
             if need_w and weight.dtype != torch.float32:

@@ -24,6 +24,11 @@ to a running maximum seeded with -inf, entropy assembled from ``z - m``. The mer
 visits partials in (rank, split) order in one program per row block.
 
 Determinism. No atomics: every output element is written by exactly one program.
+Sizes that vary with N or with the shard (N, V_real, chunk bounds, GEMM sizes) are
+excluded from Triton's integer specialization (``do_not_specialize``): otherwise a size
+that happens to be a multiple of 16 compiles another variant of the kernel, and another
+variant may contract or reorder the floating-point arithmetic differently (observed on
+H200: TP=1 and TP=2 entropies differing in the last bit).
 Tile sizes, ``V_SPLIT`` and ``VOCAB_CHUNK`` are pinned constants (never chosen from
 N), and each row's arithmetic involves only that row, so a row's outputs and its
 grad_hidden row do not depend on N, on the other rows or on ``chunk_size``.
@@ -113,7 +118,7 @@ def _logits_tile(
     return b_acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "V_real"])
 def _fwd_stats_kernel(
     h_ptr, w_ptr, t_ptr, stats_ptr,
     N, H, V_real, inv_t,
@@ -163,7 +168,7 @@ def _fwd_stats_kernel(
     tl.store(p_out + 3, b_zt, mask=m_n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "N"])
 def _merge_kernel(
     stats_ptr, lse_ptr, mean_ptr, zt_ptr, ent_ptr, K, N,
     BLOCK_N: tl.constexpr, ENTROPY: tl.constexpr,
@@ -198,7 +203,7 @@ def _merge_kernel(
         tl.store(ent_ptr + o_n, b_log_s - b_ms, mask=m_n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "v_begin", "v_count"])
 def _dlogits_kernel(
     h_ptr, w_ptr, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, c0_ptr, dl_ptr,
     N, H, v_begin, v_count, inv_t,
@@ -242,7 +247,7 @@ def _dlogits_kernel(
     tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & m_v[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "N", "K"])
 def _matmul_acc_kernel(
     a_ptr, b_ptr, c_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -365,6 +370,12 @@ def _matmul_acc_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: TileCon
     )  # fmt: skip
 
 
+def buffer_width(v_real: int, cfg: TileConfig) -> int:
+    """Columns of the d_logits buffer: a multiple of 128, so its row stride specializes alike
+    on every shard (the kernels' code must not depend on the shard width)."""
+    return min(cfg.vocab_chunk, triton.cdiv(v_real, 128) * 128)
+
+
 def target_codes(t_local: torch.Tensor, in_shard: torch.Tensor, ignored: torch.Tensor):
     """Per row: the target's column in this shard, -1 if elsewhere, IGNORED (-2) if ignored."""
     return torch.where(in_shard, t_local, torch.where(ignored, IGNORED, -1))
@@ -430,7 +441,7 @@ class LinearLogprobTriton(torch.autograd.Function):
         if n > 0 and v_real > 0:
             rows = min(cfg.token_chunk, n)
             dl_buf = scratch.empty(
-                (rows, min(cfg.vocab_chunk, v_real)), dtype=hidden.dtype, device=hidden.device
+                (rows, buffer_width(v_real, cfg)), dtype=hidden.dtype, device=hidden.device
             )
             # fp32 accumulator for a grad_W slice when N spans several token chunks
             acc_w = None
