@@ -63,9 +63,9 @@ def config_for(device: torch.device) -> tuple[TileConfig, tuple[int, int, int]]:
     return GPU_CONFIG, FIXED_GPU
 
 
-@triton.jit(do_not_specialize=["M", "N", "K"])
+@triton.jit(do_not_specialize=["M", "K", "K_B"])
 def _matmul_fixed_kernel(
-    a_ptr, b_ptr, c_ptr, s_ptr, M, N, K,
+    a_ptr, b_ptr, c_ptr, s_ptr, M, N, K, K_A, K_B,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
@@ -74,6 +74,8 @@ def _matmul_fixed_kernel(
 
     Each tile's product is an fp32 dot from zero (fixed BLOCK_K order); ``s_m`` is a
     power of two per row, so the scaling is exact; rounding is half away from zero.
+    A (d_logits) is read up to K_A columns (padded to 128 with zeros, so its loads
+    vectorize alike on every shard), B up to its K_B real rows.
     """
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -93,11 +95,14 @@ def _matmul_fixed_kernel(
         b_leaf = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kk in tl.static_range(0, LEAF, BLOCK_K):
             k0 = l0 + kk
-            m_k = (o_k + k0) < K
             # [BLOCK_M, BLOCK_K]
-            b_a = tl.load(p_a + k0 * stride_ak, mask=m_m[:, None] & m_k[None, :], other=0.0)
+            b_a = tl.load(
+                p_a + k0 * stride_ak, mask=m_m[:, None] & ((o_k + k0) < K_A)[None, :], other=0.0
+            )
             # [BLOCK_K, BLOCK_N]
-            b_b = tl.load(p_b + k0 * stride_bk, mask=m_k[:, None] & m_n[None, :], other=0.0)
+            b_b = tl.load(
+                p_b + k0 * stride_bk, mask=((o_k + k0) < K_B)[:, None] & m_n[None, :], other=0.0
+            )
             if INTERPRET:
                 b_leaf += tl.sum(
                     b_a.to(tl.float32)[:, :, None] * b_b.to(tl.float32)[None, :, :], axis=1
@@ -110,13 +115,14 @@ def _matmul_fixed_kernel(
     tl.store(p_c, b_acc, mask=m_c)
 
 
-def _matmul_fixed_(c, a, b, scale, fixed: tuple[int, int, int], cfg: TileConfig) -> None:
+def _matmul_fixed_(c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: TileConfig):
+    """``c (int64) += fixed-point(a @ b)`` per 128-column tile; ``a`` has zeros up to k_a."""
     m, k = a.shape
     n = b.shape[1]
     block_m, block_n, block_k = fixed
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _matmul_fixed_kernel[grid](
-        a, b, c, scale, m, n, k,
+        a, b, c, scale, m, n, k_a, k_a, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         LEAF=TILE, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         INTERPRET=a.device.type == "cpu", PRECISION="ieee", **tri._launch_opts(cfg, a.device),
@@ -197,15 +203,17 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                     def cut(x, r0=r0, r1=r1):
                         return None if x is None else x[r0:r1]
 
+                    cols = tri.pad_cols(v_count, dl_buf)  # dl is zero in [v_count, cols)
                     dl = dl_buf[: r1 - r0, :v_count]
                     tri._dlogits(
                         hidden[r0:r1], w_real, t_col[r0:r1], lse[r0:r1], cut(mean_z),
-                        cut(g_lp), cut(g_ent), c0[r0:r1], dl, v_begin, v_count, p, cfg,
+                        cut(g_lp), cut(g_ent), c0[r0:r1], dl_buf[: r1 - r0, :cols],
+                        v_begin, v_count, p, cfg,
                     )  # fmt: skip
                     if need_w:
-                        tri._matmul_acc_(acc, dl.T, hidden[r0:r1], cfg)
+                        tri._matmul_acc_(acc, dl.T, hidden[r0:r1], cfg, m_a=cols)
                     if need_h:
-                        _matmul_fixed_(acc_h[r0:r1], dl, w_chunk, scale[r0:r1], fixed, cfg)
+                        _matmul_fixed_(acc_h[r0:r1], dl, w_chunk, scale[r0:r1], cols, fixed, cfg)
                 if need_w and acc_w is not None:
                     gw_slice.copy_(acc)
         grad_h = None

@@ -24,11 +24,14 @@ to a running maximum seeded with -inf, entropy assembled from ``z - m``. The mer
 visits partials in (rank, split) order in one program per row block.
 
 Determinism. No atomics: every output element is written by exactly one program.
-Sizes that vary with N or with the shard (N, V_real, chunk bounds, GEMM sizes) are
-excluded from Triton's integer specialization (``do_not_specialize``): otherwise a size
-that happens to be a multiple of 16 compiles another variant of the kernel, and another
-variant may contract or reorder the floating-point arithmetic differently (observed on
-H200: TP=1 and TP=2 entropies differing in the last bit).
+Triton compiles a separate variant of a kernel for integer arguments that are multiples
+of 16, and another variant may contract or reorder the floating-point arithmetic
+differently (observed on H200: TP=1 and TP=2 entropies differing in the last bit). So
+sizes that vary with N or with the shard are excluded from that specialization
+(``do_not_specialize``) where they only bound rows (per-row masks cost nothing), and where
+a size bounds a contiguous dimension, whose loads and stores vectorize only when it is a
+multiple of 16, the kernels take it padded to a multiple of 128 (``K_PAD``, ``v_store``:
+the d_logits buffer holds exact zeros there) and the true bound separately.
 Tile sizes, ``V_SPLIT`` and ``VOCAB_CHUNK`` are pinned constants (never chosen from
 N), and each row's arithmetic involves only that row, so a row's outputs and its
 grad_hidden row do not depend on N, on the other rows or on ``chunk_size``.
@@ -206,13 +209,16 @@ def _merge_kernel(
 @triton.jit(do_not_specialize=["N", "v_begin", "v_count"])
 def _dlogits_kernel(
     h_ptr, w_ptr, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, c0_ptr, dl_ptr,
-    N, H, v_begin, v_count, inv_t,
+    N, H, v_begin, v_count, v_store, inv_t,
     stride_hn, stride_hh, stride_wv, stride_wh, stride_dn,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, EVEN_H: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, IGNORED: tl.constexpr,
 ):  # fmt: skip
-    """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T for columns [v_begin, +v_count)."""
+    """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T for columns [v_begin, +v_count).
+
+    Columns [v_count, v_store) of the output get exact zeros (v_store: v_count padded to 128).
+    """
     i_n = tl.program_id(0)
     i_v = tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -244,23 +250,29 @@ def _dlogits_kernel(
     m_live = m_n & (b_t != IGNORED)
     b_dz = tl.where(m_live[:, None] & m_v[None, :], b_dz * inv_t, 0.0)
     p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_c[None, :]
-    tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & m_v[None, :])
+    tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & (o_c < v_store)[None, :])
 
 
-@triton.jit(do_not_specialize=["M", "N", "K"])
-def _matmul_acc_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K,
+def _matmul_acc_body(
+    a_ptr, b_ptr, c_ptr, M, M_A, N, K, K_A, K_B,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """C (fp32) += A @ B. One program per C tile, fixed K order: no atomics, row-invariant."""
+    """C[:M] (fp32) += A @ B over K. One program per C tile, fixed K order: no atomics.
+
+    A's rows are bounded by M_A and its columns by K_A, B's rows by K_B; the loop runs to
+    K, which may pass K_B over columns where A holds exact zeros. The bound of A's
+    contiguous dimension comes padded to a multiple of 128 so that every call vectorizes
+    alike; see the module docstring.
+    """
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
     m_m = o_m < M
+    m_am = o_m < M_A
     m_n = o_n < N
     p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
     # [BLOCK_M, BLOCK_N]
@@ -268,16 +280,28 @@ def _matmul_acc_kernel(
     p_a = a_ptr + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
     p_b = b_ptr + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
     for k0 in range(0, K, BLOCK_K):
-        m_k = (o_k + k0) < K
         # [BLOCK_M, BLOCK_K]
-        b_a = tl.load(p_a + k0 * stride_ak, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_a = tl.load(
+            p_a + k0 * stride_ak, mask=m_am[:, None] & ((o_k + k0) < K_A)[None, :], other=0.0
+        )
         # [BLOCK_K, BLOCK_N]
-        b_b = tl.load(p_b + k0 * stride_bk, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_b = tl.load(
+            p_b + k0 * stride_bk, mask=((o_k + k0) < K_B)[:, None] & m_n[None, :], other=0.0
+        )
         if INTERPRET:
             b_acc += tl.sum(b_a.to(tl.float32)[:, :, None] * b_b.to(tl.float32)[None, :, :], axis=1)
         else:
             b_acc = tl.dot(b_a, b_b, b_acc, input_precision=PRECISION)
     tl.store(p_c, b_acc, mask=m_m[:, None] & m_n[None, :])
+
+
+# One body, two specializations. Sizes that vary with N or with the shard are not
+# specialized; the padded bound of A's contiguous dimension is (it is always a multiple
+# of 128, so every call vectorizes alike).
+# A = d_logits [rows, cols] (grad_hidden): contiguous along K, bounded by K_A (padded).
+_matmul_acc_kernel = triton.jit(do_not_specialize=["M", "M_A", "K", "K_B"])(_matmul_acc_body)
+# A = d_logits^T [cols, rows] (grad_weight): contiguous along M, bounded by M_A (padded).
+_matmul_acc_t_kernel = triton.jit(do_not_specialize=["M", "K", "K_A", "K_B"])(_matmul_acc_body)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -344,13 +368,21 @@ def merge(stats: torch.Tensor, *, entropy: bool):
     return lse, mean, zt, ent
 
 
+def pad128(x: int) -> int:
+    """``x`` rounded up to a multiple of 128 (a bound that specializes alike everywhere)."""
+    return triton.cdiv(x, 128) * 128
+
+
 def _dlogits(hidden, w_real, t_col, lse, mean, g_lp, g_ent, c0, out, v_begin, v_count, p, cfg):
+    """d_logits of columns [v_begin, +v_count) into ``out``; its columns past v_count get
+    exact zeros (callers pass ``pad_cols(v_count, buffer)`` columns)."""
     n, h_dim = hidden.shape
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(v_count, cfg.block_v))
+    v_store = out.shape[1]
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(v_store, cfg.block_v))
     _dlogits_kernel[grid](
         hidden, w_real, t_col, lse, mean if mean is not None else lse,
         g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, out,
-        n, h_dim, v_begin, v_count, p.inv_temperature,
+        n, h_dim, v_begin, v_count, v_store, p.inv_temperature,
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=g_ent is not None, HAS_LP=g_lp is not None, IGNORED=IGNORED,
@@ -358,12 +390,26 @@ def _dlogits(hidden, w_real, t_col, lse, mean, g_lp, g_ent, c0, out, v_begin, v_
     )  # fmt: skip
 
 
-def _matmul_acc_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: TileConfig) -> None:
+def _matmul_acc_(
+    c: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    cfg: TileConfig,
+    *,
+    m_a: int | None = None,
+    k_a: int | None = None,
+) -> None:
+    """``c += a @ b`` (fp32 ``c``). ``a`` may extend, with exact zeros, to ``m_a`` rows or
+    ``k_a`` columns past its shape: the padded bound of its contiguous dimension (give
+    exactly one of them; ``m_a`` means ``a`` is a transposed d_logits buffer)."""
     m, k = a.shape
     n = b.shape[1]
+    kernel = _matmul_acc_t_kernel if m_a is not None else _matmul_acc_kernel
+    m_a = m if m_a is None else m_a
+    k_a = k if k_a is None else k_a
     grid = (triton.cdiv(m, cfg.mm_block_m), triton.cdiv(n, cfg.mm_block_n))
-    _matmul_acc_kernel[grid](
-        a, b, c, m, n, k,
+    kernel[grid](
+        a, b, c, m, m_a, n, max(k, k_a), k_a, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         BLOCK_M=cfg.mm_block_m, BLOCK_N=cfg.mm_block_n, BLOCK_K=cfg.mm_block_k,
         INTERPRET=a.device.type == "cpu", PRECISION="ieee", **_launch_opts(cfg, a.device),
@@ -373,7 +419,12 @@ def _matmul_acc_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: TileCon
 def buffer_width(v_real: int, cfg: TileConfig) -> int:
     """Columns of the d_logits buffer: a multiple of 128, so its row stride specializes alike
     on every shard (the kernels' code must not depend on the shard width)."""
-    return min(cfg.vocab_chunk, triton.cdiv(v_real, 128) * 128)
+    return min(cfg.vocab_chunk, pad128(v_real))
+
+
+def pad_cols(v_count: int, dl_buf: torch.Tensor) -> int:
+    """The padded column bound of a d_logits chunk (what _dlogits zero-fills)."""
+    return min(pad128(v_count), dl_buf.shape[1])
 
 
 def target_codes(t_local: torch.Tensor, in_shard: torch.Tensor, ignored: torch.Tensor):
@@ -460,17 +511,19 @@ class LinearLogprobTriton(torch.autograd.Function):
                     def cut(x, r0=r0, r1=r1):
                         return None if x is None else x[r0:r1]
 
+                    cols = pad_cols(v_count, dl_buf)  # zeros in [v_count, cols)
                     dl = dl_buf[: r1 - r0, :v_count]
                     _dlogits(
                         hidden[r0:r1], w_real, t_col[r0:r1], lse[r0:r1], cut(mean_z),
-                        cut(g_lp), cut(g_ent), c0[r0:r1], dl, v_begin, v_count, p, cfg,
+                        cut(g_lp), cut(g_ent), c0[r0:r1], dl_buf[: r1 - r0, :cols],
+                        v_begin, v_count, p, cfg,
                     )  # fmt: skip
                     if need_w and rows == n:  # one token chunk: finish the slice in one GEMM
                         gw_slice.copy_(_grad_weight_slice(dl, hidden))
                     elif need_w:
                         addmm_f32_(acc, dl.T, hidden[r0:r1])
-                    if need_h:
-                        _matmul_acc_(grad_h32[r0:r1], dl, w_chunk, cfg)
+                    if need_h:  # dl's zero columns up to cols keep K_A vectorized
+                        _matmul_acc_(grad_h32[r0:r1], dl, w_chunk, cfg, k_a=cols)
                 if need_w and acc_w is not None:
                     gw_slice.copy_(acc)
         grad_h = None
