@@ -47,4 +47,10 @@ else:
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
     )
     settings.register_profile("long", max_examples=400, deadline=None)
+    settings.register_profile(  # the GPU run of the device tool (a few minutes)
+        "gpu",
+        max_examples=150,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
     settings.load_profile(os.environ.get("LP_HYPOTHESIS_PROFILE", "ci"))

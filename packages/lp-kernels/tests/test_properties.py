@@ -24,7 +24,11 @@ from lp_testing import DTYPES, assert_close, make_problem, run_ranks  # noqa: E4
 pytestmark = pytest.mark.property
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
-BACKENDS = ["torch", "triton"] if (_INTERPRETING or torch.cuda.is_available()) else ["torch"]
+# On a CUDA host the single-process properties run on the GPU (both backends, compiled);
+# on CPU, triton runs under the interpreter. The gloo layout test always runs on CPU.
+DEVICE = "cuda" if torch.cuda.is_available() and not _INTERPRETING else "cpu"
+BACKENDS = ["torch", "triton"] if (_INTERPRETING or DEVICE == "cuda") else ["torch"]
+CPU_BACKENDS = ["torch", "triton"] if _INTERPRETING else ["torch"]
 
 
 @st.composite
@@ -46,6 +50,7 @@ def problems(draw):
         ignore_frac=ignore_frac,
         padded_vocab=v + pad if pad else None,
         temperature=temperature,
+        device=DEVICE,
     )
     return problem, tol
 
@@ -56,10 +61,16 @@ def problems(draw):
     lse=st.booleans(),
     backend=st.sampled_from(BACKENDS),
     chunk=st.sampled_from([None, 16, 5]),
+    deterministic=st.booleans(),
 )
-def test_random_problems_match_fp64(case, entropy, lse, backend, chunk):
+def test_random_problems_match_fp64(case, entropy, lse, backend, chunk, deterministic):
     problem, tol = case
-    check_against_fp64(problem, tol, entropy=entropy, lse=lse, chunk_size=chunk, backend=backend)
+    if deterministic and backend == "torch" and DEVICE == "cuda":
+        backend = "triton"  # deterministic=True with torch is CPU-only
+    check_against_fp64(
+        problem, tol, entropy=entropy, lse=lse, chunk_size=chunk, backend=backend,
+        deterministic=deterministic,
+    )  # fmt: skip
 
 
 def _layout_rank(rank, world, problem, bounds, reduce, backend):
@@ -86,7 +97,7 @@ def _layout_rank(rank, world, problem, bounds, reduce, backend):
     world=st.integers(2, 4),
     cuts=st.lists(st.integers(1, 9), min_size=3, max_size=3),
     reduce=st.booleans(),
-    backend=st.sampled_from(BACKENDS),
+    backend=st.sampled_from(CPU_BACKENDS),
     seed=st.integers(0, 1000),
 )
 def test_random_shard_layouts_match_one_process(world, cuts, reduce, backend, seed):

@@ -203,6 +203,9 @@ def _bad_layout_rank(rank, world, case):
         kw = {}
     elif case == "deterministic-flag":
         w, kw = p.weight[rank * 30 : rank * 30 + 30], {"deterministic": rank == 0}
+    elif case == "empty-shard":  # rank 1 holds no vocabulary row
+        w = p.weight if rank == 0 else p.weight[:0]
+        kw = {"vocab_start": 0 if rank == 0 else p.weight.shape[0]}
     elif case == "vocab-size":
         w, kw = p.weight[rank * 30 : rank * 30 + 30], {"vocab_size": 60 if rank == 0 else 59}
     else:
@@ -218,6 +221,7 @@ def _bad_layout_rank(rank, world, case):
         ("hidden-size", "rank 1 does not fit hidden"),
         ("vocab-size", "disagree on the vocab_size"),
         ("deterministic-flag", "disagree on the deterministic flag"),
+        ("empty-shard", "weight shard of rank 1 is empty (V_local = 0)"),
     ],
 )
 def test_bad_layout_raises_on_every_rank(case, message):
