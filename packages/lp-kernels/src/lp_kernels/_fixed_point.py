@@ -36,6 +36,7 @@ import torch.distributed as dist
 from lp_kernels._types import LogprobParams
 
 E_MIN, E_MAX = -126, 126
+_CONVERT_ELEMENTS = 1 << 24  # float64 elements per block of the final conversion (128 MiB)
 
 
 def global_abs_max(w_real: torch.Tensor, p: LogprobParams) -> torch.Tensor:
@@ -86,6 +87,15 @@ def row_exponents(
 def from_fixed_point(
     acc: torch.Tensor, e: torch.Tensor, bad: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``acc [N, H]`` int64 in units of ``2^-e_n`` -> ``dtype`` (one rounding); NaN rows."""
-    out = acc.double() * torch.exp2(-e)[:, None]
-    return torch.where(bad[:, None], float("nan"), out).to(dtype)
+    """``acc [N, H]`` int64 in units of ``2^-e_n`` -> ``dtype`` (one rounding); NaN rows.
+
+    Converted in row blocks, so the float64 intermediates stay small whatever N.
+    """
+    out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    scale = torch.exp2(-e)
+    rows = max(1, _CONVERT_ELEMENTS // max(acc.shape[1], 1))
+    for r0 in range(0, acc.shape[0], rows):
+        r1 = r0 + rows
+        x = acc[r0:r1].double().mul_(scale[r0:r1, None])
+        out[r0:r1] = x.masked_fill_(bad[r0:r1, None], float("nan"))
+    return out

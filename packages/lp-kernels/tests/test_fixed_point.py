@@ -1,0 +1,54 @@
+"""The fixed-point grad_hidden of deterministic=True (lp_kernels._fixed_point)."""
+
+from __future__ import annotations
+
+import torch
+
+from lp_kernels import _fixed_point
+from lp_kernels._types import LogprobParams
+from lp_testing import make_problem, reference_all
+
+
+def _params(temperature=1.0):
+    return LogprobParams(
+        temperature=temperature, ignore_index=-100, return_entropy=True, return_lse=True,
+        vocab_start=0, vocab_size=0, chunk_size=16,
+    )  # fmt: skip
+
+
+def test_exponent_bounds_the_true_gradient_with_headroom():
+    """|grad_hidden| * 2^e stays below 2^60 (int64 holds 2^63) and uses most of the range."""
+    for seed, t in ((0, 1.0), (1, 0.3), (2, 3.0)):
+        p = make_problem(23, 16, 300, seed=seed, ignore_frac=0.2, temperature=t)
+        g = torch.linspace(-2, 2, p.n, dtype=torch.float64)
+        ignored = p.targets == p.ignore_index
+        g_lp, g_ent, g_lse = (torch.where(ignored, 0.0, x).float() for x in (g, g.flip(0), 0.5 * g))
+        truth = reference_all(
+            p.hidden, p.weight, p.targets, grad_logprob=g_lp, grad_entropy=g_ent,
+            grad_lse=g_lse, temperature=t,
+        )  # fmt: skip
+        lse = truth["lse"].float()
+        e, bad = _fixed_point.row_exponents(
+            p.hidden, p.weight, lse, ignored, g_lp, g_ent, g_lse, _params(t)
+        )
+        assert not bad.any()
+        scaled = truth["grad_hidden"].abs().amax(dim=1) * torch.exp2(e)
+        assert float(scaled.max()) < 2.0**60
+        live = ~ignored
+        assert float(scaled[live].min()) > 2.0**30  # the bound is loose, but not absurdly
+
+
+def test_conversion_in_row_blocks_matches_one_block(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    acc = torch.randint(-(2**62), 2**62, (37, 11), generator=gen)
+    e = torch.randint(-60, 60, (37,), generator=gen).double()
+    bad = torch.zeros(37, dtype=torch.bool)
+    bad[5] = True
+    whole = _fixed_point.from_fixed_point(acc, e, bad, torch.float32)
+    monkeypatch.setattr(_fixed_point, "_CONVERT_ELEMENTS", 30)  # blocks of 2 rows
+    blocks = _fixed_point.from_fixed_point(acc, e, bad, torch.float32)
+    assert torch.isnan(whole[5]).all() and torch.isnan(blocks[5]).all()
+    keep = ~bad
+    assert torch.equal(whole[keep], blocks[keep])
+    expected = (acc.double() * torch.exp2(-e)[:, None]).float()
+    assert torch.equal(whole[keep], expected[keep])
