@@ -127,6 +127,8 @@ def test_bench_writes_json_and_prints_table(tmp_path, capsys):
         (["bench", "--temperature", "hot"], "argument --temperature"),
         (["bench", "--reps", "0"], "argument --reps"),
         (["bench", "--warmup", "-1"], "argument --warmup"),
+        (["bench", "--tp", "2"], "needs a torchrun launch with 2 processes"),
+        (["bench", "--tp", "0"], "argument --tp"),
         (["check", "--bogus"], "unrecognized arguments"),
     ],
     ids=[
@@ -140,6 +142,8 @@ def test_bench_writes_json_and_prints_table(tmp_path, capsys):
         "temperature-nan",
         "reps-zero",
         "warmup-negative",
+        "tp-without-torchrun",
+        "tp-zero",
         "check-unknown-flag",
     ],
 )
@@ -149,6 +153,34 @@ def test_bench_bad_arguments_exit_nonzero_naming_the_argument(argv, message, cap
         main(argv)
     assert exc.value.code != 0
     assert message in capsys.readouterr().err
+
+
+def test_bench_tp2_under_torchrun(tmp_path):
+    """`torchrun --nproc-per-node 2 -m lp_kernels.cli bench --tp 2` on CPU (gloo)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--standalone", "-m", "lp_kernels.cli", "bench", "--tp", "2",
+        "--shapes", "64x32x1001", "--backends", "lp-torch,lp-torch-det,materialized",
+        "--dtype", "fp32", "--reps", "1", "--warmup", "0", "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("TP=2") == 1  # rank 0 alone prints
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["config"]["tp"] == 2
+    rows = {r["provider"]: r for r in doc["rows"]}
+    assert "single-device provider" in rows["materialized"]["skipped"]
+    for name in ("lp-torch", "lp-torch-det"):
+        r = rows[name]
+        assert r["tp"] == 2 and r["ms"] > 0
+        for key in ("err_logprob", "err_grad_hidden", "err_grad_weight"):
+            assert r[key] < 1e-6, (name, key, r[key])
 
 
 # ----------------------------------------------------------------------------- lp check

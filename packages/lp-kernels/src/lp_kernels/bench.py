@@ -220,8 +220,14 @@ Step = Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]]
 
 
 def provider_lp(
-    backend: str, *, temperature: float = 1.0, entropy: bool = False, deterministic: bool = False
+    backend: str,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    deterministic: bool = False,
+    tp: dict | None = None,
 ) -> Step:
+    """lp's ``linear_logprob``; ``tp``: ``tp_group``, ``vocab_start``, ``vocab_size`` kwargs."""
     from lp_kernels import linear_logprob
 
     def run(hidden, weight, targets, grad_out, grad_entropy=None):
@@ -234,6 +240,7 @@ def provider_lp(
             backend=backend,
             validate=False,
             deterministic=deterministic,
+            **(tp or {}),
         )
         if entropy:
             torch.autograd.backward([out.logprob, out.entropy], [grad_out, grad_entropy])
@@ -297,12 +304,20 @@ def provider_cce(*, temperature: float = 1.0, entropy: bool = False) -> Step:
     return run
 
 
-def make_provider(name: str, *, temperature: float = 1.0, entropy: bool = False) -> Step:
+def make_provider(
+    name: str, *, temperature: float = 1.0, entropy: bool = False, tp: dict | None = None
+) -> Step:
     if name in LP_PROVIDERS:
         backend = name.removeprefix("lp-").removesuffix("-det")
         return provider_lp(
-            backend, temperature=temperature, entropy=entropy, deterministic=name.endswith("-det")
+            backend,
+            temperature=temperature,
+            entropy=entropy,
+            deterministic=name.endswith("-det"),
+            tp=tp,
         )
+    if tp is not None:
+        raise Unsupported("a single-device provider (lp bench under tensor parallelism)")
     factory = {
         "materialized": provider_materialized,
         "liger": provider_liger,
@@ -357,6 +372,35 @@ class BenchConfig:
     warmup: int = 2
     check: bool = True
     seed: int = 0
+    tp: int = 1
+    """Tensor-parallel degree: under torchrun, each rank holds V / tp rows of the head."""
+
+
+def tp_shard(weight: torch.Tensor, tp: int, rank: int) -> tuple[torch.Tensor, int]:
+    """This rank's ``[V_pad / tp, H]`` shard of ``weight`` and its global start.
+
+    The vocabulary is padded to a multiple of 128 x tp (as Megatron pads it), with zero
+    rows that ``vocab_size`` excludes, so shards are even and 128-aligned
+    (``deterministic=True`` accepts them).
+    """
+    v, h = weight.shape
+    size = -(-v // (128 * tp)) * 128
+    start = rank * size
+    shard = torch.zeros((size, h), dtype=weight.dtype, device=weight.device)
+    real = max(0, min(size, v - start))
+    shard[:real] = weight[start : start + real]
+    return shard, start
+
+
+def _all_ranks_max(x: float | None, device: str) -> float | None:
+    """The maximum of ``x`` over the ranks (the slowest rank sets a TP step's time)."""
+    import torch.distributed as dist
+
+    if x is None:
+        return None
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 def bench_problem(
@@ -365,13 +409,26 @@ def bench_problem(
     cfg: BenchConfig,
     on_row: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    """Floor (GPU), reference and every provider on one shape and dtype; one row each."""
+    """Floor (GPU), reference and every provider on one shape and dtype; one row each.
+
+    With ``cfg.tp > 1`` (every rank of a torchrun launch calls this): each rank holds an
+    even 128-aligned shard of the head; the floor is 4 matmuls of the per-rank shard;
+    times and peaks are the maxima over ranks; errors are rank 0's outputs, its
+    grad_weight shard and the all-reduced grad_hidden against the full reference.
+    Single-device providers are marked skipped.
+    """
     name, n, h, v = shape
     cuda = cfg.device == "cuda"
     dtype = DTYPES[dtype_name]
     hidden, weight, targets, grad_out = make_inputs(
         n, h, v, seed=cfg.seed, device=cfg.device, dtype=dtype
     )
+    tp_kwargs, shard, start = None, weight, 0
+    if cfg.tp > 1:
+        import torch.distributed as dist
+
+        shard, start = tp_shard(weight, cfg.tp, dist.get_rank())
+        tp_kwargs = {"tp_group": dist.group.WORLD, "vocab_start": start, "vocab_size": v}
     grad_ent = None
     if cfg.entropy:
         gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -379,9 +436,11 @@ def bench_problem(
     floor = None
     if cuda:
         mm = statistics.median(
-            time_cuda(lambda: hidden @ weight.T, warmup=cfg.warmup, reps=cfg.reps)
+            time_cuda(lambda: hidden @ shard.T, warmup=cfg.warmup, reps=cfg.reps)
         )
         floor = 4 * mm
+        if cfg.tp > 1:
+            floor = _all_ranks_max(floor, cfg.device)
     ref = None
     if cfg.check:
         ref = reference(
@@ -397,8 +456,10 @@ def bench_problem(
     for prov in cfg.providers:
         row: dict = {"shape": name, "N": n, "H": h, "V": v, "dtype": dtype_name}
         row |= {"provider": prov, "floor_ms": floor}
+        if cfg.tp > 1:
+            row["tp"] = cfg.tp
         try:
-            fn = make_provider(prov, temperature=cfg.temperature, entropy=cfg.entropy)
+            fn = make_provider(prov, temperature=cfg.temperature, entropy=cfg.entropy, tp=tp_kwargs)
         except Unsupported as exc:
             row["skipped"] = str(exc)
             rows.append(row)
@@ -406,7 +467,7 @@ def bench_problem(
                 on_row(row)
             continue
         hl = hidden.detach().requires_grad_()
-        wl = weight.detach().requires_grad_()
+        wl = shard.detach().requires_grad_()
 
         def step(fn=fn, hl=hl, wl=wl):
             hl.grad = wl.grad = None
@@ -420,6 +481,9 @@ def bench_problem(
             hl.grad = wl.grad = None
             logprob, ent = step()  # the results checked (the memory run may be traced)
             ms = statistics.median(times)
+            if cfg.tp > 1:
+                ms = _all_ranks_max(ms, cfg.device)
+                peak = int(_all_ranks_max(float(peak), cfg.device))
             row.update(
                 ms=ms,
                 ms_all=times,
@@ -434,7 +498,10 @@ def bench_problem(
                         (logprob.to(ref["logprob"].dtype) - ref["logprob"]).abs().max()
                     ),
                     err_grad_hidden=rel_err(hl.grad, ref["grad_hidden"]),
-                    err_grad_weight=rel_err(wl.grad, ref["grad_weight"]),
+                    err_grad_weight=rel_err(
+                        wl.grad[: max(0, min(shard.shape[0], v - start))],
+                        ref["grad_weight"][start : start + shard.shape[0]],
+                    ),
                 )
                 if ent is not None:
                     row["err_entropy"] = rel_err(ent, ref["entropy"])

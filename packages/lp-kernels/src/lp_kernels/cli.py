@@ -428,17 +428,51 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from lp_kernels import bench
+def _init_tp(tp: int, device: str, parser: argparse.ArgumentParser) -> int:
+    """Join the torchrun launch of ``lp bench --tp N``; returns this process's rank."""
+    import os
 
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp:
+        parser.error(
+            f"argument --tp: {tp} needs a torchrun launch with {tp} processes (WORLD_SIZE is "
+            f"{world}), e.g. torchrun --nproc-per-node {tp} -m lp_kernels.cli bench --tp {tp}"
+        )
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return dist.get_rank()
+
+
+def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
         parser.error("argument --device: cuda requested but CUDA is not available")
+    if args.tp == 1:
+        return _bench(args, parser, device, rank=0)
+    rank = _init_tp(args.tp, device, parser)
+    try:
+        return _bench(args, parser, device, rank=rank)
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str, rank: int):
+    """``lp bench`` on this process (rank 0 of a TP launch prints and writes; all ranks time)."""
+    from lp_kernels import bench
+
     cuda = device == "cuda"
+    say = print if rank == 0 else (lambda *a, **k: None)
     if args.backends is None:
         providers = tuple(bench.default_providers(device))
+        if args.tp > 1:  # single-device providers have no sharded counterpart
+            providers = tuple(p for p in providers if p in bench.LP_PROVIDERS)
     else:
         providers = args.backends
         for name in providers:
@@ -464,21 +498,28 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         warmup=args.warmup if args.warmup is not None else (2 if cuda else 1),
         check=not args.no_check,
         seed=args.seed,
+        tp=args.tp,
     )
     env = bench.environment(device=device)
     ref = "fp32 (TF32 off)" if cuda else "fp64"
-    print(
+    say(
         f"lp bench: {device} ({env['device_name']}), torch {env['torch']}, "
         f"triton {env['triton'] or '-'}, commit {env['commit']}"
     )
-    print(
+    say(
         f"providers {', '.join(providers)}; dtypes {', '.join(dtypes)}; T={cfg.temperature}; "
         f"entropy {'on' if cfg.entropy else 'off'}; median of {cfg.reps} after {cfg.warmup} "
         f"warm-up; errors vs the {ref} reference"
+        + (
+            f"; TP={cfg.tp}: per-rank head shards, floor of one rank's shard, "
+            "slowest rank's time"
+            if cfg.tp > 1
+            else ""
+        )
     )
     total = len(shapes) * len(dtypes) * len(providers)
     rows: list[dict] = []
-    progress = _progress(total)
+    progress = _progress(total) if rank == 0 else _Silent()
     try:
         for shape in shapes:
             for dtype_name in dtypes:
@@ -486,11 +527,13 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                 rows += bench.bench_problem(shape, dtype_name, cfg, progress.advance)
     finally:
         progress.close()
+    failed = [r for r in rows if "error" in r]
+    if rank != 0:
+        return 1 if failed else 0
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         config = asdict(cfg) | {
             "shapes": [dict(zip(("name", "N", "H", "V"), s, strict=True)) for s in shapes],
-            "tp": 1,
         }
         doc = {"command": "bench", "env": env, "config": config, "rows": rows}
         bench.dump_json(doc, args.out / "bench.json")
@@ -504,8 +547,20 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             print(f"no plot: {type(exc).__name__}: {exc}")
     print()
     bench.print_table(rows)
-    failed = [r for r in rows if "error" in r]
     return 1 if failed else 0
+
+
+class _Silent:
+    """The progress reporter of ranks other than 0."""
+
+    def describe(self, what: str) -> None:
+        pass
+
+    def advance(self, row: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class _Progress:
@@ -605,8 +660,8 @@ def build_parser() -> argparse.ArgumentParser:
         "with a random upstream gradient. On a GPU the S1-S4 shapes, a floor of 4 cuBLAS "
         "matmuls measured in the same run and errors against an fp32 reference; on CPU a "
         "small embedded problem timed with perf_counter, errors against fp64. Peers "
-        "(liger-kernel, cut-cross-entropy) join when importable. Tensor-parallel benchmarks "
-        "(torchrun) are not part of this command yet. Exit status 1 if a provider failed.",
+        "(liger-kernel, cut-cross-entropy) join when importable. --tp N under torchrun "
+        "shards the head over N ranks. Exit status 1 if a provider failed.",
     )
     bench.add_argument(
         "--shapes",
@@ -639,6 +694,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup", type=_non_negative_int, default=None, help="default 2 GPU, 1 CPU"
     )
     bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    bench.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=1,
+        help="tensor-parallel degree; > 1 needs a torchrun launch with that many processes "
+        "(torchrun --nproc-per-node N -m lp_kernels.cli bench --tp N): NCCL on GPUs, gloo on "
+        "CPU; lp providers only",
+    )
     bench.add_argument("--seed", type=int, default=0, help="default 0")
     bench.add_argument("--no-check", action="store_true", help="skip the reference and errors")
     bench.add_argument(
