@@ -64,7 +64,8 @@ def _linear_rank(rank, world, problem, cases, backend="torch"):
 
 
 @pytest.mark.parametrize(
-    ("world", "backend"), [(2, "torch"), (3, "torch"), (4, "torch"), (3, "triton")]
+    ("world", "backend"),
+    [(2, "torch"), (3, "torch"), (4, "torch"), (8, "torch"), (3, "triton"), (8, "triton")],
 )
 def test_linear_logprob_tp_matches_single_process(world, backend):
     problem = _problem()
