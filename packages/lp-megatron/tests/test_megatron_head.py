@@ -410,3 +410,49 @@ def _check_bf16(results: list) -> None:
             g = r["lp_grads"][name].float()
             scale = g_ref.float().abs().max().clamp(min=1e-6)
             assert (g - g_ref.float()).abs().max() / scale < 3e-2, name
+
+
+def _ddp_rank(rank: int, world_size: int) -> dict:
+    """Megatron's own DistributedDataParallel (main_grad buffers and hooks), stock vs lp."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from lp_megatron import install_logprob_head
+
+    out: dict = {}
+    with lp_testing.MegatronCpuPatches():
+        for tied in (False, True):
+            for mode in ("stock", "lp"):
+                inner = _build(world_size, False, tied)
+                ddp = DistributedDataParallel(
+                    inner.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), inner
+                )
+                ids, pos, mask, labels, weights = _inputs(V_PADDED)
+                ddp.zero_grad_buffer()
+                if mode == "stock":
+                    ref = _reference(ddp(ids, pos, mask), labels, Case(False, tied))[0]
+                    (weights[0] * ref).sum().backward()
+                else:
+                    with install_logprob_head(ddp, LogprobHeadConfig(backend="torch")) as head:
+                        lp = head.logprobs(ddp(ids, pos, mask), labels).logprob
+                        (weights[0] * lp).sum().backward()
+                # DP = 1 here: the backward hooks have already accumulated every gradient
+                # into main_grad (finish_grad_sync needs CUDA streams, so it is not called).
+                params = dict(ddp.module.named_parameters())
+                out[(tied, mode)] = {n: p.main_grad.detach().clone() for n, p in params.items()}
+                out[(tied, mode, "grad")] = [n for n, p in params.items() if p.grad is not None]
+    return out
+
+
+def test_megatron_ddp_main_grad() -> None:
+    """Under megatron.core's DistributedDataParallel (TP 2, tied and untied), every
+    parameter's main_grad equals the stock path's; no .grad is left behind."""
+    for rank, res in enumerate(lp_testing.run_ranks(_ddp_rank, 2, timeout=300)):
+        for tied in (False, True):
+            stock, lp = res[(tied, "stock")], res[(tied, "lp")]
+            assert lp.keys() == stock.keys()
+            assert ("output_layer.weight" in lp) != tied
+            assert res[(tied, "lp", "grad")] == [] == res[(tied, "stock", "grad")]
+            for name, g_ref in stock.items():
+                where = f"rank {rank} tied={tied} {name}"
+                assert g_ref.abs().sum() > 0, f"{where}: zero main_grad"
+                torch.testing.assert_close(lp[name], g_ref, rtol=RTOL, atol=ATOL, msg=where)
