@@ -51,7 +51,7 @@ def _cases(tp: int) -> list[Case]:
     return cases
 
 
-def _build(tp: int, sp: bool, tied: bool, seed: int = 1234, **cfg_kwargs):
+def _build(tp: int, sp: bool, tied: bool, seed: int = 1234, vocab: int = V_PADDED, **cfg_kwargs):
     """A tiny GPTModel, fresh parallel state; call inside MegatronCpuPatches."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -77,7 +77,7 @@ def _build(tp: int, sp: bool, tied: bool, seed: int = 1234, **cfg_kwargs):
     return GPTModel(
         config,
         get_gpt_layer_local_spec(),
-        vocab_size=V_PADDED,
+        vocab_size=vocab,
         max_sequence_length=S,
         share_embeddings_and_output_weights=tied,
     )
@@ -456,3 +456,34 @@ def test_megatron_ddp_main_grad() -> None:
                 where = f"rank {rank} tied={tied} {name}"
                 assert g_ref.abs().sum() > 0, f"{where}: zero main_grad"
                 torch.testing.assert_close(lp[name], g_ref, rtol=RTOL, atol=ATOL, msg=where)
+
+
+def _deterministic_rank(rank: int, world_size: int) -> dict:
+    """deterministic=True through the head (vocabulary 256: shards of 128 at TP 2)."""
+    from lp_megatron import install_logprob_head
+
+    with lp_testing.MegatronCpuPatches():
+        model = _build(world_size, world_size > 1, True, vocab=256)
+        ids, pos, mask, labels, weights = _inputs(250)
+        ref = _reference(model(ids, pos, mask), labels, Case(False, True, vocab_size=250))[0]
+        (weights[0] * ref).sum().backward()
+        ref_grads = _grads(model)
+        config = LogprobHeadConfig(backend="torch", deterministic=True, vocab_size=250)
+        with install_logprob_head(model, config) as head:
+            out = head.logprobs(model(ids, pos, mask), labels).logprob
+            (weights[0] * out).sum().backward()
+        return {
+            "ref": ref.detach(),
+            "lp": out.detach(),
+            "ref_grads": ref_grads,
+            "lp_grads": _grads(model),
+        }
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=lambda tp: f"tp{tp}")
+def test_deterministic_through_the_head(tp: int) -> None:
+    """The head passes deterministic=True (with SP at TP 2); results match the stock path."""
+    for r in lp_testing.run_ranks(_deterministic_rank, tp, timeout=240):
+        torch.testing.assert_close(r["lp"], r["ref"], rtol=RTOL, atol=ATOL)
+        for name, g_ref in r["ref_grads"].items():
+            torch.testing.assert_close(r["lp_grads"][name], g_ref, rtol=RTOL, atol=ATOL, msg=name)

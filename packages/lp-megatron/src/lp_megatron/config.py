@@ -40,10 +40,11 @@ class LogprobHeadConfig:
     """Label value of tokens to skip: their log-prob is 0 and they get no gradient."""
 
     deterministic: bool = False
-    """Passed to ``lp_kernels.linear_logprob(deterministic=...)``: tensor-parallel
-    invariance (the same bits for any TP degree), with the constraints and availability
-    lp_kernels documents (it raises at the first :meth:`LogprobHead.logprobs` call where
-    it cannot provide it). Not available on the fallback (logits) path."""
+    """Passed to ``lp_kernels.linear_logprob`` (or ``vocab_parallel_logprob`` on the
+    fallback path) as ``deterministic=``: tensor-parallel invariance (the same bits for
+    any TP degree; Megatron's vocabulary padding to 128 x TP meets its 128-aligned shard
+    rule). Provided by the triton backend on GPUs and both backends on CPU; the torch
+    backend on CUDA raises at the first :meth:`LogprobHead.logprobs` call."""
 
     validate: bool = True
     """Check label ids against the vocabulary (one host sync per call). False = no host

@@ -277,8 +277,8 @@ class LogprobHead:
         Raises:
             RuntimeError: the head was removed, this stage has no output layer, or the
                 model has not run forward since install.
-            NotImplementedError: ``config.deterministic=True`` where lp_kernels or the
-                fallback path cannot provide it.
+            NotImplementedError: ``config.deterministic=True`` with ``backend="torch"``
+                on CUDA (lp_kernels provides it with the triton backend there).
         """
         if not self._installed:
             raise RuntimeError("this LogprobHead was removed; install_logprob_head() again")
@@ -336,15 +336,16 @@ class LogprobHead:
         common: dict[str, Any],
     ) -> LogProbOutput:
         """Fallback: the stock layer produced (possibly vocabulary-parallel) logits."""
-        if self.config.deterministic:
-            raise NotImplementedError(
-                f"deterministic=True is not available on the fallback path ({self.fallback_reason})"
-            )
         v_local = stock.output_size_per_partition
         if group is not None and logits.shape[-1] == v_local * size:
             group, rank = None, 0  # runtime_gather_output=True: full logits on every rank
         return vocab_parallel_logprob(
-            logits, labels, tp_group=group, vocab_start=rank * logits.shape[-1], **common
+            logits,
+            labels,
+            tp_group=group,
+            vocab_start=rank * logits.shape[-1],
+            deterministic=self.config.deterministic,
+            **common,
         )
 
 
