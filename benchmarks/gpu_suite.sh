@@ -4,7 +4,9 @@
 #   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [bench] [sweep]  (default: all)
 # Writes logs, JUnit XML and bench.json/bench.png under $OUT (default ./gpu-out).
 # megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
-# are installed into /tmp/site first (the GPU image lacks them).
+# are installed into /tmp/site first (the GPU image lacks them). Set LP_COMMIT to the
+# commit under test where the checkout's git metadata is not reliable (a copied tree):
+# lp bench records it in bench.json.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1

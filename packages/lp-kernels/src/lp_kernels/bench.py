@@ -544,7 +544,10 @@ def bench_shape(
 
 
 def git_commit() -> str | None:
-    """``git rev-parse --short HEAD`` of the working directory, or None."""
+    """``$LP_COMMIT`` if set (a copied checkout whose git metadata is stale), else
+    ``git rev-parse --short HEAD`` of the working directory, or None."""
+    if os.environ.get("LP_COMMIT"):
+        return os.environ["LP_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
