@@ -173,49 +173,31 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         n, h_dim = hidden.shape
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
-        g_lp, g_ent, g_lse = (
-            None if g is None else torch.where(ignored, 0.0, g.float())
-            for g in (g_lp, g_ent, g_lse)
-        )
-        c0 = tri.lse_coefficient(g_lp, g_lse, n, hidden.device)
+        grads = tri.masked_upstream(ignored, g_lp, g_ent, g_lse)
         dev = hidden.device
         if need_h:
-            e, bad = row_exponents(hidden, w_real, lse, ignored, g_lp, g_ent, g_lse, p)
+            e, bad = row_exponents(hidden, w_real, lse, ignored, *grads, p)
             scale = torch.exp2(e).float()
             acc_h = torch.zeros((n, h_dim), dtype=torch.int64, device=dev)
         grad_w = torch.zeros_like(weight) if need_w else None
-        if n > 0 and v_real > 0:
-            rows = min(cfg.token_chunk, n)
+        acc_w = None  # fp32 accumulator of a grad_W slice (fp32 weights use grad_w itself)
+        if need_w and n > 0 and weight.dtype != torch.float32:
             width = tri.buffer_width(v_real, cfg)
-            dl_buf = tri.scratch.empty((rows, width), dtype=hidden.dtype, device=dev)
-            acc_w = None  # fp32 accumulator of a grad_W slice (fp32 weights use grad_w itself)
-            if need_w and weight.dtype != torch.float32:
-                acc_w = torch.empty((width, h_dim), dtype=torch.float32, device=dev)
-            for v_begin in range(0, v_real, cfg.vocab_chunk):
-                v_count = min(cfg.vocab_chunk, v_real - v_begin)
-                w_chunk = w_real[v_begin : v_begin + v_count]
-                if need_w:
-                    gw_slice = grad_w[v_begin : v_begin + v_count]
-                    acc = gw_slice if acc_w is None else acc_w[:v_count].zero_()
-                for r0 in range(0, n, rows):
-                    r1 = min(n, r0 + rows)
-
-                    def cut(x, r0=r0, r1=r1):
-                        return None if x is None else x[r0:r1]
-
-                    cols = tri.pad_cols(v_count, dl_buf)  # dl is zero in [v_count, cols)
-                    dl = dl_buf[: r1 - r0, :v_count]
-                    tri._dlogits(
-                        hidden[r0:r1], w_real, t_col[r0:r1], lse[r0:r1], cut(mean_z),
-                        cut(g_lp), cut(g_ent), c0[r0:r1], dl_buf[: r1 - r0, :cols],
-                        v_begin, v_count, p, cfg,
-                    )  # fmt: skip
-                    if need_w:
-                        tri._matmul_acc_(acc, dl.T, hidden[r0:r1], cfg, m_a=cols)
-                    if need_h:
-                        _matmul_fixed_(acc_h[r0:r1], dl, w_chunk, scale[r0:r1], cols, fixed, cfg)
-                if need_w and acc_w is not None:
-                    gw_slice.copy_(acc)
+            acc_w = torch.empty((width, h_dim), dtype=torch.float32, device=dev)
+        for v_begin, v_count, blocks in tri.dlogits_blocks(
+            hidden, w_real, t_col, lse, mean_z, grads, p, cfg
+        ):
+            w_chunk = w_real[v_begin : v_begin + v_count]
+            if need_w:
+                gw_slice = grad_w[v_begin : v_begin + v_count]
+                acc = gw_slice if acc_w is None else acc_w[:v_count].zero_()
+            for r0, r1, dl, cols in blocks:
+                if need_w:  # lp's fixed-tile GEMM: a row's sum never depends on the shard
+                    tri._matmul_acc_(acc, dl.T, hidden[r0:r1], cfg, m_a=cols)
+                if need_h:
+                    _matmul_fixed_(acc_h[r0:r1], dl, w_chunk, scale[r0:r1], cols, fixed, cfg)
+            if need_w and acc_w is not None:
+                gw_slice.copy_(acc)
         grad_h = None
         if need_h:
             if p.tp_size > 1 and p.reduce_grad_hidden:

@@ -439,6 +439,52 @@ def lse_coefficient(g_lp, g_lse, n: int, device: torch.device) -> torch.Tensor:
     return c0.expand(n).contiguous()
 
 
+def masked_upstream(ignored: torch.Tensor, *grads):
+    """Upstream gradients as fp32, zero on ignored rows (None stays None)."""
+    return tuple(None if g is None else torch.where(ignored, 0.0, g.float()) for g in grads)
+
+
+def dlogits_blocks(hidden, w_real, t_col, lse, mean_z, grads, p: LogprobParams, cfg: TileConfig):
+    """The backward's d_logits, one bounded block at a time (shared by both triton modes).
+
+    Yields ``(v_begin, v_count, blocks)`` per vocabulary chunk of ``cfg.vocab_chunk``
+    columns; ``blocks`` yields ``(r0, r1, dl, cols)`` per token chunk of
+    ``cfg.token_chunk`` rows: ``dl [r1 - r0, v_count]`` (input dtype) is ``d loss / d
+    logits`` of those rows and columns, in one reused buffer that holds exact zeros in
+    columns ``[v_count, cols)``. ``grads`` are the masked upstream gradients
+    ``(g_lp, g_ent, g_lse)``.
+    """
+    n = hidden.shape[0]
+    v_real = w_real.shape[0]
+    if n == 0 or v_real == 0:
+        return
+    g_lp, g_ent, g_lse = grads
+    c0 = lse_coefficient(g_lp, g_lse, n, hidden.device)
+    rows = min(cfg.token_chunk, n)
+    dl_buf = scratch.empty(
+        (rows, buffer_width(v_real, cfg)), dtype=hidden.dtype, device=hidden.device
+    )
+
+    def blocks(v_begin: int, v_count: int):
+        cols = pad_cols(v_count, dl_buf)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+
+            def cut(x, r0=r0, r1=r1):
+                return None if x is None else x[r0:r1]
+
+            _dlogits(
+                hidden[r0:r1], w_real, t_col[r0:r1], lse[r0:r1], cut(mean_z),
+                cut(g_lp), cut(g_ent), c0[r0:r1], dl_buf[: r1 - r0, :cols],
+                v_begin, v_count, p, cfg,
+            )  # fmt: skip
+            yield r0, r1, dl_buf[: r1 - r0, :v_count], cols
+
+    for v_begin in range(0, v_real, cfg.vocab_chunk):
+        v_count = min(cfg.vocab_chunk, v_real - v_begin)
+        yield v_begin, v_count, blocks(v_begin, v_count)
+
+
 def _grad_weight_slice(dl: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """``dl^T @ hidden`` in the input dtype with fp32 accumulation (one GEMM over all tokens)."""
     if hidden.device.type == "cuda":
@@ -480,52 +526,33 @@ class LinearLogprobTriton(torch.autograd.Function):
         n, h_dim = hidden.shape
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
-        g_lp, g_ent, g_lse = (
-            None if g is None else torch.where(ignored, 0.0, g.float())
-            for g in (g_lp, g_ent, g_lse)
-        )
-        c0 = lse_coefficient(g_lp, g_lse, n, hidden.device)
+        grads = masked_upstream(ignored, g_lp, g_ent, g_lse)
         grad_h32 = (
             torch.zeros((n, h_dim), dtype=torch.float32, device=hidden.device) if need_h else None
         )
         grad_w = torch.zeros_like(weight) if need_w else None
-        if n > 0 and v_real > 0:
-            rows = min(cfg.token_chunk, n)
-            dl_buf = scratch.empty(
-                (rows, buffer_width(v_real, cfg)), dtype=hidden.dtype, device=hidden.device
+        rows = min(cfg.token_chunk, n)
+        # fp32 accumulator for a grad_W slice when N spans several token chunks
+        acc_w = None
+        if need_w and n > rows and weight.dtype != torch.float32:
+            acc_w = torch.empty(
+                (min(cfg.vocab_chunk, v_real), h_dim), dtype=torch.float32, device=hidden.device
             )
-            # fp32 accumulator for a grad_W slice when N spans several token chunks
-            acc_w = None
-            if need_w and n > rows and weight.dtype != torch.float32:
-                acc_w = torch.empty(
-                    (min(cfg.vocab_chunk, v_real), h_dim), dtype=torch.float32, device=hidden.device
-                )
-            for v_begin in range(0, v_real, cfg.vocab_chunk):
-                v_count = min(cfg.vocab_chunk, v_real - v_begin)
-                w_chunk = w_real[v_begin : v_begin + v_count]
-                gw_slice = grad_w[v_begin : v_begin + v_count] if need_w else None
-                acc = gw_slice if acc_w is None else acc_w[:v_count].zero_()
-                for r0 in range(0, n, rows):
-                    r1 = min(n, r0 + rows)
-
-                    def cut(x, r0=r0, r1=r1):
-                        return None if x is None else x[r0:r1]
-
-                    cols = pad_cols(v_count, dl_buf)  # zeros in [v_count, cols)
-                    dl = dl_buf[: r1 - r0, :v_count]
-                    _dlogits(
-                        hidden[r0:r1], w_real, t_col[r0:r1], lse[r0:r1], cut(mean_z),
-                        cut(g_lp), cut(g_ent), c0[r0:r1], dl_buf[: r1 - r0, :cols],
-                        v_begin, v_count, p, cfg,
-                    )  # fmt: skip
-                    if need_w and rows == n:  # one token chunk: finish the slice in one GEMM
-                        gw_slice.copy_(_grad_weight_slice(dl, hidden))
-                    elif need_w:
-                        addmm_f32_(acc, dl.T, hidden[r0:r1])
-                    if need_h:  # dl's zero columns up to cols keep K_A vectorized
-                        _matmul_acc_(grad_h32[r0:r1], dl, w_chunk, cfg, k_a=cols)
-                if need_w and acc_w is not None:
-                    gw_slice.copy_(acc)
+        for v_begin, v_count, blocks in dlogits_blocks(
+            hidden, w_real, t_col, lse, mean_z, grads, p, cfg
+        ):
+            w_chunk = w_real[v_begin : v_begin + v_count]
+            gw_slice = grad_w[v_begin : v_begin + v_count] if need_w else None
+            acc = gw_slice if acc_w is None else acc_w[:v_count].zero_()
+            for r0, r1, dl, cols in blocks:
+                if need_w and rows == n:  # one token chunk: finish the slice in one GEMM
+                    gw_slice.copy_(_grad_weight_slice(dl, hidden))
+                elif need_w:
+                    addmm_f32_(acc, dl.T, hidden[r0:r1])
+                if need_h:  # dl's zero columns up to cols keep K_A vectorized
+                    _matmul_acc_(grad_h32[r0:r1], dl, w_chunk, cfg, k_a=cols)
+            if need_w and acc_w is not None:
+                gw_slice.copy_(acc)
         grad_h = None
         if need_h:
             if p.tp_size > 1 and p.reduce_grad_hidden:
