@@ -193,7 +193,10 @@ def test_check_passes_with_tp(capsys):
     assert lines and all(line.startswith("PASS") for line in lines), out
     assert any("parity" in line for line in lines)
     assert any("bitwise" in line for line in lines)
-    assert any("gloo TP=2" in line for line in lines)
+    assert any("gloo TP=2 uneven" in line for line in lines)
+    assert any(
+        "gloo TP=2 deterministic, bitwise" in line and "all 5 equal" in line for line in lines
+    )
 
 
 def test_check_fails_with_exit_1_on_wrong_reference(capsys, monkeypatch):

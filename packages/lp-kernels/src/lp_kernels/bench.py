@@ -25,7 +25,8 @@ without entropy only; other rows are marked skipped.
 
 ``lp check`` (:func:`run_checks`): parity of logprob / entropy / lse and both gradients
 against an fp64 autograd reference on small awkward shapes (padded vocabulary, ignored
-rows, temperature), run-to-run bitwise reproducibility, and a gloo TP=2 run on CPU
+rows, temperature), run-to-run bitwise reproducibility, and gloo TP=2 runs on CPU
+(the default path within tolerance, ``deterministic=True`` bitwise)
 (two spawned processes, uneven shards) against the single-process result.
 
 ``benchmarks/protocol.py`` is a thin wrapper over :func:`protocol_main`.
@@ -904,7 +905,7 @@ def _tp_worker(rank: int, world: int, store_path: str, payload: bytes, conn) -> 
 
     result: tuple[str, object]
     try:
-        hidden, weight, targets, grads, temp, v = pickle.loads(payload)
+        hidden, weight, targets, grads, temp, v, deterministic = pickle.loads(payload)
         store = dist.FileStore(store_path, world)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
@@ -922,6 +923,7 @@ def _tp_worker(rank: int, world: int, store_path: str, payload: bytes, conn) -> 
                 backend="torch",
                 tp_group=dist.group.WORLD,
                 vocab_start=bounds[rank],
+                deterministic=deterministic,
             )
             result = ("ok", res)
         finally:
@@ -986,19 +988,34 @@ def run_tp_ranks(payload: bytes, world: int = 2, timeout: float = TP_TIMEOUT_S) 
             os.environ["OMP_NUM_THREADS"] = old_omp
 
 
-def check_tp(timeout: float = TP_TIMEOUT_S) -> CheckResult:
-    """gloo TP=2 on CPU, uneven shards: outputs and gradients match the single process."""
+def check_tp(timeout: float = TP_TIMEOUT_S, *, deterministic: bool = False) -> CheckResult:
+    """gloo TP=2 on CPU, uneven shards: outputs and gradients match the single process;
+    with ``deterministic=True`` they must be bitwise equal to it."""
     name, n, h, v, v_pad, dtype, temp = CHECK_SHAPES[0]
-    label = f"torch gloo TP=2 uneven shards {name}"
+    mode = "deterministic, bitwise" if deterministic else "uneven shards"
+    label = f"torch gloo TP=2 {mode} {name}"
     hidden, weight, targets, grads = check_problem(n, h, v, v_pad, dtype)
     single = _lp_run(
-        hidden, weight, targets, grads, temperature=temp, vocab_size=v, backend="torch"
-    )
-    payload = pickle.dumps((hidden, weight, targets, grads, temp, v))
+        hidden, weight, targets, grads, temperature=temp, vocab_size=v, backend="torch",
+        deterministic=deterministic,
+    )  # fmt: skip
+    payload = pickle.dumps((hidden, weight, targets, grads, temp, v, deterministic))
     try:
         ranks = run_tp_ranks(payload, 2, timeout)
     except (RuntimeError, TimeoutError) as exc:
         return CheckResult(label, False, str(exc).splitlines()[0])
+    if deterministic:
+        differ = [
+            f"{key} (rank {rank})"
+            for rank, res in enumerate(ranks)
+            for key in ("logprob", "entropy", "lse", "grad_hidden")
+            if not torch.equal(res[key], single[key])
+        ]
+        grad_w = torch.cat([r["grad_weight"] for r in ranks])
+        if not torch.equal(grad_w, single["grad_weight"]):
+            differ.append("grad_weight")
+        detail = "all 5 equal to TP=1" if not differ else f"differ: {', '.join(differ)}"
+        return CheckResult(label, not differ, detail)
     worst, which = 0.0, ""
     for rank, res in enumerate(ranks):
         combined = dict(res)
@@ -1028,9 +1045,10 @@ def run_checks(
             report(res)
             results.append(res)
     if tp:
-        res = check_tp()
-        report(res)
-        results.append(res)
+        for deterministic in (False, True):
+            res = check_tp(deterministic=deterministic)
+            report(res)
+            results.append(res)
     return results
 
 

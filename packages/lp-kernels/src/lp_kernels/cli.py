@@ -715,7 +715,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="For each available backend (torch; triton on CUDA, or on CPU under "
         "TRITON_INTERPRET=1): logprob/entropy/lse and both gradients against an fp64 "
         "reference on small awkward shapes, bitwise reproducibility run to run, and a gloo "
-        "TP=2 run on CPU with uneven shards against the single-process result. One "
+        "TP=2 run on CPU with uneven shards against the single-process result, and the same "
+        "with deterministic=True, which must be bitwise equal to it. One "
         "PASS/FAIL line per check; exit status 1 on any failure.",
     )
     check.add_argument("--quick", action="store_true", help="one shape per backend only")
