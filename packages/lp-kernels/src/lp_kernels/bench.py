@@ -26,8 +26,8 @@ without entropy only; other rows are marked skipped.
 ``lp check`` (:func:`run_checks`): parity of logprob / entropy / lse and both gradients
 against an fp64 autograd reference on small awkward shapes (padded vocabulary, ignored
 rows, temperature), run-to-run bitwise reproducibility, and gloo TP=2 runs on CPU
-(the default path within tolerance, ``deterministic=True`` bitwise)
-(two spawned processes, uneven shards) against the single-process result.
+(two spawned processes, uneven shards) against the single-process result: the default
+path within tolerance, ``deterministic=True`` bitwise.
 
 ``benchmarks/protocol.py`` is a thin wrapper over :func:`protocol_main`.
 """
