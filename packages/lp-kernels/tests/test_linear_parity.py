@@ -104,13 +104,17 @@ def test_leading_dims_and_int32_targets(device, backend):
     assert_close(p.hidden.grad, truth["grad_hidden"], rtol=1e-5, atol=1e-6, name="grad_hidden")
 
 
-def test_empty_input(device, backend):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_empty_input(device, backend, deterministic):
+    if deterministic and backend == "torch" and device == "cuda":
+        pytest.skip("deterministic=True with the torch backend is CPU-only")
     p = make_problem(0, 8, 31, device=device).with_grad()
     out = linear_logprob(
-        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend=backend
-    )
+        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend=backend,
+        deterministic=deterministic,
+    )  # fmt: skip
     assert out.logprob.shape == (0,) and out.entropy.shape == (0,) and out.lse.shape == (0,)
-    out.logprob.sum().backward()
+    (out.logprob.sum() + out.entropy.sum()).backward()
     assert p.hidden.grad.shape == (0, 8)
     assert torch.equal(p.weight.grad, torch.zeros_like(p.weight))
 
