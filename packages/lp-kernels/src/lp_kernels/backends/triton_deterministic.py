@@ -26,7 +26,9 @@ The forward logit tiles and the backward's d_logits tiles cover the same global
 128-column tiles on every layout (shard bounds are multiples of 128, the kernels' column
 tiles start at multiples of 128 of the shard), and every element of a tile is computed
 by the same instruction sequence whatever its position, so each tile's numbers are the
-same on every layout.
+same on every layout. That also needs every layout to run the same compiled variant of
+each kernel: see "Determinism" in ``triton_linear`` on Triton's integer specialization.
+``benchmarks/profile_deterministic.py`` times each phase against the default mode.
 """
 
 from __future__ import annotations
