@@ -48,6 +48,60 @@ def _timer(device: str):
     return run
 
 
+def _phases(mode: str, hidden, weight, t_col, p: LogprobParams, timer, device: str) -> dict:
+    """Milliseconds of each phase in one mode ("default" or "det")."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    fixed = None
+    if mode == "det":
+        cfg, fixed = det.config_for(hidden.device)
+    else:
+        cfg = tri.config_for(hidden.device)
+    rows = min(cfg.token_chunk, n)
+    h_c, t_c = hidden[:rows], t_col[:rows]
+    out: dict = {}
+
+    def fwd():
+        return tri.merge(tri.forward_stats(h_c, weight, t_c, p, cfg), entropy=False)
+
+    out["forward"] = timer(fwd)
+    lse = fwd()[0]
+    buf = torch.randn(rows, tri.buffer_width(v, cfg), device=device).to(hidden.dtype)
+    zeros = torch.zeros(rows, device=device)
+    acc_w = torch.zeros(cfg.vocab_chunk, h, device=device)
+    acc_h = torch.zeros(rows, h, device=device)
+    acc_i = torch.zeros(rows, h, dtype=torch.int64, device=device)
+    scale = torch.ones(rows, device=device)
+    chunks = [(v0, min(cfg.vocab_chunk, v - v0)) for v0 in range(0, v, cfg.vocab_chunk)]
+
+    def dlogits():
+        for v0, cnt in chunks:
+            cols = tri.pad_cols(cnt, buf)
+            tri._dlogits(
+                h_c, weight, t_c, lse, None, None, None, zeros, buf[:, :cols], v0, cnt, p, cfg
+            )
+
+    def grad_w():
+        for _, cnt in chunks:
+            if mode == "default":
+                tri._grad_weight_slice(buf[:, :cnt], h_c)
+            else:
+                tri._matmul_acc_(acc_w[:cnt], buf[:, :cnt].T, h_c, cfg, m_a=tri.pad_cols(cnt, buf))
+
+    def grad_h():
+        for v0, cnt in chunks:
+            dl, w_c, cols = buf[:, :cnt], weight[v0 : v0 + cnt], tri.pad_cols(cnt, buf)
+            if mode == "default":
+                tri._matmul_acc_(acc_h, dl, w_c, cfg, k_a=cols)
+            else:
+                det._matmul_fixed_(acc_i, dl, w_c, scale, cols, fixed, cfg)
+
+    out["dlogits"] = timer(dlogits)
+    out["grad_weight"] = timer(grad_w)
+    out["grad_hidden"] = timer(grad_h)
+    return out
+
+
 def profile(name: str, n: int, h: int, v: int, device: str) -> dict:
     hidden, weight, targets, _ = make_inputs(n, h, v, device=device)
     p = LogprobParams(
@@ -56,57 +110,9 @@ def profile(name: str, n: int, h: int, v: int, device: str) -> dict:
     )  # fmt: skip
     timer = _timer(device)
     row: dict = {"shape": name, "N": n, "H": h, "V": v}
-    t_col = targets.clone()
-    for mode, cfg in (("default", tri.config_for(hidden.device)), ("det", None)):
-        if mode == "det":
-            cfg, fixed = det.config_for(hidden.device)
-        rows = min(cfg.token_chunk, n)
-        h_c = hidden[:rows]
-
-        def fwd(cfg=cfg, h_c=h_c, rows=rows):
-            stats = tri.forward_stats(h_c, weight, t_col[:rows], p, cfg)
-            return tri.merge(stats, entropy=False)
-
-        row[f"{mode}_forward_ms"] = timer(fwd)
-        lse = fwd()[0]
-        buf = torch.randn(rows, tri.buffer_width(v, cfg), device=device).to(hidden.dtype)
-        zeros = torch.zeros(rows, device=device)
-
-        def dlogits(cfg=cfg, h_c=h_c, rows=rows, buf=buf, lse=lse):
-            for v0 in range(0, v, cfg.vocab_chunk):
-                cnt = min(cfg.vocab_chunk, v - v0)
-                cols = tri.pad_cols(cnt, buf)
-                tri._dlogits(
-                    h_c, weight, t_col[:rows], lse, None, None, None, zeros, buf[:, :cols],
-                    v0, cnt, p, cfg,
-                )  # fmt: skip
-
-        row[f"{mode}_dlogits_ms"] = timer(dlogits)
-        acc_w = torch.zeros(cfg.vocab_chunk, h, device=device)
-        acc_h = torch.zeros(rows, h, device=device)
-        acc_i = torch.zeros(rows, h, dtype=torch.int64, device=device)
-        scale = torch.ones(rows, device=device)
-
-        def grad_w(cfg=cfg, h_c=h_c, buf=buf, mode=mode):
-            for v0 in range(0, v, cfg.vocab_chunk):
-                cnt = min(cfg.vocab_chunk, v - v0)
-                dl = buf[:, :cnt]
-                if mode == "default":
-                    tri._grad_weight_slice(dl, h_c)
-                else:
-                    tri._matmul_acc_(acc_w[:cnt], dl.T, h_c, cfg, m_a=tri.pad_cols(cnt, buf))
-
-        def grad_h(cfg=cfg, buf=buf, mode=mode):
-            for v0 in range(0, v, cfg.vocab_chunk):
-                cnt = min(cfg.vocab_chunk, v - v0)
-                dl, w_c, cols = buf[:, :cnt], weight[v0 : v0 + cnt], tri.pad_cols(cnt, buf)
-                if mode == "default":
-                    tri._matmul_acc_(acc_h, dl, w_c, cfg, k_a=cols)
-                else:
-                    det._matmul_fixed_(acc_i, dl, w_c, scale, cols, fixed, cfg)
-
-        row[f"{mode}_grad_weight_ms"] = timer(grad_w)
-        row[f"{mode}_grad_hidden_ms"] = timer(grad_h)
+    for mode in ("default", "det"):
+        for phase, ms in _phases(mode, hidden, weight, targets, p, timer, device).items():
+            row[f"{mode}_{phase}_ms"] = ms
     if device == "cuda":
         row["gemm_ms"] = timer(lambda: hidden[: min(n, 8192)] @ weight.T)
     return row
