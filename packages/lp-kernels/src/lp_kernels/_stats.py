@@ -103,6 +103,18 @@ def merge_stats(
     return lse, big_m + mean_shift, zt, log_s - mean_shift
 
 
+def masked_upstream(ignored: torch.Tensor, *grads):
+    """Upstream gradients as fp32 ``[N]``, zero on ignored rows (None stays None)."""
+    return tuple(None if g is None else torch.where(ignored, 0.0, g.float()) for g in grads)
+
+
+def lse_coefficient(g_lp, g_lse, n: int, device: torch.device) -> torch.Tensor:
+    """``c0 = g_lse - g_lp`` per row (fp32, contiguous ``[n]``), zeros for absent gradients."""
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    c0 = (g_lse if g_lse is not None else zero) - (g_lp if g_lp is not None else zero)
+    return c0.expand(n).contiguous()
+
+
 def d_logits_(
     z: torch.Tensor,
     lse: torch.Tensor,
@@ -117,15 +129,14 @@ def d_logits_(
 
     Upstream gradients are per row ([C] fp32, zero on ignored rows) or None (unused).
     """
-    zero = torch.zeros((), dtype=torch.float32, device=z.device)
-    c0 = (g_lse if g_lse is not None else zero) - (g_lp if g_lp is not None else zero)
+    c0 = lse_coefficient(g_lp, g_lse, z.shape[0], z.device)
     if g_ent is not None:
         assert mean_z is not None
         z.sub_(mean_z.unsqueeze(1))  # z - E
         p = torch.exp(z + (mean_z - lse).unsqueeze(1))
-        z.mul_(-g_ent.unsqueeze(1)).add_(c0.expand(z.shape[0]).unsqueeze(1)).mul_(p)
+        z.mul_(-g_ent.unsqueeze(1)).add_(c0.unsqueeze(1)).mul_(p)
     else:
-        z.sub_(lse.unsqueeze(1)).exp_().mul_(c0.expand(z.shape[0]).unsqueeze(1))
+        z.sub_(lse.unsqueeze(1)).exp_().mul_(c0.unsqueeze(1))
     if g_lp is not None and z.shape[1] > 0:
         rows = torch.arange(z.shape[0], device=z.device)
         cols = torch.where(in_shard, target_local, 0)

@@ -32,6 +32,7 @@ from lp_kernels._stats import (
     d_logits_,
     local_stats,
     masked_outputs,
+    masked_upstream,
     merge_stats,
     target_columns,
 )
@@ -100,10 +101,7 @@ class VocabParallelLogprob(torch.autograd.Function):
         n, v_local = logits.shape
         v_real = p.local_real_columns(v_local)
         t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
-        g_lp, g_ent, g_lse = (
-            None if g is None else torch.where(ignored, 0.0, g.float())
-            for g in (g_lp, g_ent, g_lse)
-        )
+        g_lp, g_ent, g_lse = masked_upstream(ignored, g_lp, g_ent, g_lse)
         grad = scratch.empty((n, v_local), dtype=logits.dtype, device=logits.device)
         for r0, r1, rows in chunks(n, p.chunk_size):
             z = _scaled_chunk(logits, r0, r1, rows, v_real, p.inv_temperature)

@@ -32,7 +32,7 @@ from lp_kernels._dist import DETERMINISTIC_TILE as TILE
 from lp_kernels._dist import all_reduce_sum_, gather_stats
 from lp_kernels._fixed_point import from_fixed_point, row_exponents
 from lp_kernels._matmul import addmm_f32_, mm_f32
-from lp_kernels._stats import N_STATS, masked_outputs, target_columns
+from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream, target_columns
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends.torch_linear import (
     logits_grad_chunks,
@@ -139,10 +139,7 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
         ignored = targets == p.ignore_index
-        g_lp_, g_ent_, g_lse_ = (
-            None if g is None else torch.where(ignored, 0.0, g.float())
-            for g in (g_lp, g_ent, g_lse)
-        )
+        g_lp_, g_ent_, g_lse_ = masked_upstream(ignored, g_lp, g_ent, g_lse)
         scale = bad = None
         if need_h:
             scale, bad = row_exponents(hidden, w_real, lse, ignored, g_lp_, g_ent_, g_lse_, p)

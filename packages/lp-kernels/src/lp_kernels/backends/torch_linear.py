@@ -40,6 +40,7 @@ from lp_kernels._stats import (
     d_logits_,
     local_stats,
     masked_outputs,
+    masked_upstream,
     merge_stats,
     target_columns,
 )
@@ -79,11 +80,25 @@ def chunks(n: int, chunk: int):
         yield r0, min(n, r0 + chunk), chunk
 
 
-def scaled_logits_chunks(hidden: torch.Tensor, w_real: torch.Tensor, p: LogprobParams):
-    """Yield ``(r0, r1, rows, h_c, z)``: padded hidden rows and ``z = h_c W_r^T / T`` in fp32."""
+def scaled_logits_chunks(
+    hidden: torch.Tensor,
+    w_real: torch.Tensor,
+    p: LogprobParams,
+    zero_rows: torch.Tensor | None = None,
+):
+    """Yield ``(r0, r1, rows, h_c, z)``: padded hidden rows and ``z = h_c W_r^T / T`` in fp32.
+
+    Rows flagged in ``zero_rows [N]`` get logits of a zero hidden row (``h_c`` itself is
+    yielded unchanged): the backward's ignored rows, so that their d_logits are exact
+    zeros even where their hidden state is not finite, at the cost of one pass over the
+    ``[C, H]`` chunk rather than over ``[C, V]``.
+    """
     for r0, r1, rows in chunks(hidden.shape[0], p.chunk_size):
         h_c = padded_rows(hidden, r0, r1, rows)
-        z = mm_f32(h_c, w_real.T)  # [rows, V_r]
+        h_z = h_c
+        if zero_rows is not None:
+            h_z = torch.where(padded_rows(zero_rows, r0, r1, rows, False)[:, None], 0, h_c)
+        z = mm_f32(h_z, w_real.T)  # [rows, V_r]
         if p.temperature != 1.0:
             z.mul_(p.inv_temperature)
         yield r0, r1, rows, h_c, z
@@ -154,16 +169,17 @@ def logits_grad_chunks(hidden, w_real, targets, lse, mean_z, upstream, p: Logpro
     """
     v_real = w_real.shape[0]
     t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
-    g_lp, g_ent, g_lse = (
-        None if g is None else torch.where(ignored, 0.0, g.float()) for g in upstream
-    )
+    g_lp, g_ent, g_lse = masked_upstream(ignored, *upstream)
     if g_ent is not None and mean_z is None:
         raise RuntimeError("entropy gradient without return_entropy (internal error)")
+    # ignored rows: logits of a zero row and a zero lse / E, so d_logits = 1 * 0 exactly
+    lse = torch.where(ignored, 0.0, lse)
+    mean_z = None if mean_z is None else torch.where(ignored, 0.0, mean_z)
 
     def pad(x, r0, r1, rows):
         return None if x is None else padded_rows(x, r0, r1, rows)
 
-    for r0, r1, rows, h_c, z in scaled_logits_chunks(hidden, w_real, p):
+    for r0, r1, rows, h_c, z in scaled_logits_chunks(hidden, w_real, p, zero_rows=ignored):
         dz = d_logits_(
             z,
             padded_rows(lse, r0, r1, rows),
@@ -176,6 +192,4 @@ def logits_grad_chunks(hidden, w_real, targets, lse, mean_z, upstream, p: Logpro
         )
         if p.temperature != 1.0:
             dz.mul_(p.inv_temperature)
-        # exact zeros on ignored rows, even where their hidden is not finite
-        dz.masked_fill_(padded_rows(ignored, r0, r1, rows, False)[:, None], 0.0)
         yield r0, r1, h_c, dz.to(hidden.dtype)

@@ -43,7 +43,7 @@ from torch.autograd.function import once_differentiable
 from lp_kernels._dist import DETERMINISTIC_TILE as TILE
 from lp_kernels._dist import all_reduce_sum_, gather_stats
 from lp_kernels._fixed_point import from_fixed_point, row_exponents
-from lp_kernels._stats import N_STATS, masked_outputs, target_columns
+from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends import triton_linear as tri
 from lp_kernels.backends.triton_linear import TileConfig
@@ -145,12 +145,8 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, p: LogprobParams):
         ctx.set_materialize_grads(False)
         cfg, _ = config_for(hidden.device)
-        hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+        hidden, w_real, t_col, ignored = tri.kernel_inputs(hidden, weight, targets, p)
         n = hidden.shape[0]
-        v_real = p.local_real_columns(weight.shape[0])
-        w_real = weight[:v_real]
-        t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
-        t_col = tri.target_codes(t_local, in_shard, ignored)
         parts = []
         step = _stats_rows(p, cfg)
         for r0 in range(0, max(n, 1), step):
@@ -175,7 +171,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         n, h_dim = hidden.shape
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
-        grads = tri.masked_upstream(ignored, g_lp, g_ent, g_lse)
+        grads = masked_upstream(ignored, g_lp, g_ent, g_lse)
         dev = hidden.device
         if need_h:
             e, bad = row_exponents(hidden, w_real, lse, ignored, *grads, p)

@@ -54,7 +54,13 @@ from torch.autograd.function import once_differentiable
 
 from lp_kernels._dist import all_reduce_sum_, gather_stats
 from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
-from lp_kernels._stats import N_STATS, masked_outputs, target_columns
+from lp_kernels._stats import (
+    N_STATS,
+    lse_coefficient,
+    masked_outputs,
+    masked_upstream,
+    target_columns,
+)
 from lp_kernels._types import LogprobParams
 
 
@@ -416,6 +422,16 @@ def _matmul_acc_(
     )  # fmt: skip
 
 
+def kernel_inputs(hidden, weight, targets, p: LogprobParams):
+    """``(hidden, w_real, t_col, ignored)`` as the kernels take them: ``hidden`` with a unit
+    last stride, this shard's real weight rows, the per-row target codes (see
+    :func:`target_codes`) and the ignored-row mask."""
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    v_real = p.local_real_columns(weight.shape[0])
+    t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
+    return hidden, weight[:v_real], target_codes(t_local, in_shard, ignored), ignored
+
+
 def buffer_width(v_real: int, cfg: TileConfig) -> int:
     """Columns of the d_logits buffer: a multiple of 128, so its row stride specializes alike
     on every shard (the kernels' code must not depend on the shard width)."""
@@ -430,18 +446,6 @@ def pad_cols(v_count: int, dl_buf: torch.Tensor) -> int:
 def target_codes(t_local: torch.Tensor, in_shard: torch.Tensor, ignored: torch.Tensor):
     """Per row: the target's column in this shard, -1 if elsewhere, IGNORED (-2) if ignored."""
     return torch.where(in_shard, t_local, torch.where(ignored, IGNORED, -1))
-
-
-def lse_coefficient(g_lp, g_lse, n: int, device: torch.device) -> torch.Tensor:
-    """``c0 = g_lse - g_lp`` per row (fp32, contiguous), zeros for absent gradients."""
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    c0 = (g_lse if g_lse is not None else zero) - (g_lp if g_lp is not None else zero)
-    return c0.expand(n).contiguous()
-
-
-def masked_upstream(ignored: torch.Tensor, *grads):
-    """Upstream gradients as fp32, zero on ignored rows (None stays None)."""
-    return tuple(None if g is None else torch.where(ignored, 0.0, g.float()) for g in grads)
 
 
 def dlogits_blocks(hidden, w_real, t_col, lse, mean_z, grads, p: LogprobParams, cfg: TileConfig):
@@ -504,11 +508,7 @@ class LinearLogprobTriton(torch.autograd.Function):
     ):
         ctx.set_materialize_grads(False)
         cfg = config_for(hidden.device)
-        hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
-        v_real = p.local_real_columns(weight.shape[0])
-        w_real = weight[:v_real]
-        t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
-        t_col = target_codes(t_local, in_shard, ignored)
+        hidden, w_real, t_col, ignored = kernel_inputs(hidden, weight, targets, p)
         stats = forward_stats(hidden, w_real, t_col, p, cfg)
         gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, S, N, 4]
         lse, mean_z, zt, ent = merge(gathered.flatten(0, 1), entropy=p.return_entropy)
