@@ -3,6 +3,7 @@
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
 #   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [bench] [sweep] [profile-det]
 #   (default: tests megatron bench sweep)
+# SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help).
 # Writes logs, JUnit XML and bench.json/bench.png under $OUT (default ./gpu-out).
 # megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
 # are installed into /tmp/site first (the GPU image lacks them). Set LP_COMMIT to the
@@ -47,10 +48,11 @@ for stage in $stages; do
         --backends lp-triton,lp-triton-det,lp-torch,materialized,liger,cce \
         --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 30 || status=1 ;;
     sweep)
-      python3 benchmarks/sweep_tiles.py --out "$OUT/sweep.json" 2>&1 | tail -n 30 || status=1 ;;
+      python3 benchmarks/sweep_tiles.py ${SWEEP_ARGS:-} --out "$OUT/sweep${SWEEP_TAG:-}.json" 2>&1 \
+        | tee "$OUT/sweep${SWEEP_TAG:-}.log" | tail -n 30 || status=1 ;;
     profile-det)  # issue 4: deterministic=True cost per phase
       (cd benchmarks && python3 profile_deterministic.py --shapes S1,S4 \
-        --out "$OUT/phases.json") 2>&1 | tail -n 20 || status=1 ;;
+        --out "$OUT/phases.json") 2>&1 | tee "$OUT/phases.log" | tail -n 20 || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

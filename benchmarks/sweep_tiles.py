@@ -2,6 +2,13 @@
 
 Tile configs are pinned in lp_kernels.backends.triton_linear (a different tile is a
 different summation order); this script is how the pinned one was chosen. GPU only.
+
+    python benchmarks/sweep_tiles.py --shapes S1,S4 [--variants a,b] [--det] [--out f.json]
+
+Each variant replaces fields of the pinned ``GPU_CONFIG`` (``deterministic=True`` derives
+its config from it at call time, so ``--det`` times that mode under the same variant).
+Before timing, ``--bits`` checks that tensor-descriptor (TMA) loads and pointer loads
+give bitwise the same outputs and gradients under the pinned config.
 """
 
 from __future__ import annotations
@@ -11,79 +18,133 @@ import dataclasses
 import json
 import statistics
 
+import torch
 from protocol import SHAPES, make_inputs, time_cuda
 
+import lp_kernels.backends.triton_deterministic as tdet
 import lp_kernels.backends.triton_linear as tlin
 from lp_kernels import linear_logprob
 
+# "old": the launch order and loads pinned up to session 2 (no grouping, pointer loads,
+# 128 x 128 tiles). Keys starting with "fixed" set the fixed-point GEMM's tiles of
+# deterministic=True (BLOCK_M, BLOCK_N, BLOCK_K, and optionally num_warps).
 VARIANTS = {
-    "base": {},
-    "bv256": {"block_v": 256},
-    "bn64-bv256-w4": {"block_n": 64, "block_v": 256, "num_warps": 4},
-    "w4-s4": {"num_warps": 4, "num_stages": 4},
-    "bh128-s2": {"block_h": 128, "num_stages": 2},
-    "mm128x256": {"mm_block_n": 256},
-    "chunk16k": {"vocab_chunk": 16384},
-    "bv256-mm256": {"block_v": 256, "mm_block_n": 256},
-    "bv256-mm256-s4": {"block_v": 256, "mm_block_n": 256, "num_stages": 4},
-    "bv256-mm256-w4": {"block_v": 256, "mm_block_n": 256, "num_warps": 4},
-    "bn256-bv128-mm256": {"block_n": 256, "mm_block_n": 256},
-    "bv256-mm256x128": {"block_v": 256, "mm_block_m": 256},
+    "old": {"group": 0, "tma": False, "block_v": 128, "mm_block_n": 128},
+    "pinned": {},
+    "bv128": {"block_v": 128},
+    "mm128": {"mm_block_n": 128},
+    "s4": {"num_stages": 4},
+    "g16": {"group": 16},
+    "notma": {"tma": False},
+    "bn256-bv128": {"block_n": 256, "block_v": 128},
+    "ws": {"warp_specialize": True},
+    "fx128x128": {"fixed": (128, 128, 64)},
+    "fx64x256": {"fixed": (64, 256, 64)},
+    "fx128x64-w4": {"fixed": (128, 64, 64), "fixed_warps": 4},
 }
+
+
+def _apply(base, base_fixed, variant: dict) -> None:
+    fields = {k: v for k, v in variant.items() if not k.startswith("fixed")}
+    tlin.GPU_CONFIG = dataclasses.replace(base, **fields)
+    tdet.FIXED_GPU = variant.get("fixed", base_fixed)
+    tdet.FIXED_WARPS = variant.get("fixed_warps")
+
+
+def _run(hl, wl, targets, grad_out, det: bool):
+    hl.grad = wl.grad = None
+    out = linear_logprob(
+        hl, wl, targets, backend="triton", validate=False, return_entropy=True,
+        deterministic=det,
+    )  # fmt: skip
+    (out.logprob * grad_out + out.entropy * grad_out.flip(0)).sum().backward()
+    return out.logprob.detach(), out.entropy.detach(), hl.grad.clone(), wl.grad.clone()
+
+
+def check_bits(base) -> list[dict]:
+    """TMA and pointer loads, bitwise, at an awkward N (both modes)."""
+    rows = []
+    hidden, weight, targets, grad_out = make_inputs(1000, 512, 20011)
+    hl, wl = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    for det in (False, True):
+        got = []
+        for tma in (True, False):
+            tlin.GPU_CONFIG = dataclasses.replace(base, tma=tma)
+            got.append(_run(hl, wl, targets, grad_out, det))
+        same = [torch.equal(a, b) for a, b in zip(*got, strict=True)]
+        rows.append({"check": "tma_vs_pointer_bits", "deterministic": det, "equal": same})
+        print(json.dumps(rows[-1]), flush=True)
+    tlin.GPU_CONFIG = base
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="S1,S3,S4")
+    ap.add_argument("--shapes", default="S1,S4")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--det", action="store_true", help="also time deterministic=True")
+    ap.add_argument("--bits", action="store_true", help="TMA vs pointer loads, bitwise")
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    base = tlin.GPU_CONFIG
+    base, base_fixed = tlin.GPU_CONFIG, tdet.FIXED_GPU
     rows = []
+    if args.bits:
+        try:
+            rows = check_bits(base)
+        except Exception as exc:  # report and go on to the timings
+            rows = [{"check": "tma_vs_pointer_bits", "error": repr(exc)[:300]}]
+            print(json.dumps(rows[-1]), flush=True)
+            tlin.GPU_CONFIG = base
     for s in args.shapes.split(","):
         n, h, v = SHAPES[s]
         hidden, weight, targets, grad_out = make_inputs(n, h, v)
         floor = 4 * statistics.median(
-            time_cuda(lambda h=hidden, w=weight: h @ w.T, warmup=2, reps=5)
+            time_cuda(lambda h=hidden, w=weight: h @ w.T, warmup=2, reps=args.reps)
         )
         hl, wl = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
         for name in args.variants.split(","):
-            tlin.GPU_CONFIG = dataclasses.replace(base, **VARIANTS[name])
+            _apply(base, base_fixed, VARIANTS[name])
+            for det in (False, True) if args.det else (False,):
 
-            def fwd(hl=hl, wl=wl, targets=targets):
-                return linear_logprob(hl, wl, targets, backend="triton", validate=False).logprob
+                def fwd(hl=hl, wl=wl, targets=targets, det=det):
+                    return linear_logprob(
+                        hl, wl, targets, backend="triton", validate=False, deterministic=det
+                    ).logprob
 
-            def step(hl=hl, wl=wl, grad_out=grad_out, fwd=fwd):
-                hl.grad = wl.grad = None
-                fwd().backward(grad_out)
+                def step(hl=hl, wl=wl, grad_out=grad_out, fwd=fwd):
+                    hl.grad = wl.grad = None
+                    fwd().backward(grad_out)
 
-            try:
-                t_f = statistics.median(time_cuda(fwd, warmup=2, reps=5))
-                t_all = statistics.median(time_cuda(step, warmup=1, reps=5))
-                row = {
-                    "shape": s,
-                    "variant": name,
-                    "fwd_ms": t_f,
-                    "total_ms": t_all,
-                    "bwd_ms": t_all - t_f,
-                    "floor_ms": floor,
-                    "x_floor": t_all / floor,
-                }
-            except Exception as exc:  # report and go on: a variant may not compile
-                row = {"shape": s, "variant": name, "error": repr(exc)[:200]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    tlin.GPU_CONFIG = base
+                label = name + ("/det" if det else "")
+                try:
+                    t_f = statistics.median(time_cuda(fwd, warmup=1, reps=args.reps))
+                    t_all = statistics.median(time_cuda(step, warmup=1, reps=args.reps))
+                    row = {
+                        "shape": s, "variant": label, "fwd_ms": t_f, "total_ms": t_all,
+                        "bwd_ms": t_all - t_f, "floor_ms": floor, "x_floor": t_all / floor,
+                    }  # fmt: skip
+                except Exception as exc:  # report and go on: a variant may not compile
+                    row = {"shape": s, "variant": label, "error": repr(exc)[:300]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del hidden, weight, hl, wl
+        torch.cuda.empty_cache()
+    _apply(base, base_fixed, {})
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"{'shape':5} {'variant':16} {'fwd':>8} {'bwd':>8} {'total':>8} {'x floor':>7}")
+    print(f"{'shape':5} {'variant':24} {'fwd':>8} {'bwd':>8} {'total':>8} {'x floor':>7}")
     for r in rows:
-        if "error" in r:
-            print(f"{r['shape']:5} {r['variant']:16} {r['error']}")
+        if "check" in r and "error" in r:
+            print(f"bits  {r['error']}")
+        elif "check" in r:
+            print(f"bits  det={r['deterministic']!s:5} equal={r['equal']}")
+        elif "error" in r:
+            print(f"{r['shape']:5} {r['variant']:24} {r['error']}")
         else:
             print(
-                f"{r['shape']:5} {r['variant']:16} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} "
+                f"{r['shape']:5} {r['variant']:24} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} "
                 f"{r['total_ms']:8.2f} {r['x_floor']:7.3f}"
             )
 

@@ -128,3 +128,38 @@ def test_vocab_parallel_logprob_batch_and_chunk_invariance(device):
         )
         for name, a, b in zip(("logprob", "entropy", "lse"), full, out, strict=True):
             assert_bitwise_equal(b, a, f"{name} chunk_size={chunk}")
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_load_path_and_launch_order_do_not_change_bits(
+    dtype, deterministic, device, monkeypatch
+):
+    """Tensor-descriptor loads against pointer loads, and the grouped launch order against
+    another grouping: the same products in the same order, so the same bits (the load
+    path is chosen by H, dtype and alignment; see triton_linear.tma_ok)."""
+    import dataclasses
+
+    import lp_kernels.backends.triton_linear as tri
+
+    name = "INTERPRET_CONFIG" if device == "cpu" else "GPU_CONFIG"
+    base = getattr(tri, name)
+    p = make_problem(
+        67, 64, 1031, dtype=dtype, device=device, seed=5, ignore_frac=0.1, padded_vocab=1152
+    )
+    results = []
+    for change in ({}, {"tma": False}, {"group": 1}, {"group": 0, "tma": False}):
+        monkeypatch.setattr(tri, name, dataclasses.replace(base, **change))
+        h = p.hidden.detach().clone().requires_grad_()
+        w = p.weight.detach().clone().requires_grad_()
+        out = linear_logprob(
+            h, w, p.targets, return_entropy=True, return_lse=True, temperature=0.9,
+            vocab_size=1031, backend="triton", deterministic=deterministic,
+        )  # fmt: skip
+        g = torch.linspace(-1, 1, p.n, device=device)
+        (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.25).sum().backward()
+        results.append((out.logprob, out.entropy, out.lse, h.grad, w.grad))
+    assert tri.tma_ok(p.hidden, p.weight)  # the first run took the descriptor path
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert_bitwise_equal(a, b)

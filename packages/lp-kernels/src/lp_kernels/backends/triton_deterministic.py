@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
+from triton.language.extra import libdevice
 
 from lp_kernels._dist import DETERMINISTIC_TILE as TILE
 from lp_kernels._dist import all_reduce_sum_, gather_stats
@@ -46,41 +47,56 @@ from lp_kernels._fixed_point import from_fixed_point, row_exponents
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends import triton_linear as tri
-from lp_kernels.backends.triton_linear import TileConfig
+from lp_kernels.backends.triton_linear import TileConfig, _grouped
 
 # Every column tile is one global vocabulary tile. The fixed-point GEMM keeps an int64
 # and an fp32 accumulator per output element, hence its smaller BLOCK_M on the GPU.
-GPU_CONFIG = dataclasses.replace(
-    tri.GPU_CONFIG, block_v=TILE, v_split=TILE, mm_block_m=128, mm_block_n=128, mm_block_k=64
-)
 FIXED_GPU = (64, 128, 64)  # BLOCK_M, BLOCK_N, BLOCK_K of _matmul_fixed_kernel
-INTERPRET_CONFIG = dataclasses.replace(tri.INTERPRET_CONFIG, block_v=TILE, v_split=TILE)
+FIXED_WARPS: int | None = None  # num_warps of _matmul_fixed_kernel (None: the config's)
 FIXED_INTERPRET = (64, 64, TILE)
 _STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
 
 
 def config_for(device: torch.device) -> tuple[TileConfig, tuple[int, int, int]]:
-    if device.type == "cpu":
-        return INTERPRET_CONFIG, FIXED_INTERPRET
-    return GPU_CONFIG, FIXED_GPU
+    """The default path's pinned config (read at call time) with one 128-column tile per
+    forward partial and per d_logits program, and the fixed-point GEMM's tiles."""
+    base = tri.config_for(device)
+    cfg = dataclasses.replace(base, block_v=TILE, v_split=TILE)
+    return cfg, FIXED_INTERPRET if device.type == "cpu" else FIXED_GPU
 
 
-@triton.jit(do_not_specialize=["M", "K", "K_B"])
+@triton.jit
+def _round_to_int64(x, INTERPRET: tl.constexpr):
+    """Round to the nearest integer, ties to even (as ``torch.round``), as int64.
+
+    One conversion instruction on the GPU (``cvt.rni.s64.f32``); the interpreter has no
+    libdevice, so there the same rounding is built from fp32 operations (exact: below
+    2^23 ``x + 0.5`` is exact, from 2^23 on ``x`` is an integer already)."""
+    if INTERPRET:
+        r = tl.floor(x + 0.5)
+        odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+        r = tl.where(((r - x) == 0.5) & odd, r - 1.0, r)
+        return tl.where(tl.abs(x) >= 8388608.0, x, r).to(tl.int64)
+    else:
+        return libdevice.llrint(x)
+
+
+@triton.jit(do_not_specialize=["M", "K", "K_B", "group"])
 def _matmul_fixed_kernel(
-    a_ptr, b_ptr, c_ptr, s_ptr, M, N, K, K_A, K_B,
+    a_src, b_src, c_ptr, s_ptr, M, N, K, K_A, K_B, group,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """C (int64) += sum over LEAF-wide K tiles of round(s_m * (A[:, tile] @ B[tile])).
 
     Each tile's product is an fp32 dot from zero (fixed BLOCK_K order); ``s_m`` is a
-    power of two per row, so the scaling is exact; rounding is half away from zero.
+    power of two per row, so the scaling is exact; rounding is to nearest, ties to even.
     A (d_logits) is read up to K_A columns (padded to 128 with zeros, so its loads
-    vectorize alike on every shard), B up to its K_B real rows.
+    vectorize alike on every shard), B up to its K_B real rows; with TMA ``a_src`` /
+    ``b_src`` are tensor descriptors with those bounds.
     """
-    i_m = tl.program_id(0)
-    i_n = tl.program_id(1)
+    i_m, i_n = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), group)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
@@ -91,29 +107,36 @@ def _matmul_fixed_kernel(
     # [BLOCK_M, BLOCK_N] int64
     b_acc = tl.load(p_c, mask=m_c, other=0)
     b_scale = tl.load(s_ptr + o_m, mask=m_m, other=1.0)
-    p_a = a_ptr + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
-    p_b = b_ptr + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
+    if not TMA:
+        p_a = a_src + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
+        p_b = b_src + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
     for l0 in range(0, K, LEAF):
         b_leaf = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kk in tl.static_range(0, LEAF, BLOCK_K):
             k0 = l0 + kk
-            # [BLOCK_M, BLOCK_K]
-            b_a = tl.load(
-                p_a + k0 * stride_ak, mask=m_m[:, None] & ((o_k + k0) < K_A)[None, :], other=0.0
-            )
-            # [BLOCK_K, BLOCK_N]
-            b_b = tl.load(
-                p_b + k0 * stride_bk, mask=((o_k + k0) < K_B)[:, None] & m_n[None, :], other=0.0
-            )
+            if TMA:
+                b_a = a_src.load([i_m * BLOCK_M, k0])
+                b_b = b_src.load([k0, i_n * BLOCK_N])
+            else:
+                # [BLOCK_M, BLOCK_K]
+                b_a = tl.load(
+                    p_a + k0 * stride_ak,
+                    mask=m_m[:, None] & ((o_k + k0) < K_A)[None, :],
+                    other=0.0,
+                )
+                # [BLOCK_K, BLOCK_N]
+                b_b = tl.load(
+                    p_b + k0 * stride_bk,
+                    mask=((o_k + k0) < K_B)[:, None] & m_n[None, :],
+                    other=0.0,
+                )
             if INTERPRET:
                 b_leaf += tl.sum(
                     b_a.to(tl.float32)[:, :, None] * b_b.to(tl.float32)[None, :, :], axis=1
                 )
             else:
                 b_leaf = tl.dot(b_a, b_b, b_leaf, input_precision=PRECISION)
-        b_x = b_leaf * b_scale[:, None]
-        b_x = b_x + tl.where(b_x >= 0, 0.5, -0.5)
-        b_acc += b_x.to(tl.int64)
+        b_acc += _round_to_int64(b_leaf * b_scale[:, None], INTERPRET)
     tl.store(p_c, b_acc, mask=m_c)
 
 
@@ -122,12 +145,15 @@ def _matmul_fixed_(c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: T
     m, k = a.shape
     n = b.shape[1]
     block_m, block_n, block_k = fixed
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _matmul_fixed_kernel[grid](
-        a, b, c, scale, m, n, k_a, k_a, k,
+    blocks_m = triton.cdiv(m, block_m)
+    mm_cfg = dataclasses.replace(cfg, mm_block_k=block_k, num_warps=FIXED_WARPS or cfg.num_warps)
+    a_src, b_src, tma = tri.gemm_sources(a, b, m, k_a, False, mm_cfg, block_m, block_n)
+    _matmul_fixed_kernel[(blocks_m * triton.cdiv(n, block_n),)](
+        a_src, b_src, c, scale, m, n, k_a, k_a, k, tri._group(cfg, blocks_m),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         LEAF=TILE, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        INTERPRET=a.device.type == "cpu", PRECISION="ieee", **tri._launch_opts(cfg, a.device),
+        INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma,
+        **tri._launch_opts(mm_cfg, a.device),
     )  # fmt: skip
 
 

@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lp_kernels._dist import all_reduce_sum_, gather_stats
 from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
@@ -79,16 +80,28 @@ class TileConfig:
     mm_block_k: int
     num_warps: int
     num_stages: int
+    group: int = 8
+    """Row blocks per group of the launch order (L2 reuse; <= 0: all rows of the grid).
+    Only the order in which tiles run: it never changes a result."""
+    tma: bool = True
+    """Load the GEMM operands with tensor descriptors (Hopper's bulk tensor copy) where
+    :func:`tma_ok` allows; the same products and summation order as pointer loads."""
+    warp_specialize: bool = False
+    """Ask Triton to warp-specialize the forward's loop over vocabulary tiles
+    (experimental; the same arithmetic)."""
 
 
+# Chosen by benchmarks/sweep_tiles.py on H200 (docs/benchmarks.md, session 3).
 GPU_CONFIG = TileConfig(
-    block_n=128, block_v=128, block_h=64, v_split=8192, vocab_chunk=8192, token_chunk=8192,
-    mm_block_m=128, mm_block_n=128, mm_block_k=64, num_warps=8, num_stages=3,
+    block_n=128, block_v=256, block_h=64, v_split=8192, vocab_chunk=8192, token_chunk=8192,
+    mm_block_m=128, mm_block_n=256, mm_block_k=64, num_warps=8, num_stages=3,
+    group=8, tma=True,
 )  # fmt: skip
 # Large blocks under the interpreter: its cost scales with the number of block operations.
 INTERPRET_CONFIG = TileConfig(
     block_n=64, block_v=256, block_h=64, v_split=1024, vocab_chunk=2048, token_chunk=128,
     mm_block_m=64, mm_block_n=64, mm_block_k=256, num_warps=4, num_stages=1,
+    group=2, tma=True,
 )  # fmt: skip
 
 
@@ -99,22 +112,65 @@ def config_for(device: torch.device) -> TileConfig:
     return INTERPRET_CONFIG if device.type == "cpu" else GPU_CONFIG
 
 
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether every 2-D tensor can back a tensor descriptor: unit last stride, 16-byte
+    aligned base and row stride, no empty dimension."""
+    for t in tensors:
+        size = t.element_size()
+        if t.dim() != 2 or t.stride(1) != 1 or 0 in t.shape:
+            return False
+        if t.data_ptr() % 16 or (t.stride(0) * size) % 16:
+            return False
+    return True
+
+
+def _desc(t: torch.Tensor, rows: int, cols: int, block: tuple[int, int]):
+    """A tensor descriptor over ``rows x cols`` elements from ``t``'s base with its row
+    stride (it may reach past ``t``'s view into the same buffer: padded columns)."""
+    return TensorDescriptor(t, [rows, cols], [t.stride(0), 1], list(block))
+
+
+def _group(cfg: TileConfig, blocks_m: int) -> int:
+    return blocks_m if cfg.group <= 0 else min(cfg.group, max(blocks_m, 1))
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
+def _grouped(pid, blocks_m, blocks_n, group):
+    """Tile (i_m, i_n) of program ``pid``: ``group`` row blocks at a time, rows fastest, so
+    that the programs running together share their operands in L2 (order only)."""
+    width = group * blocks_n
+    first_m = (pid // width) * group
+    size_m = tl.minimum(blocks_m - first_m, group)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@triton.jit
 def _logits_tile(
-    p_h, p_w, m_n, m_v, o_h, H, stride_hh, stride_wh,
+    h_src, w_src, row0, col0, m_n, m_v, H, stride_hn, stride_hh, stride_wv, stride_wh,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """fp32 ``[BLOCK_N, BLOCK_V]`` tile of ``h W^T``; p_h / p_w point at column 0 of the rows."""
+    """fp32 ``[BLOCK_N, BLOCK_V]`` tile of ``h W^T`` for rows ``row0 +`` and columns ``col0 +``.
+
+    ``h_src`` / ``w_src`` are tensor descriptors (TMA: out-of-bounds reads are zeros) or
+    base pointers (masked loads, zeros likewise): the same products in the same order.
+    """
     b_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    if not TMA:
+        o_h = tl.arange(0, BLOCK_H)
+        o_n = row0 + tl.arange(0, BLOCK_N)
+        o_v = col0 + tl.arange(0, BLOCK_V)
+        p_h = h_src + o_n[:, None].to(tl.int64) * stride_hn + o_h[None, :] * stride_hh
+        p_w = w_src + o_v[:, None].to(tl.int64) * stride_wv + o_h[None, :] * stride_wh
     for k0 in range(0, H, BLOCK_H):
-        if EVEN_H:
-            # [BLOCK_N, BLOCK_H]
+        if TMA:
+            b_h = h_src.load([row0, k0])  # [BLOCK_N, BLOCK_H]
+            b_w = w_src.load([col0, k0])  # [BLOCK_V, BLOCK_H]
+        elif EVEN_H:
             b_h = tl.load(p_h + k0 * stride_hh, mask=m_n[:, None], other=0.0)
-            # [BLOCK_V, BLOCK_H]
             b_w = tl.load(p_w + k0 * stride_wh, mask=m_v[:, None], other=0.0)
         else:
             m_h = (o_h + k0) < H
@@ -127,20 +183,19 @@ def _logits_tile(
     return b_acc
 
 
-@triton.jit(do_not_specialize=["N", "V_real"])
+@triton.jit(do_not_specialize=["N", "V_real", "splits", "group"])
 def _fwd_stats_kernel(
-    h_ptr, w_ptr, t_ptr, stats_ptr,
-    N, H, V_real, inv_t,
+    h_src, w_src, t_ptr, stats_ptr,
+    N, H, V_real, inv_t, splits, group,
     stride_hn, stride_hh, stride_wv, stride_wh,
     V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr,
 ):  # fmt: skip
     """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target]."""
-    i_n = tl.program_id(0)
-    i_s = tl.program_id(1)
+    i_n, i_s = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
-    o_h = tl.arange(0, BLOCK_H)
     b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)  # target column in this shard, or -1
     b_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -148,14 +203,12 @@ def _fwd_stats_kernel(
     b_zt = tl.zeros([BLOCK_N], dtype=tl.float32)
     v_begin = i_s * V_SPLIT
     v_end = tl.minimum(v_begin + V_SPLIT, V_real)
-    p_h = h_ptr + o_n[:, None].to(tl.int64) * stride_hn + o_h[None, :] * stride_hh
-    for v0 in range(v_begin, v_end, BLOCK_V):
+    for v0 in tl.range(v_begin, v_end, BLOCK_V, warp_specialize=WS):
         o_v = v0 + tl.arange(0, BLOCK_V)
         m_v = o_v < v_end
-        p_w = w_ptr + o_v[:, None].to(tl.int64) * stride_wv + o_h[None, :] * stride_wh
         b_z = _logits_tile(
-            p_h, p_w, m_n, m_v, o_h, H, stride_hh, stride_wh,
-            BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET, PRECISION,
+            h_src, w_src, i_n * BLOCK_N, v0, m_n, m_v, H, stride_hn, stride_hh, stride_wv,
+            stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET, PRECISION, TMA,
         )  # fmt: skip
         b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
         b_zt += tl.sum(tl.where(o_v[None, :] == b_t[:, None], b_z, 0.0), axis=1)
@@ -212,31 +265,28 @@ def _merge_kernel(
         tl.store(ent_ptr + o_n, b_log_s - b_ms, mask=m_n)
 
 
-@triton.jit(do_not_specialize=["N", "v_begin", "v_count"])
+@triton.jit(do_not_specialize=["N", "v_begin", "v_count", "group"])
 def _dlogits_kernel(
-    h_ptr, w_ptr, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, c0_ptr, dl_ptr,
-    N, H, v_begin, v_count, v_store, inv_t,
+    h_src, w_src, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, c0_ptr, dl_ptr,
+    N, H, v_begin, v_count, v_store, inv_t, group,
     stride_hn, stride_hh, stride_wv, stride_wh, stride_dn,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, EVEN_H: tl.constexpr,
-    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, IGNORED: tl.constexpr,
+    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, IGNORED: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T for columns [v_begin, +v_count).
 
     Columns [v_count, v_store) of the output get exact zeros (v_store: v_count padded to 128).
     """
-    i_n = tl.program_id(0)
-    i_v = tl.program_id(1)
+    i_n, i_v = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_store, BLOCK_V), group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # column within the chunk
     m_n = o_n < N
     m_v = o_c < v_count
-    o_h = tl.arange(0, BLOCK_H)
-    p_h = h_ptr + o_n[:, None].to(tl.int64) * stride_hn + o_h[None, :] * stride_hh
-    p_w = w_ptr + (v_begin + o_c)[:, None].to(tl.int64) * stride_wv + o_h[None, :] * stride_wh
     b_z = _logits_tile(
-        p_h, p_w, m_n, m_v, o_h, H, stride_hh, stride_wh,
-        BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET, PRECISION,
+        h_src, w_src, i_n * BLOCK_N, v_begin + i_v * BLOCK_V, m_n, m_v, H, stride_hn,
+        stride_hh, stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET,
+        PRECISION, TMA,
     )  # fmt: skip
     b_z = b_z * inv_t
     b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
@@ -260,20 +310,20 @@ def _dlogits_kernel(
 
 
 def _matmul_acc_body(
-    a_ptr, b_ptr, c_ptr, M, M_A, N, K, K_A, K_B,
+    a_src, b_src, c_ptr, M, M_A, N, K, K_A, K_B, group,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
 ):  # fmt: skip
     """C[:M] (fp32) += A @ B over K. One program per C tile, fixed K order: no atomics.
 
     A's rows are bounded by M_A and its columns by K_A, B's rows by K_B; the loop runs to
     K, which may pass K_B over columns where A holds exact zeros. The bound of A's
     contiguous dimension comes padded to a multiple of 128 so that every call vectorizes
-    alike; see the module docstring.
+    alike; see the module docstring. With TMA, ``a_src`` / ``b_src`` are tensor
+    descriptors with those bounds (``A_T``: ``a_src`` describes A^T, contiguous along M).
     """
-    i_m = tl.program_id(0)
-    i_n = tl.program_id(1)
+    i_m, i_n = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), group)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
@@ -283,17 +333,25 @@ def _matmul_acc_body(
     p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
     # [BLOCK_M, BLOCK_N]
     b_acc = tl.load(p_c, mask=m_m[:, None] & m_n[None, :], other=0.0)
-    p_a = a_ptr + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
-    p_b = b_ptr + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
+    if not TMA:
+        p_a = a_src + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
+        p_b = b_src + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
     for k0 in range(0, K, BLOCK_K):
-        # [BLOCK_M, BLOCK_K]
-        b_a = tl.load(
-            p_a + k0 * stride_ak, mask=m_am[:, None] & ((o_k + k0) < K_A)[None, :], other=0.0
-        )
-        # [BLOCK_K, BLOCK_N]
-        b_b = tl.load(
-            p_b + k0 * stride_bk, mask=((o_k + k0) < K_B)[:, None] & m_n[None, :], other=0.0
-        )
+        if TMA:
+            if A_T:
+                b_a = tl.trans(a_src.load([k0, i_m * BLOCK_M]))
+            else:
+                b_a = a_src.load([i_m * BLOCK_M, k0])
+            b_b = b_src.load([k0, i_n * BLOCK_N])
+        else:
+            # [BLOCK_M, BLOCK_K]
+            b_a = tl.load(
+                p_a + k0 * stride_ak, mask=m_am[:, None] & ((o_k + k0) < K_A)[None, :], other=0.0
+            )
+            # [BLOCK_K, BLOCK_N]
+            b_b = tl.load(
+                p_b + k0 * stride_bk, mask=((o_k + k0) < K_B)[:, None] & m_n[None, :], other=0.0
+            )
         if INTERPRET:
             b_acc += tl.sum(b_a.to(tl.float32)[:, :, None] * b_b.to(tl.float32)[None, :, :], axis=1)
         else:
@@ -305,9 +363,13 @@ def _matmul_acc_body(
 # specialized; the padded bound of A's contiguous dimension is (it is always a multiple
 # of 128, so every call vectorizes alike).
 # A = d_logits [rows, cols] (grad_hidden): contiguous along K, bounded by K_A (padded).
-_matmul_acc_kernel = triton.jit(do_not_specialize=["M", "M_A", "K", "K_B"])(_matmul_acc_body)
+_matmul_acc_kernel = triton.jit(do_not_specialize=["M", "M_A", "K", "K_B", "group"])(
+    _matmul_acc_body
+)
 # A = d_logits^T [cols, rows] (grad_weight): contiguous along M, bounded by M_A (padded).
-_matmul_acc_t_kernel = triton.jit(do_not_specialize=["M", "K", "K_A", "K_B"])(_matmul_acc_body)
+_matmul_acc_t_kernel = triton.jit(do_not_specialize=["M", "K", "K_A", "K_B", "group"])(
+    _matmul_acc_body
+)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -345,15 +407,35 @@ def forward_stats(
     stats = scratch.empty((splits, n, N_STATS), dtype=torch.float32, device=hidden.device)
     if n == 0 or splits == 0:
         return stats
-    grid = (triton.cdiv(n, cfg.block_n), splits)
-    _fwd_stats_kernel[grid](
-        hidden, w_real, t_col, stats,
-        n, h_dim, v_real, p.inv_temperature,
+    blocks_n = triton.cdiv(n, cfg.block_n)
+    h_src, w_src, tma = _logits_sources(hidden, w_real, cfg)
+    _fwd_stats_kernel[(blocks_n * splits,)](
+        h_src, w_src, t_col, stats,
+        n, h_dim, v_real, p.inv_temperature, splits, _group(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1),
         V_SPLIT=cfg.v_split, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
-        ENTROPY=p.return_entropy, **_flags(hidden, cfg), **_launch_opts(cfg, hidden.device),
+        ENTROPY=p.return_entropy, TMA=tma, WS=cfg.warp_specialize and tma,
+        **_flags(hidden, cfg),
+        **_launch_opts(cfg, hidden.device),
     )  # fmt: skip
     return stats
+
+
+def _logits_sources(hidden: torch.Tensor, w_real: torch.Tensor, cfg: TileConfig):
+    """``(h_src, w_src, tma)``: tensor descriptors over hidden and the shard's real rows when
+    the config asks for them and both tensors allow them, else the tensors themselves.
+
+    Which one runs depends on H, the dtype and the tensors' alignment, never on N or on
+    the shard's width; both compute the same products in the same order.
+    """
+    if cfg.tma and w_real.shape[0] > 0 and tma_ok(hidden, w_real):
+        n, h_dim = hidden.shape
+        return (
+            _desc(hidden, n, h_dim, (cfg.block_n, cfg.block_h)),
+            _desc(w_real, w_real.shape[0], h_dim, (cfg.block_v, cfg.block_h)),
+            True,
+        )
+    return hidden, w_real, False
 
 
 def merge(stats: torch.Tensor, *, entropy: bool):
@@ -384,14 +466,15 @@ def _dlogits(hidden, w_real, t_col, lse, mean, g_lp, g_ent, c0, out, v_begin, v_
     exact zeros (callers pass ``pad_cols(v_count, buffer)`` columns)."""
     n, h_dim = hidden.shape
     v_store = out.shape[1]
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(v_store, cfg.block_v))
-    _dlogits_kernel[grid](
-        hidden, w_real, t_col, lse, mean if mean is not None else lse,
+    blocks_n = triton.cdiv(n, cfg.block_n)
+    h_src, w_src, tma = _logits_sources(hidden, w_real, cfg)
+    _dlogits_kernel[(blocks_n * triton.cdiv(v_store, cfg.block_v),)](
+        h_src, w_src, t_col, lse, mean if mean is not None else lse,
         g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, out,
-        n, h_dim, v_begin, v_count, v_store, p.inv_temperature,
+        n, h_dim, v_begin, v_count, v_store, p.inv_temperature, _group(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
-        ENTROPY=g_ent is not None, HAS_LP=g_lp is not None, IGNORED=IGNORED,
+        ENTROPY=g_ent is not None, HAS_LP=g_lp is not None, IGNORED=IGNORED, TMA=tma,
         **_flags(hidden, cfg), **_launch_opts(cfg, hidden.device),
     )  # fmt: skip
 
@@ -410,16 +493,34 @@ def _matmul_acc_(
     exactly one of them; ``m_a`` means ``a`` is a transposed d_logits buffer)."""
     m, k = a.shape
     n = b.shape[1]
-    kernel = _matmul_acc_t_kernel if m_a is not None else _matmul_acc_kernel
+    a_t = m_a is not None
+    kernel = _matmul_acc_t_kernel if a_t else _matmul_acc_kernel
     m_a = m if m_a is None else m_a
     k_a = k if k_a is None else k_a
-    grid = (triton.cdiv(m, cfg.mm_block_m), triton.cdiv(n, cfg.mm_block_n))
-    kernel[grid](
-        a, b, c, m, m_a, n, max(k, k_a), k_a, k,
+    blocks_m = triton.cdiv(m, cfg.mm_block_m)
+    a_src, b_src, tma = gemm_sources(a, b, m_a, k_a, a_t, cfg, cfg.mm_block_m, cfg.mm_block_n)
+    kernel[(blocks_m * triton.cdiv(n, cfg.mm_block_n),)](
+        a_src, b_src, c, m, m_a, n, max(k, k_a), k_a, k, _group(cfg, blocks_m),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         BLOCK_M=cfg.mm_block_m, BLOCK_N=cfg.mm_block_n, BLOCK_K=cfg.mm_block_k,
-        INTERPRET=a.device.type == "cpu", PRECISION="ieee", **_launch_opts(cfg, a.device),
+        INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, A_T=a_t,
+        **_launch_opts(cfg, a.device),
     )  # fmt: skip
+
+
+def gemm_sources(a, b, m_a: int, k_a: int, a_t: bool, cfg: TileConfig, block_m, block_n):
+    """``(a_src, b_src, tma)`` for ``a @ b`` with ``a`` bounded by ``m_a x k_a`` (padded, see
+    :func:`_matmul_acc_`): tensor descriptors when the config asks for them and both
+    allow them, else the tensors. ``a_t``: ``a`` is the transpose of a row-major buffer."""
+    a_rm = a.T if a_t else a  # the row-major buffer behind a
+    if not (cfg.tma and tma_ok(a_rm, b)):
+        return a, b, False
+    k_b, n = b.shape
+    if a_t:
+        a_src = _desc(a_rm, a.shape[1], m_a, (cfg.mm_block_k, block_m))
+    else:
+        a_src = _desc(a_rm, m_a, k_a, (block_m, cfg.mm_block_k))
+    return a_src, _desc(b, k_b, n, (cfg.mm_block_k, block_n)), True
 
 
 def kernel_inputs(hidden, weight, targets, p: LogprobParams):
