@@ -54,9 +54,9 @@ def _phases(mode: str, hidden, weight, t_col, p: LogprobParams, timer, device: s
     v = weight.shape[0]
     fixed = None
     if mode == "det":
-        cfg, fixed = det.config_for(hidden.device)
+        cfg, fixed = det.config_for(hidden.device, hidden.dtype)
     else:
-        cfg = tri.config_for(hidden.device)
+        cfg = tri.config_for(hidden.device, hidden.dtype)
     rows = min(cfg.token_chunk, n)
     h_c, t_c = hidden[:rows], t_col[:rows]
     out: dict = {}

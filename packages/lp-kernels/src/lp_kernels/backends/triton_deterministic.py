@@ -50,19 +50,24 @@ from lp_kernels.backends import triton_linear as tri
 from lp_kernels.backends.triton_linear import TileConfig, _grouped
 
 # Every column tile is one global vocabulary tile. The fixed-point GEMM keeps an int64
-# and an fp32 accumulator per output element, hence its smaller BLOCK_M on the GPU.
-FIXED_GPU = (64, 128, 64)  # BLOCK_M, BLOCK_N, BLOCK_K of _matmul_fixed_kernel
+# and an fp32 accumulator per output element (chosen by benchmarks/sweep_tiles.py).
+FIXED_GPU = (128, 128, 64)  # BLOCK_M, BLOCK_N, BLOCK_K of _matmul_fixed_kernel (2-byte)
 FIXED_WARPS: int | None = None  # num_warps of _matmul_fixed_kernel (None: the config's)
 FIXED_INTERPRET = (64, 64, TILE)
 _STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
 
 
-def config_for(device: torch.device) -> tuple[TileConfig, tuple[int, int, int]]:
+def config_for(
+    device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> tuple[TileConfig, tuple[int, int, int]]:
     """The default path's pinned config (read at call time) with one 128-column tile per
     forward partial and per d_logits program, and the fixed-point GEMM's tiles."""
-    base = tri.config_for(device)
+    base = tri.config_for(device, dtype)
     cfg = dataclasses.replace(base, block_v=TILE, v_split=TILE)
-    return cfg, FIXED_INTERPRET if device.type == "cpu" else FIXED_GPU
+    if device.type == "cpu":
+        return cfg, FIXED_INTERPRET
+    fixed = FIXED_GPU if dtype.itemsize <= 2 else (*FIXED_GPU[:2], min(FIXED_GPU[2], 32))
+    return cfg, fixed
 
 
 @triton.jit
@@ -170,7 +175,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, p: LogprobParams):
         ctx.set_materialize_grads(False)
-        cfg, _ = config_for(hidden.device)
+        cfg, _ = config_for(hidden.device, hidden.dtype)
         hidden, w_real, t_col, ignored = tri.kernel_inputs(hidden, weight, targets, p)
         n = hidden.shape[0]
         parts = []
@@ -192,7 +197,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent, g_lse):
         hidden, weight, t_col, ignored, lse, mean_z = ctx.saved_tensors
         p: LogprobParams = ctx.params
-        cfg, fixed = config_for(hidden.device)
+        cfg, fixed = config_for(hidden.device, hidden.dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n, h_dim = hidden.shape
         v_real = p.local_real_columns(weight.shape[0])

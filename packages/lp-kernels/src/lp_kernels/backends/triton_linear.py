@@ -45,6 +45,7 @@ The GPU path keeps half-precision tensor-core dots.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -108,8 +109,15 @@ INTERPRET_CONFIG = TileConfig(
 IGNORED = -2  # target code of an ignored row in the kernels (see target_codes)
 
 
-def config_for(device: torch.device) -> TileConfig:
-    return INTERPRET_CONFIG if device.type == "cpu" else GPU_CONFIG
+def config_for(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+    """The pinned config for a device and input dtype. 4-byte inputs take half the K
+    depth per stage (their 128 x 256 x 64 stages would not fit in shared memory); the
+    choice depends on the dtype only, never on a size."""
+    if device.type == "cpu":
+        return INTERPRET_CONFIG
+    if dtype.itemsize > 2:
+        return dataclasses.replace(GPU_CONFIG, block_h=32, mm_block_k=32)
+    return GPU_CONFIG
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
@@ -608,7 +616,7 @@ class LinearLogprobTriton(torch.autograd.Function):
         ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, p: LogprobParams
     ):
         ctx.set_materialize_grads(False)
-        cfg = config_for(hidden.device)
+        cfg = config_for(hidden.device, hidden.dtype)
         hidden, w_real, t_col, ignored = kernel_inputs(hidden, weight, targets, p)
         stats = forward_stats(hidden, w_real, t_col, p, cfg)
         gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, S, N, 4]
@@ -622,7 +630,7 @@ class LinearLogprobTriton(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent, g_lse):
         hidden, weight, t_col, ignored, lse, mean_z = ctx.saved_tensors
         p: LogprobParams = ctx.params
-        cfg = config_for(hidden.device)
+        cfg = config_for(hidden.device, hidden.dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n, h_dim = hidden.shape
         v_real = p.local_real_columns(weight.shape[0])
