@@ -52,6 +52,7 @@ from lp_kernels.backends.triton_linear import TileConfig, _grouped
 # Every column tile is one global vocabulary tile. The fixed-point GEMM keeps an int64
 # and an fp32 accumulator per output element (chosen by benchmarks/sweep_tiles.py).
 FIXED_GPU = (128, 128, 64)  # BLOCK_M, BLOCK_N, BLOCK_K of _matmul_fixed_kernel (2-byte)
+FIXED_GPU_4BYTE = (64, 128, 64)  # the same for fp32 inputs (with two pipeline stages)
 FIXED_WARPS: int | None = None  # num_warps of _matmul_fixed_kernel (None: the config's)
 FIXED_INTERPRET = (64, 64, TILE)
 _STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
@@ -66,8 +67,9 @@ def config_for(
     cfg = dataclasses.replace(base, block_v=TILE, v_split=TILE)
     if device.type == "cpu":
         return cfg, FIXED_INTERPRET
-    fixed = FIXED_GPU if dtype.itemsize <= 2 else (*FIXED_GPU[:2], min(FIXED_GPU[2], 32))
-    return cfg, fixed
+    # A pipeline stage holds a whole 128-column leaf of A and B: (BLOCK_M + BLOCK_N) x 128
+    # elements. 4-byte inputs: 64-row tiles and two stages (see _matmul_fixed_).
+    return cfg, FIXED_GPU if dtype.itemsize <= 2 else FIXED_GPU_4BYTE
 
 
 @triton.jit
@@ -151,7 +153,12 @@ def _matmul_fixed_(c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: T
     n = b.shape[1]
     block_m, block_n, block_k = fixed
     blocks_m = triton.cdiv(m, block_m)
-    mm_cfg = dataclasses.replace(cfg, mm_block_k=block_k, num_warps=FIXED_WARPS or cfg.num_warps)
+    mm_cfg = dataclasses.replace(
+        cfg,
+        mm_block_k=block_k,
+        num_warps=FIXED_WARPS or cfg.num_warps,
+        num_stages=cfg.num_stages if a.element_size() <= 2 else min(cfg.num_stages, 2),
+    )
     a_src, b_src, tma = tri.gemm_sources(a, b, m, k_a, False, mm_cfg, block_m, block_n)
     _matmul_fixed_kernel[(blocks_m * triton.cdiv(n, block_n),)](
         a_src, b_src, c, scale, m, n, k_a, k_a, k, tri._group(cfg, blocks_m),
