@@ -331,6 +331,112 @@ def test_non_last_pipeline_stage_is_inert() -> None:
     lp_testing.run_ranks(_other_stage_rank, 1, timeout=120)
 
 
+def _pipeline_rank(rank: int, world_size: int, tp: int, device: str = "cpu") -> dict:
+    """Megatron's own pipeline schedule (PP 2, two micro-batches), stock loss against the
+    head's, on every stage; tied and untied. The head is fused on the last stage only."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from lp_megatron import install_logprob_head
+
+    on_gpu = device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    results: dict = {}
+    with lp_testing.MegatronCpuPatches(cpu=not on_gpu, pipeline=True):
+        for tied in (False, True):
+            parallel_state.destroy_model_parallel()
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=2
+            )
+            torch.manual_seed(7)
+            model_parallel_cuda_manual_seed(7)
+            config = TransformerConfig(
+                num_layers=2, hidden_size=H, num_attention_heads=HEADS,
+                use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                sequence_parallel=tp > 1, pipeline_model_parallel_size=2,
+                pipeline_dtype=torch.float32, params_dtype=torch.float32,
+                hidden_dropout=0.0, attention_dropout=0.0,
+            )  # fmt: skip
+            last = parallel_state.is_pipeline_last_stage()
+            model = GPTModel(
+                config, get_gpt_layer_local_spec(), vocab_size=V_PADDED, max_sequence_length=S,
+                pre_process=parallel_state.is_pipeline_first_stage(), post_process=last,
+                share_embeddings_and_output_weights=tied,
+            ).to(device)  # fmt: skip
+            batches = [tuple(t.to(device) for t in _inputs(V_PADDED, seed=mb)) for mb in range(2)]
+            for mode in ("stock", "lp"):
+                head = install_logprob_head(model) if mode == "lp" else None
+                if head is not None:
+                    assert head.fused == last
+
+                def step(data, chunk, mode=mode, head=head):
+                    ids, pos, mask, labels, weights = next(data)
+                    out = chunk(ids, pos, mask)
+
+                    def loss_func(output, labels=labels, weights=weights):
+                        if mode == "stock":
+                            logprob = _reference(output, labels, Case(tp > 1, True))[0]
+                        else:
+                            assert output.shape == (B, S, H), output.shape
+                            logprob = head.logprobs(output, labels).logprob
+                        loss = -(weights[0] * logprob).sum()
+                        return loss, {"logprob": logprob.detach()}
+
+                    return out, loss_func
+
+                stats = get_forward_backward_func()(
+                    forward_step_func=step, data_iterator=iter(batches), model=[model],
+                    num_microbatches=2, seq_length=S, micro_batch_size=B, forward_only=False,
+                )  # fmt: skip
+                results[(tied, mode)] = {
+                    "logprob": [d["logprob"] for d in stats],
+                    "grads": _grads(model),
+                }
+                if head is not None:
+                    head.remove()
+    return results
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=lambda tp: f"tp{tp}")
+def test_pipeline_parallel_schedule(tp: int) -> None:
+    """PP 2 (x TP 2 with SP) through megatron's 1F1B schedule: the last stage's log-probs
+    and every stage's parameter gradients match the stock path, tied and untied."""
+    _check_pipeline(lp_testing.run_ranks(_pipeline_rank, 2 * tp, tp, timeout=300), tp)
+
+
+@pytest.mark.multigpu
+def test_pipeline_parallel_schedule_nccl() -> None:
+    """The same on 2 GPUs over NCCL (PP 2)."""
+    results = lp_testing.run_ranks(_pipeline_rank, 2, 1, "cuda", backend="nccl", timeout=300)
+    _check_pipeline(results, 1)
+
+
+def _check_pipeline(results: list, tp: int) -> None:
+    for rank, res in enumerate(results):
+        last = rank >= tp  # ranks [0, tp) are stage 0, [tp, 2 tp) stage 1
+        for tied in (False, True):
+            stock, lp = res[(tied, "stock")], res[(tied, "lp")]
+            where = f"pp2 tp{tp} rank {rank} tied={tied}"
+            assert len(lp["logprob"]) == len(stock["logprob"]) == (2 if last else 0), where
+            for a, b in zip(lp["logprob"], stock["logprob"], strict=True):
+                assert a.shape == (B, S), where
+                torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=where)
+            assert lp["grads"].keys() == stock["grads"].keys(), where
+            # Under PP the last stage holds the output weight even when tied (a copy of the
+            # first stage's embedding that Megatron keeps in sync).
+            assert ("output_layer.weight" in stock["grads"]) == last, where
+            for name, g_ref in stock["grads"].items():
+                assert g_ref.abs().sum() > 0 or "bias" in name, f"{where} {name}: zero grad"
+                torch.testing.assert_close(
+                    lp["grads"][name], g_ref, rtol=RTOL, atol=ATOL, msg=f"{where} {name}"
+                )
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -5,7 +5,7 @@ megatron-core for the lifetime of a :class:`MegatronCpuPatches` (or between
 :meth:`~MegatronCpuPatches.apply` and :meth:`~MegatronCpuPatches.restore`). Apply them
 inside each spawned rank, never at import, never in a production process.
 
-The three patches (see ENVIRONMENT.md, "megatron-core on CPU (gloo)"):
+The patches (see ENVIRONMENT.md, "megatron-core on CPU (gloo)"):
 
 1. ``torch.cuda.current_device`` returns ``"cpu"``: Megatron allocates buffers and
    parameters on ``torch.cuda.current_device()``.
@@ -17,6 +17,12 @@ The three patches (see ENVIRONMENT.md, "megatron-core on CPU (gloo)"):
    refuses ``sequence_parallel``) builds a plain ``torch.nn.LayerNorm`` / ``RMSNorm``
    whose parameters carry ``sequence_parallel = config.sequence_parallel`` (the tag
    Megatron's gradient finalization uses to all-reduce them over the TP group).
+4. Pipeline parallel only (``pipeline=True``, with the CPU patches): Megatron's pipeline
+   schedules allocate their token counter with ``torch.zeros(..., device="cuda")``, its
+   point-to-point code calls ``torch.cuda.synchronize()``, and a tied output layer on the
+   last stage is moved with ``Tensor.cuda()`` before its first all-reduce. The schedules
+   module sees a ``torch`` whose ``zeros`` maps ``"cuda"`` to the CPU,
+   ``torch.cuda.synchronize`` does nothing and ``Tensor.cuda`` returns the tensor itself.
 
 Example::
 
@@ -72,6 +78,27 @@ def _plain_norm_new(
     return norm
 
 
+class _TorchOnCpu:
+    """``torch`` as megatron's pipeline schedules see it under patch 4."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return torch.zeros(*args, device=device, **kwargs)
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _same_tensor(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
 class MegatronCpuPatches:
     """Context manager (or explicit ``apply()`` / ``restore()``) for the CPU test patches.
 
@@ -81,11 +108,15 @@ class MegatronCpuPatches:
         cpu: apply patches 1 and 2 (CPU device and RNG). ``cpu=False`` keeps only patch 3,
             for GPU test ranks without transformer-engine or apex, whose local layer spec
             otherwise refuses sequence parallelism.
+        pipeline: with ``cpu``, also apply patch 4, for Megatron's pipeline schedules.
     """
 
-    def __init__(self, sequence_parallel_norm: bool = True, *, cpu: bool = True) -> None:
+    def __init__(
+        self, sequence_parallel_norm: bool = True, *, cpu: bool = True, pipeline: bool = False
+    ) -> None:
         self.sequence_parallel_norm = sequence_parallel_norm
         self.cpu = cpu
+        self.pipeline = pipeline
         self._saved: list[tuple[Any, str, Any]] = []
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
@@ -103,6 +134,11 @@ class MegatronCpuPatches:
             self._set(torch.cuda, "manual_seed", _cpu_manual_seed)
             self._set(random, "_get_cuda_rng_state", _cpu_get_rng_state)
             self._set(random, "_set_cuda_rng_state", _cpu_set_rng_state)
+        if self.cpu and self.pipeline:
+            schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
+            self._set(schedules, "torch", _TorchOnCpu())
+            self._set(torch.cuda, "synchronize", _no_op)
+            self._set(torch.Tensor, "cuda", _same_tensor)
         if self.sequence_parallel_norm:
             torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
             self._set(torch_norm.WrappedTorchNorm, "__new__", staticmethod(_plain_norm_new))
