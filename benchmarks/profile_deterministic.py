@@ -69,6 +69,7 @@ def _phases(mode: str, hidden, weight, t_col, p: LogprobParams, timer, device: s
     buf = torch.randn(rows, tri.buffer_width(v, cfg), device=device).to(hidden.dtype)
     zeros = torch.zeros(rows, device=device)
     acc_w = torch.zeros(cfg.vocab_chunk, h, device=device)
+    gw = torch.empty(cfg.vocab_chunk, h, device=device, dtype=hidden.dtype)
     acc_h = torch.zeros(rows, h, device=device)
     acc_i = torch.zeros(rows, h, dtype=torch.int64, device=device)
     scale = torch.ones(rows, device=device)
@@ -84,7 +85,7 @@ def _phases(mode: str, hidden, weight, t_col, p: LogprobParams, timer, device: s
     def grad_w():
         for _, cnt in chunks:
             if mode == "default":
-                tri._grad_weight_slice(buf[:, :cnt], h_c)
+                tri._grad_weight_slice(buf[:, :cnt], h_c, gw[:cnt])
             else:
                 tri._matmul_acc_(acc_w[:cnt], buf[:, :cnt].T, h_c, cfg, m_a=tri.pad_cols(cnt, buf))
 

@@ -215,7 +215,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             e, bad = row_exponents(hidden, w_real, lse, ignored, *grads, p)
             scale = torch.exp2(e).float()
             acc_h = torch.zeros((n, h_dim), dtype=torch.int64, device=dev)
-        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_w = tri.grad_weight_buffer(weight, v_real, n) if need_w else None
         acc_w = None  # fp32 accumulator of a grad_W slice (fp32 weights use grad_w itself)
         if need_w and n > 0 and weight.dtype != torch.float32:
             width = tri.buffer_width(v_real, cfg)
@@ -226,7 +226,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             w_chunk = w_real[v_begin : v_begin + v_count]
             if need_w:
                 gw_slice = grad_w[v_begin : v_begin + v_count]
-                acc = gw_slice if acc_w is None else acc_w[:v_count].zero_()
+                acc = (gw_slice if acc_w is None else acc_w[:v_count]).zero_()
             for r0, r1, dl, cols in blocks:
                 if need_w:  # lp's fixed-tile GEMM: a row's sum never depends on the shard
                     tri._matmul_acc_(acc, dl.T, hidden[r0:r1], cfg, m_a=cols)

@@ -598,11 +598,23 @@ def dlogits_blocks(hidden, w_real, t_col, lse, mean_z, grads, p: LogprobParams, 
         yield v_begin, v_count, blocks(v_begin, v_count)
 
 
-def _grad_weight_slice(dl: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """``dl^T @ hidden`` in the input dtype with fp32 accumulation (one GEMM over all tokens)."""
+def _grad_weight_slice(dl: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = dl^T @ hidden`` in the input dtype with fp32 accumulation (one GEMM over
+    all tokens), written in place on CUDA."""
     if hidden.device.type == "cuda":
-        return torch.mm(dl.T, hidden)  # cuBLAS accumulates half GEMMs in fp32
-    return mm_f32(dl.T, hidden).to(hidden.dtype)
+        torch.mm(dl.T, hidden, out=out)  # cuBLAS accumulates half GEMMs in fp32
+    else:
+        out.copy_(mm_f32(dl.T, hidden))
+
+
+def grad_weight_buffer(weight: torch.Tensor, v_real: int, n: int) -> torch.Tensor:
+    """grad_weight, uninitialised where the backward writes every element (the real rows,
+    when there are tokens), zero elsewhere (padding rows): no memset of the whole [V, H]."""
+    if n == 0 or v_real == 0:
+        return torch.zeros_like(weight)
+    out = scratch.empty(tuple(weight.shape), dtype=weight.dtype, device=weight.device)
+    out[v_real:].zero_()
+    return out
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -639,7 +651,7 @@ class LinearLogprobTriton(torch.autograd.Function):
         grad_h32 = (
             torch.zeros((n, h_dim), dtype=torch.float32, device=hidden.device) if need_h else None
         )
-        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_w = grad_weight_buffer(weight, v_real, n) if need_w else None
         rows = min(cfg.token_chunk, n)
         # fp32 accumulator for a grad_W slice when N spans several token chunks
         acc_w = None
@@ -652,10 +664,12 @@ class LinearLogprobTriton(torch.autograd.Function):
         ):
             w_chunk = w_real[v_begin : v_begin + v_count]
             gw_slice = grad_w[v_begin : v_begin + v_count] if need_w else None
-            acc = gw_slice if acc_w is None else acc_w[:v_count].zero_()
+            acc = None
+            if need_w and rows < n:  # fp32 accumulation over token chunks
+                acc = (gw_slice if acc_w is None else acc_w[:v_count]).zero_()
             for r0, r1, dl, cols in blocks:
-                if need_w and rows == n:  # one token chunk: finish the slice in one GEMM
-                    gw_slice.copy_(_grad_weight_slice(dl, hidden))
+                if need_w and rows == n:  # one token chunk: the slice in one GEMM
+                    _grad_weight_slice(dl, hidden, gw_slice)
                 elif need_w:
                     addmm_f32_(acc, dl.T, hidden[r0:r1])
                 if need_h:  # dl's zero columns up to cols keep K_A vectorized
