@@ -2,6 +2,7 @@
 # The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
 #   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [bench] [sweep] [profile-det]
+#       [profile-step]
 #   (default: tests megatron bench sweep)
 # SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help).
 # Writes logs, JUnit XML and bench.json/bench.png under $OUT (default ./gpu-out).
@@ -53,6 +54,9 @@ for stage in $stages; do
     profile-det)  # issue 4: deterministic=True cost per phase
       (cd benchmarks && python3 profile_deterministic.py --shapes S1,S4 \
         --out "$OUT/phases.json") 2>&1 | tee "$OUT/phases.log" | tail -n 20 || status=1 ;;
+    profile-step)  # issue 3: kernel-by-kernel busy time of one step against its wall time
+      (cd benchmarks && python3 profile_step.py --shapes S1,S4 --det \
+        --out "$OUT/step.json") 2>&1 | tee "$OUT/step.log" | tail -n 60 || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

@@ -1,0 +1,122 @@
+"""Where does one forward + backward step of the triton backend spend its time, kernel by
+kernel? (GPU; the issue 3 gap between the sum of the phases and the whole step.)
+
+    python benchmarks/profile_step.py --shapes S1,S4 [--det] [--out step.json]
+
+For each shape: the step's wall time (CUDA events, median of 3), the time the GPU was
+busy (the sum of kernel and memcpy/memset durations from torch.profiler, one profiled
+step after warm-up), and the busy time per kernel name, largest first. Wall minus busy
+is time the GPU sat idle (host work, launch gaps). On CPU it runs a tiny shape through
+the interpreter, as a smoke test of the script (CPU op times only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+
+import torch
+from protocol import SHAPES, make_inputs
+from torch.profiler import ProfilerActivity, profile
+
+from lp_kernels import linear_logprob
+
+
+def _step(hidden, weight, targets, grad_out, det: bool):
+    hidden.grad = weight.grad = None
+    out = linear_logprob(
+        hidden, weight, targets, backend="triton", validate=False, deterministic=det
+    )
+    out.logprob.backward(grad_out)
+
+
+def _wall_ms(fn, device: str, reps: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            import time
+
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def profile_shape(name: str, n: int, h: int, v: int, device: str, det: bool) -> dict:
+    hidden, weight, targets, grad_out = make_inputs(n, h, v, device=device)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+
+    def fn():
+        _step(hidden, weight, targets, grad_out, det)
+
+    wall = _wall_ms(fn, device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    per_name: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if device == "cuda":
+            if ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = ev.device_time
+        else:
+            if ev.cpu_parent is not None:
+                continue
+            us = ev.cpu_time_total
+        per_name[ev.name[:80]] += us / 1e3
+        calls[ev.name[:80]] += 1
+    busy = sum(per_name.values())
+    kernels = sorted(per_name.items(), key=lambda kv: -kv[1])
+    return {
+        "shape": name, "N": n, "H": h, "V": v, "deterministic": det, "wall_ms": wall,
+        "busy_ms": busy, "idle_ms": wall - busy,
+        "kernels": [{"name": k, "ms": ms, "calls": calls[k]} for k, ms in kernels],
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="S1,S4")
+    ap.add_argument("--det", action="store_true", help="also profile deterministic=True")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = (
+        [(s, *SHAPES[s]) for s in args.shapes.split(",")]
+        if device == "cuda"
+        else [("tiny", 64, 32, 1000)]
+    )
+    rows = [
+        profile_shape(*s, device, det)
+        for s in shapes
+        for det in ((False, True) if args.det else (False,))
+    ]
+    for r in rows:
+        mode = "det" if r["deterministic"] else "default"
+        print(
+            f"{r['shape']} {mode}: wall {r['wall_ms']:.2f} ms, busy {r['busy_ms']:.2f} ms, "
+            f"idle {r['idle_ms']:.2f} ms"
+        )
+        for k in r["kernels"][:12]:
+            print(f"   {k['ms']:9.2f} ms  x{k['calls']:<4d} {k['name']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
