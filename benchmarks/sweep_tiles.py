@@ -27,7 +27,7 @@ from lp_kernels import linear_logprob
 
 # "old": the launch order and loads pinned up to session 2 (no grouping, pointer loads,
 # 128 x 128 tiles). Keys starting with "fixed" set the fixed-point GEMM's tiles of
-# deterministic=True (BLOCK_M, BLOCK_N, BLOCK_K, and optionally num_warps).
+# deterministic=True (BLOCK_M, BLOCK_N, BLOCK_K, optionally num_warps and leaf pipelining).
 VARIANTS = {
     "old": {"group": 0, "tma": False, "block_v": 128, "mm_block_n": 128},
     "pinned": {},
@@ -41,6 +41,8 @@ VARIANTS = {
     "fx128x128": {"fixed": (128, 128, 64)},
     "fx64x256": {"fixed": (64, 256, 64)},
     "fx128x64-w4": {"fixed": (128, 64, 64), "fixed_warps": 4},
+    "fxpipe": {"fixed_pipe": True},
+    "fx64x128-pipe": {"fixed": (64, 128, 64), "fixed_pipe": True},
 }
 
 
@@ -49,6 +51,7 @@ def _apply(base, base_fixed, variant: dict) -> None:
     tlin.GPU_CONFIG = dataclasses.replace(base, **fields)
     tdet.FIXED_GPU = variant.get("fixed", base_fixed)
     tdet.FIXED_WARPS = variant.get("fixed_warps")
+    tdet.FIXED_PIPELINE = variant.get("fixed_pipe", False)
 
 
 def _run(hl, wl, targets, grad_out, det: bool):

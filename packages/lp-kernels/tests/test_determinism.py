@@ -135,11 +135,13 @@ def test_vocab_parallel_logprob_batch_and_chunk_invariance(device):
 def test_triton_load_path_and_launch_order_do_not_change_bits(
     dtype, deterministic, device, monkeypatch
 ):
-    """Tensor-descriptor loads against pointer loads, and the grouped launch order against
-    another grouping: the same products in the same order, so the same bits (the load
-    path is chosen by H, dtype and alignment; see triton_linear.tma_ok)."""
+    """Tensor-descriptor loads against pointer loads, the grouped launch order against
+    another grouping, and (deterministic) the pipelined fixed-point leaves: the same
+    products in the same order, so the same bits (the load path is chosen by H, dtype
+    and alignment; see triton_linear.tma_ok)."""
     import dataclasses
 
+    import lp_kernels.backends.triton_deterministic as tdet
     import lp_kernels.backends.triton_linear as tri
 
     name = "INTERPRET_CONFIG" if device == "cpu" else "GPU_CONFIG"
@@ -148,7 +150,11 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
         67, 64, 1031, dtype=dtype, device=device, seed=5, ignore_frac=0.1, padded_vocab=1152
     )
     results = []
-    for change in ({}, {"tma": False}, {"group": 1}, {"group": 0, "tma": False}):
+    changes = [{}, {"tma": False}, {"group": 1}, {"group": 0, "tma": False}]
+    if deterministic:  # and the fixed-point GEMM's leaf pipelining
+        changes.append({"pipe": True})
+    for change in changes:
+        monkeypatch.setattr(tdet, "FIXED_PIPELINE", change.pop("pipe", False))
         monkeypatch.setattr(tri, name, dataclasses.replace(base, **change))
         h = p.hidden.detach().clone().requires_grad_()
         w = p.weight.detach().clone().requires_grad_()

@@ -54,6 +54,7 @@ from lp_kernels.backends.triton_linear import TileConfig, _grouped
 FIXED_GPU = (128, 128, 64)  # BLOCK_M, BLOCK_N, BLOCK_K of _matmul_fixed_kernel (2-byte)
 FIXED_GPU_4BYTE = (64, 128, 64)  # the same for fp32 inputs (with two pipeline stages)
 FIXED_WARPS: int | None = None  # num_warps of _matmul_fixed_kernel (None: the config's)
+FIXED_PIPELINE = False  # experimental: round a leaf while the next one's MMAs run
 FIXED_INTERPRET = (64, 64, TILE)
 _STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
 
@@ -88,12 +89,43 @@ def _round_to_int64(x, INTERPRET: tl.constexpr):
         return libdevice.llrint(x)
 
 
+@triton.jit
+def _leaf_product(
+    a_src, b_src, p_a, p_b, l0, i_m, i_n, m_m, m_n, o_k, K_A, K_B, stride_ak, stride_bk,
+    LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """fp32 ``A[:, l0 : l0 + LEAF] @ B[l0 : l0 + LEAF]`` from zero, in BLOCK_K steps."""
+    b_leaf = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kk in tl.static_range(0, LEAF, BLOCK_K):
+        k0 = l0 + kk
+        if TMA:
+            b_a = a_src.load([i_m * BLOCK_M, k0])
+            b_b = b_src.load([k0, i_n * BLOCK_N])
+        else:
+            # [BLOCK_M, BLOCK_K]
+            b_a = tl.load(
+                p_a + k0 * stride_ak, mask=m_m[:, None] & ((o_k + k0) < K_A)[None, :], other=0.0
+            )
+            # [BLOCK_K, BLOCK_N]
+            b_b = tl.load(
+                p_b + k0 * stride_bk, mask=((o_k + k0) < K_B)[:, None] & m_n[None, :], other=0.0
+            )
+        if INTERPRET:
+            b_leaf += tl.sum(
+                b_a.to(tl.float32)[:, :, None] * b_b.to(tl.float32)[None, :, :], axis=1
+            )
+        else:
+            b_leaf = tl.dot(b_a, b_b, b_leaf, input_precision=PRECISION)
+    return b_leaf
+
+
 @triton.jit(do_not_specialize=["M", "K", "K_B", "group"])
 def _matmul_fixed_kernel(
     a_src, b_src, c_ptr, s_ptr, M, N, K, K_A, K_B, group,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PIPE: tl.constexpr,
 ):  # fmt: skip
     """C (int64) += sum over LEAF-wide K tiles of round(s_m * (A[:, tile] @ B[tile])).
 
@@ -101,7 +133,10 @@ def _matmul_fixed_kernel(
     power of two per row, so the scaling is exact; rounding is to nearest, ties to even.
     A (d_logits) is read up to K_A columns (padded to 128 with zeros, so its loads
     vectorize alike on every shard), B up to its K_B real rows; with TMA ``a_src`` /
-    ``b_src`` are tensor descriptors with those bounds.
+    ``b_src`` are tensor descriptors with those bounds. ``PIPE`` (experimental) computes
+    the next leaf's product before rounding the previous one, so that the conversion may
+    overlap the tensor-core work; the integers, hence the result, are the same.
+    K > 0 (a multiple of LEAF).
     """
     i_m, i_n = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), group)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -114,36 +149,32 @@ def _matmul_fixed_kernel(
     # [BLOCK_M, BLOCK_N] int64
     b_acc = tl.load(p_c, mask=m_c, other=0)
     b_scale = tl.load(s_ptr + o_m, mask=m_m, other=1.0)
-    if not TMA:
+    if TMA:
+        p_a = a_src  # unused
+        p_b = b_src
+    else:
         p_a = a_src + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
         p_b = b_src + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
-    for l0 in range(0, K, LEAF):
-        b_leaf = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for kk in tl.static_range(0, LEAF, BLOCK_K):
-            k0 = l0 + kk
-            if TMA:
-                b_a = a_src.load([i_m * BLOCK_M, k0])
-                b_b = b_src.load([k0, i_n * BLOCK_N])
-            else:
-                # [BLOCK_M, BLOCK_K]
-                b_a = tl.load(
-                    p_a + k0 * stride_ak,
-                    mask=m_m[:, None] & ((o_k + k0) < K_A)[None, :],
-                    other=0.0,
-                )
-                # [BLOCK_K, BLOCK_N]
-                b_b = tl.load(
-                    p_b + k0 * stride_bk,
-                    mask=((o_k + k0) < K_B)[:, None] & m_n[None, :],
-                    other=0.0,
-                )
-            if INTERPRET:
-                b_leaf += tl.sum(
-                    b_a.to(tl.float32)[:, :, None] * b_b.to(tl.float32)[None, :, :], axis=1
-                )
-            else:
-                b_leaf = tl.dot(b_a, b_b, b_leaf, input_precision=PRECISION)
-        b_acc += _round_to_int64(b_leaf * b_scale[:, None], INTERPRET)
+    if PIPE:
+        b_prev = _leaf_product(
+            a_src, b_src, p_a, p_b, 0, i_m, i_n, m_m, m_n, o_k, K_A, K_B, stride_ak, stride_bk,
+            LEAF, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, PRECISION, TMA,
+        )  # fmt: skip
+        for l0 in range(LEAF, K, LEAF):
+            b_cur = _leaf_product(
+                a_src, b_src, p_a, p_b, l0, i_m, i_n, m_m, m_n, o_k, K_A, K_B, stride_ak,
+                stride_bk, LEAF, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, PRECISION, TMA,
+            )  # fmt: skip
+            b_acc += _round_to_int64(b_prev * b_scale[:, None], INTERPRET)
+            b_prev = b_cur
+        b_acc += _round_to_int64(b_prev * b_scale[:, None], INTERPRET)
+    else:
+        for l0 in range(0, K, LEAF):
+            b_leaf = _leaf_product(
+                a_src, b_src, p_a, p_b, l0, i_m, i_n, m_m, m_n, o_k, K_A, K_B, stride_ak,
+                stride_bk, LEAF, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, PRECISION, TMA,
+            )  # fmt: skip
+            b_acc += _round_to_int64(b_leaf * b_scale[:, None], INTERPRET)
     tl.store(p_c, b_acc, mask=m_c)
 
 
@@ -164,7 +195,7 @@ def _matmul_fixed_(c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: T
         a_src, b_src, c, scale, m, n, k_a, k_a, k, tri._group(cfg, blocks_m),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         LEAF=TILE, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma,
+        INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, PIPE=FIXED_PIPELINE,
         **tri._launch_opts(mm_cfg, a.device),
     )  # fmt: skip
 

@@ -4,7 +4,7 @@ The logits never reach memory in the forward; the backward's scratch is one chun
 
 Data flow for one rank (V_r = real columns of this shard, S = V_r / V_SPLIT splits)::
 
-    forward   _fwd_stats_kernel, grid (N / BLOCK_N, S):
+    forward   _fwd_stats_kernel, one program per (row block, split):
                 for each BLOCK_V tile of the split:  z = (h W^T) / T  on chip (fp32 acc)
                 online (m, s, a, t) per row  ->  stats [S, N, 4]   (logits never stored)
               all-gather over tp_group -> [P * S, N, 4]
@@ -17,6 +17,13 @@ Data flow for one rank (V_r = real columns of this shard, S = V_r / V_SPLIT spli
                     chunk, else fp32 accumulation over token chunks ([VOCAB_CHUNK, H])
                 grad_h (fp32) += d l @ W[chunk]    _matmul_acc_kernel, each program owns its tile
               grad_h all-reduced over tp_group (fp32) unless reduce_grad_hidden=False
+
+Launch and loads (``TileConfig.group`` / ``.tma``; neither changes a result). Every kernel
+runs on a 1-D grid whose programs take their tiles ``group`` row blocks at a time, rows
+fastest (``_grouped``), so the programs resident together share hidden rows and weight
+tiles in L2. GEMM operands are read through tensor descriptors (TMA on Hopper; zeros out
+of bounds) when :func:`tma_ok` allows, else through masked pointer loads; both feed the
+same ``tl.dot`` sequence, and tests check the bits are equal.
 
 Numerics. Every dot accumulates in fp32 (``input_precision="ieee"`` for fp32 inputs,
 never TF32). The partial statistics follow ``lp_kernels._stats``: exponents relative
