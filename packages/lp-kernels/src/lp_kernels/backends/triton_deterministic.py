@@ -53,6 +53,7 @@ from lp_kernels.backends.triton_linear import TileConfig, _grouped
 # and an fp32 accumulator per output element (chosen by benchmarks/sweep_tiles.py).
 FIXED_GPU = (128, 128, 64)  # BLOCK_M, BLOCK_N, BLOCK_K of _matmul_fixed_kernel (2-byte)
 FIXED_GPU_4BYTE = (64, 128, 64)  # the same for fp32 inputs (with two pipeline stages)
+FIXED_SMALL, FIXED_SMALL_4BYTE = (64, 128, 64), (32, 64, 32)  # less shared memory
 FIXED_WARPS: int | None = None  # num_warps of _matmul_fixed_kernel (None: the config's)
 FIXED_PIPELINE = False  # experimental: round a leaf while the next one's MMAs run
 FIXED_INTERPRET = (64, 64, TILE)
@@ -69,7 +70,10 @@ def config_for(
     if device.type == "cpu":
         return cfg, FIXED_INTERPRET
     # A pipeline stage holds a whole 128-column leaf of A and B: (BLOCK_M + BLOCK_N) x 128
-    # elements. 4-byte inputs: 64-row tiles and two stages (see _matmul_fixed_).
+    # elements. 4-byte inputs: smaller tiles and two stages (see _matmul_fixed_); GPUs with
+    # less shared memory than Hopper: a quarter of the tile, two stages (untested).
+    if tri.gpu_tier(device) != "large":
+        return cfg, FIXED_SMALL if dtype.itemsize <= 2 else FIXED_SMALL_4BYTE
     return cfg, FIXED_GPU if dtype.itemsize <= 2 else FIXED_GPU_4BYTE
 
 
@@ -178,6 +182,12 @@ def _matmul_fixed_kernel(
     tl.store(p_c, b_acc, mask=m_c)
 
 
+def _full_stages(a: torch.Tensor) -> bool:
+    """Whether the fixed-point GEMM keeps the config's pipeline depth: 2-byte inputs on a
+    GPU with Hopper-class shared memory (elsewhere two stages, see config_for)."""
+    return a.device.type == "cuda" and a.element_size() <= 2 and tri.gpu_tier(a.device) == "large"
+
+
 def _matmul_fixed_(c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: TileConfig):
     """``c (int64) += fixed-point(a @ b)`` per 128-column tile; ``a`` has zeros up to k_a."""
     m, k = a.shape
@@ -188,7 +198,7 @@ def _matmul_fixed_(c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: T
         cfg,
         mm_block_k=block_k,
         num_warps=FIXED_WARPS or cfg.num_warps,
-        num_stages=cfg.num_stages if a.element_size() <= 2 else min(cfg.num_stages, 2),
+        num_stages=cfg.num_stages if _full_stages(a) else min(cfg.num_stages, 2),
     )
     a_src, b_src, tma = tri.gemm_sources(a, b, m, k_a, False, mm_cfg, block_m, block_n)
     _matmul_fixed_kernel[(blocks_m * triton.cdiv(n, block_n),)](

@@ -116,15 +116,48 @@ INTERPRET_CONFIG = TileConfig(
 IGNORED = -2  # target code of an ignored row in the kernels (see target_codes)
 
 
+# GPUs with less shared memory per block than Hopper's 227 KiB (A100: 163 KiB; Ada and
+# consumer Ampere: 99 KiB) take the 128 x 128 tiles of earlier sessions, without tensor
+# descriptors; below 160 KiB with two pipeline stages. Untested there: lp's GPU runs are
+# on H200 (docs/benchmarks.md).
+LARGE_SMEM = 200 << 10
+MID_SMEM = 160 << 10
+_SMEM: dict[int, int] = {}
+
+
+def smem_per_block(device: torch.device) -> int:
+    """Opt-in shared memory per block of a CUDA device, in bytes (cached per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMEM:
+        props = torch.cuda.get_device_properties(index)
+        smem = getattr(props, "shared_memory_per_block_optin", 0)
+        if not smem:  # by compute capability (H100/H200: 227 KiB, A100: 163 KiB)
+            smem = (227 << 10) if props.major >= 9 else (163 << 10)
+        _SMEM[index] = int(smem)
+    return _SMEM[index]
+
+
+def gpu_tier(device: torch.device) -> str:
+    """ "large" (Hopper-class shared memory: the pinned GPU_CONFIG), "mid" or "small"."""
+    smem = smem_per_block(device)
+    return "large" if smem >= LARGE_SMEM else "mid" if smem >= MID_SMEM else "small"
+
+
 def config_for(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
-    """The pinned config for a device and input dtype. 4-byte inputs take half the K
-    depth per stage (their 128 x 256 x 64 stages would not fit in shared memory); the
-    choice depends on the dtype only, never on a size."""
+    """The pinned config for a device and input dtype: chosen by the device's shared
+    memory and the dtype, never by a size. 4-byte inputs take half the K depth per stage
+    (their 128 x 256 x 64 stages would not fit in shared memory)."""
     if device.type == "cpu":
         return INTERPRET_CONFIG
+    cfg = GPU_CONFIG
+    tier = gpu_tier(device)
+    if tier != "large":
+        cfg = dataclasses.replace(
+            cfg, block_v=128, mm_block_n=128, tma=False, num_stages=3 if tier == "mid" else 2
+        )
     if dtype.itemsize > 2:
-        return dataclasses.replace(GPU_CONFIG, block_h=32, mm_block_k=32)
-    return GPU_CONFIG
+        cfg = dataclasses.replace(cfg, block_h=32, mm_block_k=32)
+    return cfg
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:

@@ -1,0 +1,35 @@
+"""Pinned triton tile configs: chosen by the device's shared memory and the dtype only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize(
+    ("smem_kib", "tier"), [(227, "large"), (163, "mid"), (99, "small")], ids=["h100", "a100", "ada"]
+)
+def test_triton_config_by_shared_memory(smem_kib, tier, monkeypatch):
+    """The pinned tiles follow the GPU's shared memory and the dtype, never a size: Hopper
+    gets the 128 x 256 tiles with tensor descriptors, smaller GPUs 128 x 128 tiles without
+    (fewer stages below 160 KiB), 4-byte inputs half the K depth per stage."""
+    import lp_kernels.backends.triton_deterministic as tdet
+    import lp_kernels.backends.triton_linear as tri
+
+    monkeypatch.setattr(tri, "smem_per_block", lambda device: smem_kib << 10)
+    dev = torch.device("cuda", 0)
+    assert tri.gpu_tier(dev) == tier
+    bf16, fp32 = tri.config_for(dev, torch.bfloat16), tri.config_for(dev, torch.float32)
+    if tier == "large":
+        assert bf16 == tri.GPU_CONFIG and bf16.tma and bf16.block_v == 256
+    else:
+        assert not bf16.tma and (bf16.block_v, bf16.mm_block_n) == (128, 128)
+        assert bf16.num_stages == (3 if tier == "mid" else 2)
+    assert (fp32.block_h, fp32.mm_block_k) == (32, 32)
+    assert dataclasses.replace(fp32, block_h=bf16.block_h, mm_block_k=bf16.mm_block_k) == bf16
+    det_cfg, fixed = tdet.config_for(dev, torch.bfloat16)
+    assert (det_cfg.block_v, det_cfg.v_split) == (128, 128)
+    assert fixed == (tdet.FIXED_GPU if tier == "large" else tdet.FIXED_SMALL)
+    assert tri.config_for(torch.device("cpu"), torch.float32) == tri.INTERPRET_CONFIG
