@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections import defaultdict
 
 import torch
-from protocol import SHAPES, make_inputs
+from protocol import SHAPES, make_inputs, time_cuda
 from torch.profiler import ProfilerActivity, profile
 
 from lp_kernels import linear_logprob
@@ -33,22 +34,14 @@ def _step(hidden, weight, targets, grad_out, det: bool):
 
 
 def _wall_ms(fn, device: str, reps: int = 3) -> float:
+    if device == "cuda":
+        return statistics.median(time_cuda(fn, warmup=1, reps=reps))
     fn()
     times = []
     for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
