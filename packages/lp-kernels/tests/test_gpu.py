@@ -193,6 +193,19 @@ DET_LAYOUTS = {
         "even": [(5120 * r, 5120) for r in range(4)],
         "uneven": [(0, 2560), (2560, 7680), (10240, 128), (10368, 10112)],
     },
+    8: {
+        "even": [(2560 * r, 2560) for r in range(8)],
+        "uneven": [
+            (0, 1280),
+            (1280, 3840),
+            (5120, 128),
+            (5248, 2432),
+            (7680, 5120),
+            (12800, 2560),
+            (15360, 3840),
+            (19200, 1280),
+        ],
+    },
 }
 
 
@@ -213,7 +226,8 @@ def _det_rank(rank, world, problem, bounds):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_nccl_deterministic_bitwise_across_tp(dtype):
-    """TP = 1 (one GPU), 2 and 4 (when present), even and uneven: the same bits everywhere."""
+    """TP = 1 (one GPU), 2, 4 and 8 (when present), even and uneven: the same bits
+    everywhere."""
     problem = make_problem(
         1031, 256, DET_VOCAB, dtype=dtype, seed=3, ignore_frac=0.1, padded_vocab=DET_PADDED,
         temperature=0.9,
@@ -242,3 +256,91 @@ def test_nccl_deterministic_bitwise_across_tp(dtype):
                     err = float((a.double() - b.double()).abs().max())
                     differ.append(f"TP{world} {mode} {what}: {n_diff} elements, max {err:.3g}")
     assert not differ, "not bitwise equal to TP1:\n" + "\n".join(differ)
+
+
+# The S2 head of docs/benchmarks.md (vocabulary 248320), padded as Megatron pads it for
+# TP 8 (a multiple of 128 x 8), so that every TP degree up to 8 splits the same weight
+# evenly on 128-column bounds. Issue 8: TP 4 and 8 run where that many GPUs are present.
+S2_HEAD = {"n": 1031, "h": 1024, "v": 248320, "v_padded": 248832}
+
+
+def _s2_problem(shape: dict):
+    return make_problem(
+        shape["n"], shape["h"], shape["v"], dtype=torch.bfloat16, seed=4, ignore_frac=0.1,
+        padded_vocab=shape["v_padded"], temperature=0.9,
+    )  # fmt: skip
+
+
+def _s2_rank(rank, world, backend, reduce, deterministic, shape=S2_HEAD, device="cuda"):
+    dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
+    problem = _s2_problem(shape)
+    start, size = split_vocab(shape["v_padded"], world, mode="even", multiple=128)[rank]
+    h = problem.hidden.to(dev).requires_grad_()
+    w = problem.weight[start : start + size].to(dev).requires_grad_()
+    out = linear_logprob(
+        h, w, problem.targets.to(dev), tp_group=dist.group.WORLD, vocab_start=start,
+        reduce_grad_hidden=reduce, return_entropy=True, return_lse=True, backend=backend,
+        deterministic=deterministic, **problem.op_kwargs(),
+    )  # fmt: skip
+    g = torch.linspace(-1, 1, problem.n, device=dev)
+    (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.5).sum().backward()
+    return (start, size), out.logprob, out.entropy, out.lse, h.grad, w.grad
+
+
+def _s2_reference(backend: str, deterministic: bool, shape=S2_HEAD, device="cuda"):
+    p = _s2_problem(shape).to(device).with_grad()
+    ref = linear_logprob(
+        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend=backend,
+        deterministic=deterministic, **p.op_kwargs(),
+    )  # fmt: skip
+    g = torch.linspace(-1, 1, p.n, device=device)
+    (ref.logprob * g + ref.entropy * g.flip(0) + ref.lse * 0.5).sum().backward()
+    outs = (ref.logprob, ref.entropy, ref.lse, p.hidden.grad, p.weight.grad)
+    return [x.detach().cpu() for x in outs]
+
+
+def check_s2_head(world: int, shape=S2_HEAD, device="cuda", dist_backend="nccl") -> None:
+    """Both backends against one device (reduced and partial grad_hidden), then
+    deterministic=True bitwise against one device (see test_nccl_s2_head)."""
+    names = ("logprob", "entropy", "lse")
+    kw = {"shape": shape, "device": device}
+    for backend in ("triton", "torch"):
+        want = _s2_reference(backend, False, **kw)
+        for reduce in (True, False):
+            results = run_ranks(
+                _s2_rank, world, backend, reduce, False, backend=dist_backend, timeout=300, **kw
+            )
+            partial = torch.zeros_like(want[3], dtype=torch.float32)
+            for rank, ((start, size), *got) in enumerate(results):
+                tag = f" [TP{world} {backend} reduce={reduce} rank {rank}]"
+                for name, a, b in zip(names, got[:3], want[:3], strict=True):
+                    assert_close(a, b, rtol=1e-5, atol=1e-4, name=name + tag)
+                assert_close(got[4], want[4][start : start + size], rtol=1e-2, atol=1e-2,
+                             name="grad_weight" + tag)  # fmt: skip
+                if reduce:
+                    assert_close(got[3], want[3], rtol=1e-2, atol=1e-2, name="grad_hidden" + tag)
+                else:
+                    partial += got[3].float()
+            if not reduce:
+                assert_close(partial, want[3].float(), rtol=1e-2, atol=1e-2, name="sum")
+    want = _s2_reference("triton", True, **kw)
+    results = run_ranks(
+        _s2_rank, world, "triton", True, True, backend=dist_backend, timeout=300, **kw
+    )
+    differ = []
+    for rank, ((start, size), *got) in enumerate(results):
+        pairs = list(zip((*names, "grad_hidden"), got[:4], want[:4], strict=True))
+        pairs.append(("grad_weight", got[4], want[4][start : start + size]))
+        differ += [f"rank {rank} {n}" for n, a, b in pairs if not torch.equal(a, b)]
+    assert not differ, f"deterministic TP{world} not bitwise equal to one device: {differ}"
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("world", [2, 4, 8], ids=lambda w: f"tp{w}")
+def test_nccl_s2_head(world):
+    """The S2 head (V 248320, H 1024, N 1031, bf16) split over 2, 4 or 8 GPUs: both backends
+    match one GPU, with reduced and partial grad_hidden; deterministic=True is bitwise
+    equal to one GPU. Skipped where fewer GPUs are present."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs; found {torch.cuda.device_count()}")
+    check_s2_head(world)
