@@ -2,7 +2,7 @@
 # The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
 #   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [bench] [sweep] [profile-det]
-#       [profile-step]
+#       [profile-step] [tp]
 #   (default: tests megatron bench sweep)
 # SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help).
 # Writes logs, JUnit XML and bench.json/bench.png under $OUT (default ./gpu-out).
@@ -54,6 +54,15 @@ for stage in $stages; do
     profile-det)  # issue 4: deterministic=True cost per phase
       (cd benchmarks && python3 profile_deterministic.py --shapes S1,S4 \
         --out "$OUT/phases.json") 2>&1 | tee "$OUT/phases.log" | tail -n 20 || status=1 ;;
+    tp)  # issues 4 and 8: every GPU of the host; NCCL parity and bitwise TP invariance at the
+      # S2 head (TP 2/4/8 as present), then lp bench --tp over all GPUs at S2
+      gpus=$(nvidia-smi -L | wc -l)
+      run_pytest tp packages/lp-kernels/tests/test_gpu.py -k "s2_head or deterministic_bitwise" \
+        || status=1
+      mkdir -p "$OUT/tp"
+      torchrun --standalone --nproc-per-node "$gpus" -m lp_kernels.cli bench --tp "$gpus" \
+        --shapes S2 --backends lp-triton,lp-triton-det --reps 3 --warmup 1 --out "$OUT/tp" \
+        2>&1 | tee "$OUT/tp/bench.log" | tail -n 15 || status=1 ;;
     profile-step)  # issue 3: kernel-by-kernel busy time of one step against its wall time
       (cd benchmarks && python3 profile_step.py --shapes S1,S4 --det \
         --out "$OUT/step.json") 2>&1 | tee "$OUT/step.log" | tail -n 60 || status=1 ;;
