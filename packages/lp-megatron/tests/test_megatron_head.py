@@ -347,7 +347,7 @@ def _pipeline_rank(rank: int, world_size: int, tp: int, device: str = "cpu") -> 
     if on_gpu:
         torch.cuda.set_device(rank)
     results: dict = {}
-    with lp_testing.MegatronCpuPatches(cpu=not on_gpu, pipeline=True):
+    with lp_testing.MegatronCpuPatches(cpu=not on_gpu, comm=True):
         for tied in (False, True):
             parallel_state.destroy_model_parallel()
             parallel_state.initialize_model_parallel(
@@ -547,6 +547,64 @@ def _ddp_rank(rank: int, world_size: int) -> dict:
                 out[(tied, mode)] = {n: p.main_grad.detach().clone() for n, p in params.items()}
                 out[(tied, mode, "grad")] = [n for n, p in params.items() if p.grad is not None]
     return out
+
+
+def _ddp_sync_rank(rank: int, world_size: int, tp: int) -> dict:
+    """DP = world / tp with Megatron's DDP and its gradient sync (finish_grad_sync): each DP
+    rank sees its own micro-batch; stock vs lp, after and before the sync."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from lp_megatron import install_logprob_head
+
+    out: dict = {}
+    with lp_testing.MegatronCpuPatches(comm=True):
+        for mode in ("stock", "lp"):
+            inner = _build(tp, tp > 1, False)
+            ddp = DistributedDataParallel(
+                inner.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), inner
+            )
+            dp_rank = parallel_state.get_data_parallel_rank()
+            ids, pos, mask, labels, weights = _inputs(V_PADDED, seed=100 + dp_rank)
+            ddp.zero_grad_buffer()
+            if mode == "stock":
+                ref = _reference(ddp(ids, pos, mask), labels, Case(tp > 1, False))[0]
+                (weights[0] * ref).sum().backward()
+            else:
+                with install_logprob_head(ddp, LogprobHeadConfig(backend="torch")) as head:
+                    lp = head.logprobs(ddp(ids, pos, mask), labels).logprob
+                    (weights[0] * lp).sum().backward()
+            params = dict(ddp.module.named_parameters())
+            out[(mode, "local")] = {n: p.main_grad.detach().clone() for n, p in params.items()}
+            ddp.finish_grad_sync()
+            out[mode] = {n: p.main_grad.detach().clone() for n, p in params.items()}
+        out["dp_rank"] = dp_rank
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=lambda tp: f"tp{tp}")
+def test_megatron_ddp_data_parallel_grad_sync(tp: int) -> None:
+    """DP 2 (x TP 2): after DistributedDataParallel's gradient sync every main_grad equals
+    the stock path's, is the same on both DP ranks, and differs from the rank's own
+    pre-sync gradient (the DP ranks saw different micro-batches)."""
+    results = lp_testing.run_ranks(_ddp_sync_rank, 2 * tp, tp, timeout=300)
+    for rank, res in enumerate(results):
+        where = f"tp{tp} rank {rank}"
+        assert res["lp"].keys() == res["stock"].keys()
+        for name, g_ref in res["stock"].items():
+            torch.testing.assert_close(
+                res["lp"][name], g_ref, rtol=RTOL, atol=ATOL, msg=f"{where} {name}"
+            )
+        assert any(
+            not torch.allclose(res["lp"][n], res[("lp", "local")][n], rtol=1e-3, atol=1e-6)
+            for n in res["lp"]
+        ), f"{where}: the gradient sync changed nothing"
+    # the two DP replicas of a TP rank (ranks r and r + tp) hold the same synced gradients
+    for rank in range(tp):
+        a, b = results[rank], results[rank + tp]
+        assert a["dp_rank"] != b["dp_rank"]
+        for name in a["lp"]:
+            torch.testing.assert_close(a["lp"][name], b["lp"][name], rtol=0, atol=0, msg=name)
 
 
 def test_megatron_ddp_main_grad() -> None:

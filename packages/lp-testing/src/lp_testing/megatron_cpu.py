@@ -17,12 +17,19 @@ The patches (see ENVIRONMENT.md, "megatron-core on CPU (gloo)"):
    refuses ``sequence_parallel``) builds a plain ``torch.nn.LayerNorm`` / ``RMSNorm``
    whose parameters carry ``sequence_parallel = config.sequence_parallel`` (the tag
    Megatron's gradient finalization uses to all-reduce them over the TP group).
-4. Pipeline parallel only (``pipeline=True``, with the CPU patches): Megatron's pipeline
-   schedules allocate their token counter with ``torch.zeros(..., device="cuda")``, its
-   point-to-point code calls ``torch.cuda.synchronize()``, and a tied output layer on the
-   last stage is moved with ``Tensor.cuda()`` before its first all-reduce. The schedules
-   module sees a ``torch`` whose ``zeros`` maps ``"cuda"`` to the CPU,
-   ``torch.cuda.synchronize`` does nothing and ``Tensor.cuda`` returns the tensor itself.
+4. Pipeline schedules and DDP gradient sync only (``comm=True``, with the CPU patches).
+   What Megatron's communication code expects of CUDA:
+   - the pipeline schedules allocate their token counter with
+     ``torch.zeros(..., device="cuda")``;
+   - the point-to-point code calls ``torch.cuda.synchronize()``;
+   - a tied output layer on the last stage is moved with ``Tensor.cuda()`` before its
+     first all-reduce;
+   - ``DistributedDataParallel``'s gradient sync waits on ``torch.cuda.current_stream()``.
+
+   Under the patch, the schedules module sees a ``torch`` whose ``zeros`` maps
+   ``"cuda"`` to the CPU; ``torch.cuda.synchronize`` does nothing; ``Tensor.cuda`` returns
+   the tensor itself; and ``torch.cuda.current_stream()`` returns a stream stand-in whose
+   waits do nothing (CPU work is synchronous).
 
 Example::
 
@@ -95,6 +102,15 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+class _CpuStream:
+    """``torch.cuda.current_stream()`` under patch 4: waits are no-ops on the CPU."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    wait_event = wait_stream = synchronize = _no_op
+
+
 def _same_tensor(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return self
 
@@ -108,15 +124,16 @@ class MegatronCpuPatches:
         cpu: apply patches 1 and 2 (CPU device and RNG). ``cpu=False`` keeps only patch 3,
             for GPU test ranks without transformer-engine or apex, whose local layer spec
             otherwise refuses sequence parallelism.
-        pipeline: with ``cpu``, also apply patch 4, for Megatron's pipeline schedules.
+        comm: with ``cpu``, also apply patch 4, for Megatron's pipeline schedules and
+            DistributedDataParallel's gradient sync.
     """
 
     def __init__(
-        self, sequence_parallel_norm: bool = True, *, cpu: bool = True, pipeline: bool = False
+        self, sequence_parallel_norm: bool = True, *, cpu: bool = True, comm: bool = False
     ) -> None:
         self.sequence_parallel_norm = sequence_parallel_norm
         self.cpu = cpu
-        self.pipeline = pipeline
+        self.comm = comm
         self._saved: list[tuple[Any, str, Any]] = []
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
@@ -134,11 +151,12 @@ class MegatronCpuPatches:
             self._set(torch.cuda, "manual_seed", _cpu_manual_seed)
             self._set(random, "_get_cuda_rng_state", _cpu_get_rng_state)
             self._set(random, "_set_cuda_rng_state", _cpu_set_rng_state)
-        if self.cpu and self.pipeline:
+        if self.cpu and self.comm:
             schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
             self._set(schedules, "torch", _TorchOnCpu())
             self._set(torch.cuda, "synchronize", _no_op)
             self._set(torch.Tensor, "cuda", _same_tensor)
+            self._set(torch.cuda, "current_stream", _CpuStream)
         if self.sequence_parallel_norm:
             torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
             self._set(torch_norm.WrappedTorchNorm, "__new__", staticmethod(_plain_norm_new))
