@@ -331,9 +331,12 @@ def test_non_last_pipeline_stage_is_inert() -> None:
     lp_testing.run_ranks(_other_stage_rank, 1, timeout=120)
 
 
-def _pipeline_rank(rank: int, world_size: int, tp: int, device: str = "cpu") -> dict:
+def _pipeline_rank(
+    rank: int, world_size: int, tp: int, device: str = "cpu", vp: int | None = None
+) -> dict:
     """Megatron's own pipeline schedule (PP 2, two micro-batches), stock loss against the
-    head's, on every stage; tied and untied. The head is fused on the last stage only."""
+    head's, on every stage; tied and untied. The head is fused on the last stage only.
+    ``vp``: that many virtual stages per rank (the interleaved schedule; one layer each)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -347,30 +350,38 @@ def _pipeline_rank(rank: int, world_size: int, tp: int, device: str = "cpu") -> 
     if on_gpu:
         torch.cuda.set_device(rank)
     results: dict = {}
+    stages = list(range(vp)) if vp else [None]
     with lp_testing.MegatronCpuPatches(cpu=not on_gpu, comm=True):
         for tied in (False, True):
             parallel_state.destroy_model_parallel()
             parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=tp, pipeline_model_parallel_size=2
-            )
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=2,
+                virtual_pipeline_model_parallel_size=vp,
+            )  # fmt: skip
             torch.manual_seed(7)
             model_parallel_cuda_manual_seed(7)
             config = TransformerConfig(
-                num_layers=2, hidden_size=H, num_attention_heads=HEADS,
+                num_layers=2 * len(stages), hidden_size=H, num_attention_heads=HEADS,
                 use_cpu_initialization=True, tensor_model_parallel_size=tp,
                 sequence_parallel=tp > 1, pipeline_model_parallel_size=2,
+                virtual_pipeline_model_parallel_size=vp,
                 pipeline_dtype=torch.float32, params_dtype=torch.float32,
                 hidden_dropout=0.0, attention_dropout=0.0,
             )  # fmt: skip
             last = parallel_state.is_pipeline_last_stage()
-            model = GPTModel(
-                config, get_gpt_layer_local_spec(), vocab_size=V_PADDED, max_sequence_length=S,
-                pre_process=parallel_state.is_pipeline_first_stage(), post_process=last,
-                share_embeddings_and_output_weights=tied,
-            ).to(device)  # fmt: skip
+            chunks = [
+                GPTModel(
+                    config, get_gpt_layer_local_spec(), vocab_size=V_PADDED,
+                    max_sequence_length=S, share_embeddings_and_output_weights=tied,
+                    pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage=i),
+                    post_process=parallel_state.is_pipeline_last_stage(False, vp_stage=i),
+                    **({} if i is None else {"vp_stage": i}),
+                ).to(device)
+                for i in stages
+            ]  # fmt: skip
             batches = [tuple(t.to(device) for t in _inputs(V_PADDED, seed=mb)) for mb in range(2)]
             for mode in ("stock", "lp"):
-                head = install_logprob_head(model) if mode == "lp" else None
+                head = install_logprob_head(chunks) if mode == "lp" else None
                 if head is not None:
                     assert head.fused == last
 
@@ -389,13 +400,18 @@ def _pipeline_rank(rank: int, world_size: int, tp: int, device: str = "cpu") -> 
 
                     return out, loss_func
 
+                data = [iter(batches) for _ in chunks] if vp else iter(batches)
                 stats = get_forward_backward_func()(
-                    forward_step_func=step, data_iterator=iter(batches), model=[model],
+                    forward_step_func=step, data_iterator=data, model=chunks,
                     num_microbatches=2, seq_length=S, micro_batch_size=B, forward_only=False,
                 )  # fmt: skip
+                grads = {}
+                for i, chunk in enumerate(chunks):
+                    prefix = f"chunk{i}." if vp else ""
+                    grads.update({prefix + n: g for n, g in _grads(chunk).items()})
                 results[(tied, mode)] = {
                     "logprob": [d["logprob"] for d in stats],
-                    "grads": _grads(model),
+                    "grads": grads,
                 }
                 if head is not None:
                     head.remove()
@@ -416,6 +432,14 @@ def test_pipeline_parallel_schedule_nccl() -> None:
     _check_pipeline(results, 1)
 
 
+def test_interleaved_pipeline_schedule() -> None:
+    """PP 2 with two virtual stages per rank (megatron's interleaved schedule, model chunks
+    as a list): the head finds the chunk with the output layer; log-probs and every
+    chunk's gradients match the stock path."""
+    results = lp_testing.run_ranks(_pipeline_rank, 2, 1, "cpu", 2, timeout=300)
+    _check_pipeline(results, 1)
+
+
 def _check_pipeline(results: list, tp: int) -> None:
     for rank, res in enumerate(results):
         last = rank >= tp  # ranks [0, tp) are stage 0, [tp, 2 tp) stage 1
@@ -429,7 +453,8 @@ def _check_pipeline(results: list, tp: int) -> None:
             assert lp["grads"].keys() == stock["grads"].keys(), where
             # Under PP the last stage holds the output weight even when tied (a copy of the
             # first stage's embedding that Megatron keeps in sync).
-            assert ("output_layer.weight" in stock["grads"]) == last, where
+            has_output = any(n.endswith("output_layer.weight") for n in stock["grads"])
+            assert has_output == last, where
             for name, g_ref in stock["grads"].items():
                 assert g_ref.abs().sum() > 0 or "bias" in name, f"{where} {name}: zero grad"
                 torch.testing.assert_close(
