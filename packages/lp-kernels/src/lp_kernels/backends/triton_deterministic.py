@@ -71,7 +71,8 @@ def config_for(
         return cfg, FIXED_INTERPRET
     # A pipeline stage holds a whole 128-column leaf of A and B: (BLOCK_M + BLOCK_N) x 128
     # elements. 4-byte inputs: smaller tiles and two stages (see _matmul_fixed_); GPUs with
-    # less shared memory than Hopper: a quarter of the tile, two stages (untested).
+    # less shared memory than Hopper: half the tile (a quarter for fp32), two stages
+    # (untested).
     if tri.gpu_tier(device) != "large":
         return cfg, FIXED_SMALL if dtype.itemsize <= 2 else FIXED_SMALL_4BYTE
     return cfg, FIXED_GPU if dtype.itemsize <= 2 else FIXED_GPU_4BYTE
