@@ -543,34 +543,46 @@ def _check_bf16(results: list) -> None:
             assert (g - g_ref.float()).abs().max() / scale < 3e-2, name
 
 
-def _ddp_rank(rank: int, world_size: int) -> dict:
-    """Megatron's own DistributedDataParallel (main_grad buffers and hooks), stock vs lp."""
+def _ddp_backward(tp: int, sp: bool, tied: bool, mode: str, inputs):
+    """A fresh tiny GPTModel under megatron.core's DistributedDataParallel (main_grad
+    buffers and hooks) after one backward of the weighted stock (``mode="stock"``) or lp
+    log-probs of ``inputs``; call inside MegatronCpuPatches."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from lp_megatron import install_logprob_head
 
+    inner = _build(tp, sp, tied)
+    ddp = DistributedDataParallel(
+        inner.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), inner
+    )
+    ids, pos, mask, labels, weights = inputs
+    ddp.zero_grad_buffer()
+    if mode == "stock":
+        ref = _reference(ddp(ids, pos, mask), labels, Case(sp, tied))[0]
+        (weights[0] * ref).sum().backward()
+    else:
+        with install_logprob_head(ddp, LogprobHeadConfig(backend="torch")) as head:
+            lp = head.logprobs(ddp(ids, pos, mask), labels).logprob
+            (weights[0] * lp).sum().backward()
+    return ddp
+
+
+def _main_grads(ddp) -> dict[str, torch.Tensor]:
+    return {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
+
+
+def _ddp_rank(rank: int, world_size: int) -> dict:
+    """Megatron's own DistributedDataParallel (main_grad buffers and hooks), stock vs lp."""
     out: dict = {}
     with lp_testing.MegatronCpuPatches():
         for tied in (False, True):
             for mode in ("stock", "lp"):
-                inner = _build(world_size, False, tied)
-                ddp = DistributedDataParallel(
-                    inner.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), inner
-                )
-                ids, pos, mask, labels, weights = _inputs(V_PADDED)
-                ddp.zero_grad_buffer()
-                if mode == "stock":
-                    ref = _reference(ddp(ids, pos, mask), labels, Case(False, tied))[0]
-                    (weights[0] * ref).sum().backward()
-                else:
-                    with install_logprob_head(ddp, LogprobHeadConfig(backend="torch")) as head:
-                        lp = head.logprobs(ddp(ids, pos, mask), labels).logprob
-                        (weights[0] * lp).sum().backward()
+                ddp = _ddp_backward(world_size, False, tied, mode, _inputs(V_PADDED))
                 # DP = 1 here: the backward hooks have already accumulated every gradient
-                # into main_grad (finish_grad_sync needs CUDA streams, so it is not called).
-                params = dict(ddp.module.named_parameters())
-                out[(tied, mode)] = {n: p.main_grad.detach().clone() for n, p in params.items()}
-                out[(tied, mode, "grad")] = [n for n, p in params.items() if p.grad is not None]
+                # into main_grad (no finish_grad_sync needed).
+                out[(tied, mode)] = _main_grads(ddp)
+                params = ddp.module.named_parameters()
+                out[(tied, mode, "grad")] = [n for n, p in params if p.grad is not None]
     return out
 
 
@@ -578,31 +590,17 @@ def _ddp_sync_rank(rank: int, world_size: int, tp: int) -> dict:
     """DP = world / tp with Megatron's DDP and its gradient sync (finish_grad_sync): each DP
     rank sees its own micro-batch; stock vs lp, after and before the sync."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from lp_megatron import install_logprob_head
 
     out: dict = {}
+    dp_rank = rank // tp  # megatron orders ranks TP-fastest (checked below)
     with lp_testing.MegatronCpuPatches(comm=True):
         for mode in ("stock", "lp"):
-            inner = _build(tp, tp > 1, False)
-            ddp = DistributedDataParallel(
-                inner.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), inner
-            )
-            dp_rank = parallel_state.get_data_parallel_rank()
-            ids, pos, mask, labels, weights = _inputs(V_PADDED, seed=100 + dp_rank)
-            ddp.zero_grad_buffer()
-            if mode == "stock":
-                ref = _reference(ddp(ids, pos, mask), labels, Case(tp > 1, False))[0]
-                (weights[0] * ref).sum().backward()
-            else:
-                with install_logprob_head(ddp, LogprobHeadConfig(backend="torch")) as head:
-                    lp = head.logprobs(ddp(ids, pos, mask), labels).logprob
-                    (weights[0] * lp).sum().backward()
-            params = dict(ddp.module.named_parameters())
-            out[(mode, "local")] = {n: p.main_grad.detach().clone() for n, p in params.items()}
+            inputs = _inputs(V_PADDED, seed=100 + dp_rank)
+            ddp = _ddp_backward(tp, tp > 1, False, mode, inputs)
+            assert parallel_state.get_data_parallel_rank() == dp_rank
+            out[(mode, "local")] = _main_grads(ddp)
             ddp.finish_grad_sync()
-            out[mode] = {n: p.main_grad.detach().clone() for n, p in params.items()}
+            out[mode] = _main_grads(ddp)
         out["dp_rank"] = dp_rank
     return out
 

@@ -47,7 +47,7 @@ from lp_kernels._fixed_point import from_fixed_point, row_exponents
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends import triton_linear as tri
-from lp_kernels.backends.triton_linear import TileConfig, _grouped
+from lp_kernels.backends.triton_linear import TileConfig, _gemm_step, _grouped
 
 # Every column tile is one global vocabulary tile. The fixed-point GEMM keeps an int64
 # and an fp32 accumulator per output element (chosen by benchmarks/sweep_tiles.py).
@@ -103,25 +103,10 @@ def _leaf_product(
     """fp32 ``A[:, l0 : l0 + LEAF] @ B[l0 : l0 + LEAF]`` from zero, in BLOCK_K steps."""
     b_leaf = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kk in tl.static_range(0, LEAF, BLOCK_K):
-        k0 = l0 + kk
-        if TMA:
-            b_a = a_src.load([i_m * BLOCK_M, k0])
-            b_b = b_src.load([k0, i_n * BLOCK_N])
-        else:
-            # [BLOCK_M, BLOCK_K]
-            b_a = tl.load(
-                p_a + k0 * stride_ak, mask=m_m[:, None] & ((o_k + k0) < K_A)[None, :], other=0.0
-            )
-            # [BLOCK_K, BLOCK_N]
-            b_b = tl.load(
-                p_b + k0 * stride_bk, mask=((o_k + k0) < K_B)[:, None] & m_n[None, :], other=0.0
-            )
-        if INTERPRET:
-            b_leaf += tl.sum(
-                b_a.to(tl.float32)[:, :, None] * b_b.to(tl.float32)[None, :, :], axis=1
-            )
-        else:
-            b_leaf = tl.dot(b_a, b_b, b_leaf, input_precision=PRECISION)
+        b_leaf = _gemm_step(
+            b_leaf, a_src, b_src, p_a, p_b, l0 + kk, i_m, i_n, m_m, m_n, o_k, K_A, K_B,
+            stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, False,
+        )  # fmt: skip
     return b_leaf
 
 

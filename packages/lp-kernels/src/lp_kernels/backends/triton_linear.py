@@ -357,6 +357,40 @@ def _dlogits_kernel(
     tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & (o_c < v_store)[None, :])
 
 
+@triton.jit
+def _gemm_step(
+    acc, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B, stride_ak, stride_bk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
+):  # fmt: skip
+    """``acc + A[:, k0 : k0 + BLOCK_K] @ B[k0 : k0 + BLOCK_K]`` for one output tile.
+
+    Operands come through tensor descriptors (``TMA``; ``A_T``: ``a_src`` describes A^T)
+    or through the pointer blocks ``p_a`` / ``p_b`` at K offset 0, masked by A's rows
+    (``m_am``), A's columns (``K_A``), B's rows (``K_B``) and B's columns (``m_n``).
+    """
+    if TMA:
+        if A_T:  # noqa: SIM108  (a constexpr branch: only one side is compiled)
+            b_a = tl.trans(a_src.load([k0, i_m * BLOCK_M]))
+        else:
+            b_a = a_src.load([i_m * BLOCK_M, k0])
+        b_b = b_src.load([k0, i_n * BLOCK_N])
+    else:
+        # [BLOCK_M, BLOCK_K]
+        b_a = tl.load(
+            p_a + k0 * stride_ak, mask=m_am[:, None] & ((o_k + k0) < K_A)[None, :], other=0.0
+        )
+        # [BLOCK_K, BLOCK_N]
+        b_b = tl.load(
+            p_b + k0 * stride_bk, mask=((o_k + k0) < K_B)[:, None] & m_n[None, :], other=0.0
+        )
+    if INTERPRET:
+        acc += tl.sum(b_a.to(tl.float32)[:, :, None] * b_b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        acc = tl.dot(b_a, b_b, acc, input_precision=PRECISION)
+    return acc
+
+
 def _matmul_acc_body(
     a_src, b_src, c_ptr, M, M_A, N, K, K_A, K_B, group,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -381,29 +415,17 @@ def _matmul_acc_body(
     p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
     # [BLOCK_M, BLOCK_N]
     b_acc = tl.load(p_c, mask=m_m[:, None] & m_n[None, :], other=0.0)
-    if not TMA:
+    if TMA:
+        p_a = a_src  # unused
+        p_b = b_src
+    else:
         p_a = a_src + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
         p_b = b_src + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
     for k0 in range(0, K, BLOCK_K):
-        if TMA:
-            if A_T:
-                b_a = tl.trans(a_src.load([k0, i_m * BLOCK_M]))
-            else:
-                b_a = a_src.load([i_m * BLOCK_M, k0])
-            b_b = b_src.load([k0, i_n * BLOCK_N])
-        else:
-            # [BLOCK_M, BLOCK_K]
-            b_a = tl.load(
-                p_a + k0 * stride_ak, mask=m_am[:, None] & ((o_k + k0) < K_A)[None, :], other=0.0
-            )
-            # [BLOCK_K, BLOCK_N]
-            b_b = tl.load(
-                p_b + k0 * stride_bk, mask=((o_k + k0) < K_B)[:, None] & m_n[None, :], other=0.0
-            )
-        if INTERPRET:
-            b_acc += tl.sum(b_a.to(tl.float32)[:, :, None] * b_b.to(tl.float32)[None, :, :], axis=1)
-        else:
-            b_acc = tl.dot(b_a, b_b, b_acc, input_precision=PRECISION)
+        b_acc = _gemm_step(
+            b_acc, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B,
+            stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, A_T,
+        )  # fmt: skip
     tl.store(p_c, b_acc, mask=m_m[:, None] & m_n[None, :])
 
 
