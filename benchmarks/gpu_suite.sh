@@ -64,7 +64,7 @@ for stage in $stages; do
         --shapes S2 --backends lp-triton,lp-triton-det --reps 3 --warmup 1 --out "$OUT/tp" \
         2>&1 | tee "$OUT/tp/bench.log" | tail -n 15 || status=1 ;;
     profile-step)  # issue 3: kernel-by-kernel busy time of one step against its wall time
-      (cd benchmarks && python3 profile_step.py --shapes S1,S4 --det \
+      (cd benchmarks && python3 profile_step.py --shapes ${STEP_SHAPES:-S1,S4} --det ${STEP_TRACE:+--trace "$OUT"} \
         --out "$OUT/step.json") 2>&1 | tee "$OUT/step.log" | tail -n 60 || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac

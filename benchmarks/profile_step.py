@@ -45,7 +45,59 @@ def _wall_ms(fn, device: str, reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def profile_shape(name: str, n: int, h: int, v: int, device: str, det: bool) -> dict:
+def _host_ms(fn, device: str, reps: int = 3) -> float:
+    """Host time to enqueue one step (no synchronization inside): when it is close to the
+    wall time, the step is launch-bound and the GPU waits on the host."""
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _queued_ms(fn, device: str, reps: int = 3) -> float:
+    """Wall time of one step queued behind ~20 ms of GPU sleep, so that the host's work
+    before the first kernel is hidden (as in a training step, where the host runs ahead)."""
+    if device != "cuda":
+        return float("nan")
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(40_000_000)  # cycles, ~20 ms
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _gaps(prof, top: int = 8) -> list[dict]:
+    """The largest idle gaps between consecutive GPU activities of the profiled step, with
+    the activities on either side (where the GPU waited)."""
+    evs = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    gaps = []
+    for a, b in zip(evs, evs[1:]):
+        gap = (b.time_range.start - a.time_range.end) / 1e3
+        if gap > 0.02:
+            gaps.append({"ms": gap, "after": a.name[:60], "before": b.name[:60]})
+    total = sum(g["ms"] for g in gaps)
+    gaps.sort(key=lambda g: -g["ms"])
+    return [{"ms": total, "after": "(all gaps > 20 us)", "before": f"{len(gaps)} gaps"}] + gaps[:top]
+
+
+def profile_shape(
+    name: str, n: int, h: int, v: int, device: str, det: bool, trace_dir: str | None = None
+) -> dict:
     hidden, weight, targets, grad_out = make_inputs(n, h, v, device=device)
     hidden.requires_grad_()
     weight.requires_grad_()
@@ -54,11 +106,23 @@ def profile_shape(name: str, n: int, h: int, v: int, device: str, det: bool) -> 
         _step(hidden, weight, targets, grad_out, det)
 
     wall = _wall_ms(fn, device)
+    host = _host_ms(fn, device)
+    hidden_wall = _queued_ms(fn, device)
+
+    def fwd():
+        linear_logprob(hidden, weight, targets, backend="triton", validate=False, deterministic=det)
+
+    fwd_wall, fwd_queued, fwd_host = _wall_ms(fwd, device), _queued_ms(fwd, device), _host_ms(
+        fwd, device
+    )
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=acts) as prof:
         fn()
         if device == "cuda":
             torch.cuda.synchronize()
+    if trace_dir and device == "cuda":
+        prof.export_chrome_trace(f"{trace_dir}/{name}-{'det' if det else 'default'}.json")
+    gaps = _gaps(prof) if device == "cuda" else []
     per_name: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     for ev in prof.events():
@@ -76,7 +140,8 @@ def profile_shape(name: str, n: int, h: int, v: int, device: str, det: bool) -> 
     kernels = sorted(per_name.items(), key=lambda kv: -kv[1])
     return {
         "shape": name, "N": n, "H": h, "V": v, "deterministic": det, "wall_ms": wall,
-        "busy_ms": busy, "idle_ms": wall - busy,
+        "host_ms": host, "queued_wall_ms": hidden_wall, "fwd_wall_ms": fwd_wall,
+        "fwd_queued_ms": fwd_queued, "fwd_host_ms": fwd_host, "busy_ms": busy, "idle_ms": wall - busy, "gaps": gaps,
         "kernels": [{"name": k, "ms": ms, "calls": calls[k]} for k, ms in kernels],
     }  # fmt: skip
 
@@ -86,6 +151,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="S1,S4")
     ap.add_argument("--det", action="store_true", help="also profile deterministic=True")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--trace", default=None, help="folder for chrome traces (GPU)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = (
@@ -94,16 +160,20 @@ def main() -> None:
         else [("tiny", 64, 32, 1000)]
     )
     rows = [
-        profile_shape(*s, device, det)
+        profile_shape(*s, device, det, args.trace)
         for s in shapes
         for det in ((False, True) if args.det else (False,))
     ]
     for r in rows:
         mode = "det" if r["deterministic"] else "default"
         print(
-            f"{r['shape']} {mode}: wall {r['wall_ms']:.2f} ms, busy {r['busy_ms']:.2f} ms, "
-            f"idle {r['idle_ms']:.2f} ms"
+            f"{r['shape']} {mode}: wall {r['wall_ms']:.2f} ms (queued {r['queued_wall_ms']:.2f}), "
+            f"host enqueue {r['host_ms']:.2f} ms; forward {r['fwd_wall_ms']:.2f} ms (queued "
+            f"{r['fwd_queued_ms']:.2f}, host {r['fwd_host_ms']:.2f}); "
+            f"busy {r['busy_ms']:.2f} ms, idle {r['idle_ms']:.2f} ms"
         )
+        for g in r["gaps"]:
+            print(f"   gap {g['ms']:7.3f} ms  after {g['after']}  before {g['before']}")
         for k in r["kernels"][:12]:
             print(f"   {k['ms']:9.2f} ms  x{k['calls']:<4d} {k['name']}")
     if args.out:

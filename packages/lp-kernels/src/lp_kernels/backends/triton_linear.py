@@ -336,23 +336,29 @@ def _dlogits_kernel(
         stride_hh, stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET,
         PRECISION, TMA,
     )  # fmt: skip
-    b_z = b_z * inv_t
+    # d z / T = p (c0 - g_ent (z / T - E)) / T with the 1/T folded into per-row factors
     b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
-    b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0)
+    b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0) * inv_t
+    b_zs = b_z * inv_t
+    b_p = tl.exp(b_zs - b_lse[:, None])
     if ENTROPY:
         b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
-        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0)
-        b_dz_over_p = b_c0[:, None] - b_gent[:, None] * (b_z - b_mean[:, None])
+        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
+        b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
     else:
-        b_dz_over_p = b_c0[:, None]
-    b_dz = tl.exp(b_z - b_lse[:, None]) * b_dz_over_p
+        b_dz = b_p * b_c0[:, None]
     b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
-    if HAS_LP:
-        b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0)
-        b_dz += tl.where((v_begin + o_c)[None, :] == b_t[:, None], b_glp[:, None], 0.0)
-    # ignored rows (code IGNORED) get exact zeros, even where their hidden is not finite
+    if HAS_LP:  # + g_lp / T in the target's column, in tiles that hold some row's target
+        b_trel = b_t - (v_begin + i_v * BLOCK_V)
+        if tl.max(((b_trel >= 0) & (b_trel < BLOCK_V)).to(tl.int32), axis=0) > 0:
+            b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
+            m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
+            b_dz = tl.where(m_hit, b_dz + b_glp[:, None], b_dz)
+    # ignored rows (code IGNORED) and rows past N get exact zeros, even where their hidden
+    # is not finite, as do columns past v_count: a select only in tiles that have them
     m_live = m_n & (b_t != IGNORED)
-    b_dz = tl.where(m_live[:, None] & m_v[None, :], b_dz * inv_t, 0.0)
+    if (tl.min(m_live.to(tl.int32), axis=0) == 0) | ((i_v + 1) * BLOCK_V > v_count):
+        b_dz = tl.where(m_live[:, None] & m_v[None, :], b_dz, 0.0)
     p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_c[None, :]
     tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & (o_c < v_store)[None, :])
 
