@@ -13,6 +13,7 @@ the interpreter, as a smoke test of the script (CPU op times only).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -86,13 +87,14 @@ def _gaps(prof, top: int = 8) -> list[dict]:
         key=lambda e: e.time_range.start,
     )
     gaps = []
-    for a, b in zip(evs, evs[1:]):
+    for a, b in itertools.pairwise(evs):
         gap = (b.time_range.start - a.time_range.end) / 1e3
         if gap > 0.02:
             gaps.append({"ms": gap, "after": a.name[:60], "before": b.name[:60]})
     total = sum(g["ms"] for g in gaps)
     gaps.sort(key=lambda g: -g["ms"])
-    return [{"ms": total, "after": "(all gaps > 20 us)", "before": f"{len(gaps)} gaps"}] + gaps[:top]
+    summary = {"ms": total, "after": "(all gaps > 20 us)", "before": f"{len(gaps)} gaps"}
+    return [summary, *gaps[:top]]
 
 
 def profile_shape(
@@ -112,8 +114,10 @@ def profile_shape(
     def fwd():
         linear_logprob(hidden, weight, targets, backend="triton", validate=False, deterministic=det)
 
-    fwd_wall, fwd_queued, fwd_host = _wall_ms(fwd, device), _queued_ms(fwd, device), _host_ms(
-        fwd, device
+    fwd_wall, fwd_queued, fwd_host = (
+        _wall_ms(fwd, device),
+        _queued_ms(fwd, device),
+        _host_ms(fwd, device),
     )
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=acts) as prof:
@@ -141,7 +145,8 @@ def profile_shape(
     return {
         "shape": name, "N": n, "H": h, "V": v, "deterministic": det, "wall_ms": wall,
         "host_ms": host, "queued_wall_ms": hidden_wall, "fwd_wall_ms": fwd_wall,
-        "fwd_queued_ms": fwd_queued, "fwd_host_ms": fwd_host, "busy_ms": busy, "idle_ms": wall - busy, "gaps": gaps,
+        "fwd_queued_ms": fwd_queued, "fwd_host_ms": fwd_host, "busy_ms": busy,
+        "idle_ms": wall - busy, "gaps": gaps,
         "kernels": [{"name": k, "ms": ms, "calls": calls[k]} for k, ms in kernels],
     }  # fmt: skip
 
