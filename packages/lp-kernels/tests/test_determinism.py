@@ -197,3 +197,53 @@ def test_every_output_and_gradient_element_written(dtype, deterministic, device,
     assert torch.equal(results[1][3][2300:], torch.zeros_like(results[1][3][2300:]))
     for a, b in zip(*results, strict=True):
         assert_bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+def test_dlogits_buffer_is_exactly_zero_past_the_chunk(deterministic, device, monkeypatch):
+    """The d_logits blocks the gradient GEMMs read (NaN-poisoned scratch) hold exact zeros
+    in their padded columns [v_count, cols) (the kernels' padded K bound assumes them) and
+    in ignored rows, even where those rows' hidden is NaN, while the real columns of live
+    rows are written."""
+    import lp_kernels.backends.triton_linear as tri
+    from lp_kernels._matmul import scratch
+
+    monkeypatch.setattr(scratch, "poison", True)
+    seen = []  # (v_count, rows r0:r1, the block with its padded columns)
+    real = tri.dlogits_blocks
+
+    def spy(*args, **kwargs):
+        for v_begin, v_count, blocks in real(*args, **kwargs):
+
+            def record(blocks=blocks, v_count=v_count):
+                for r0, r1, dl, cols in blocks:
+                    full = torch.as_strided(dl, (dl.shape[0], cols), dl.stride())
+                    seen.append((v_count, r0, r1, full.clone()))
+                    yield r0, r1, dl, cols
+
+            yield v_begin, v_count, record()
+
+    monkeypatch.setattr(tri, "dlogits_blocks", spy)
+    p = make_problem(128, 16, 1031, device=device, seed=3, padded_vocab=1152, temperature=0.9)
+    targets = p.targets.clone()
+    targets[70::5] = p.ignore_index  # ignored rows only in the second half (row blocks
+    # without a dead row take no zeroing select in tiles that need none)
+    h = p.hidden.detach().clone()
+    h[70::5] = float("nan")  # an ignored row's hidden need not be finite
+    h.requires_grad_()
+    linear_logprob(
+        h,
+        p.weight,
+        targets,
+        return_entropy=True,
+        vocab_size=1031,
+        backend="triton",
+        deterministic=deterministic,
+    ).logprob.sum().backward()
+    ignored = targets == p.ignore_index
+    assert any(block.shape[1] > v_count for v_count, _, _, block in seen)
+    for v_count, r0, r1, block in seen:
+        dead = ignored[r0:r1]
+        assert torch.equal(block[:, v_count:], torch.zeros_like(block[:, v_count:]))
+        assert torch.equal(block[dead], torch.zeros_like(block[dead]))
+        assert torch.isfinite(block[~dead, :v_count]).all()
