@@ -3,11 +3,14 @@ kernel? (GPU; the issue 3 gap between the sum of the phases and the whole step.)
 
     python benchmarks/profile_step.py --shapes S1,S4 [--det] [--out step.json]
 
-For each shape: the step's wall time (CUDA events, median of 3), the time the GPU was
-busy (the sum of kernel and memcpy/memset durations from torch.profiler, one profiled
-step after warm-up), and the busy time per kernel name, largest first. Wall minus busy
-is time the GPU sat idle (host work, launch gaps). On CPU it runs a tiny shape through
-the interpreter, as a smoke test of the script (CPU op times only).
+For each shape: the step's wall time (CUDA events, median of 3) started on an idle GPU
+and queued behind ~20 ms of GPU work (the host's work before the first kernel hidden, as
+in a training loop), the host time to enqueue it, the same three for the forward alone,
+the time the GPU was busy (the sum of kernel and memcpy/memset durations from
+torch.profiler, one profiled step after warm-up), the largest idle gaps between kernels,
+and the busy time per kernel name, largest first. ``--trace DIR`` also writes chrome
+traces. On CPU it runs a tiny shape through the interpreter, as a smoke test of the
+script (CPU op times only).
 """
 
 from __future__ import annotations
