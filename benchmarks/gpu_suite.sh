@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [bench] [sweep] [profile-det]
 #       [profile-step] [tp]
 #   (default: tests megatron bench sweep)
-# SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help).
+# SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help);
+# STEP_SHAPES (default S1,S4) and STEP_TRACE=1 (chrome traces, large) to profile-step.
 # Writes logs, JUnit XML and bench.json/bench.png under $OUT (default ./gpu-out).
 # megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
 # are installed into /tmp/site first (the GPU image lacks them). Set LP_COMMIT to the
