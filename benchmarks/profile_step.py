@@ -69,17 +69,11 @@ def _queued_ms(fn, device: str, reps: int = 3) -> float:
     before the first kernel is hidden (as in a training step, where the host runs ahead)."""
     if device != "cuda":
         return float("nan")
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
+
+    def sleep():
         torch.cuda._sleep(40_000_000)  # cycles, ~20 ms
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+
+    return statistics.median(time_cuda(fn, warmup=0, reps=reps, before=sleep))
 
 
 def _gaps(prof, top: int = 8) -> list[dict]:

@@ -99,13 +99,25 @@ def make_inputs(
     return hidden, weight, targets, grad_out
 
 
-def time_cuda(fn: Callable[[], object], *, warmup: int, reps: int) -> list[float]:
-    """Milliseconds of each of ``reps`` calls after ``warmup`` calls (CUDA events)."""
+def time_cuda(
+    fn: Callable[[], object],
+    *,
+    warmup: int,
+    reps: int,
+    before: Callable[[], object] | None = None,
+) -> list[float]:
+    """Milliseconds of each of ``reps`` calls after ``warmup`` calls (CUDA events).
+
+    ``before`` runs ahead of each timed call, outside the timing (e.g. queueing GPU work
+    so that the call's host work before its first kernel is hidden).
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
