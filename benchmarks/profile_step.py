@@ -5,12 +5,12 @@ kernel? (GPU; the issue 3 gap between the sum of the phases and the whole step.)
 
 For each shape: the step's wall time (CUDA events, median of 3) started on an idle GPU
 and queued behind ~20 ms of GPU work (the host's work before the first kernel hidden, as
-in a training loop), the host time to enqueue it, the same three for the forward alone,
-the time the GPU was busy (the sum of kernel and memcpy/memset durations from
-torch.profiler, one profiled step after warm-up), the largest idle gaps between kernels,
-and the busy time per kernel name, largest first. ``--trace DIR`` also writes chrome
-traces. On CPU it runs a tiny shape through the interpreter, as a smoke test of the
-script (CPU op times only).
+in a training loop), the host time to enqueue it; the same three for the forward alone;
+one GEMM of the floor timed both ways; the time the GPU was busy (the sum of kernel and
+memcpy/memset durations from torch.profiler, one profiled step after warm-up), the
+largest idle gaps between kernels, and the busy time per kernel name, largest first.
+``--trace DIR`` also writes chrome traces. On CPU it runs a tiny shape through the
+interpreter, as a smoke test of the script (CPU op times only).
 """
 
 from __future__ import annotations
@@ -116,6 +116,11 @@ def profile_shape(
         _queued_ms(fwd, device),
         _host_ms(fwd, device),
     )
+
+    def gemm():  # one GEMM of the floor, timed the same two ways
+        hidden.detach() @ weight.detach().T
+
+    gemm_wall, gemm_queued = _wall_ms(gemm, device), _queued_ms(gemm, device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=acts) as prof:
         fn()
@@ -142,7 +147,8 @@ def profile_shape(
     return {
         "shape": name, "N": n, "H": h, "V": v, "deterministic": det, "wall_ms": wall,
         "host_ms": host, "queued_wall_ms": hidden_wall, "fwd_wall_ms": fwd_wall,
-        "fwd_queued_ms": fwd_queued, "fwd_host_ms": fwd_host, "busy_ms": busy,
+        "fwd_queued_ms": fwd_queued, "fwd_host_ms": fwd_host, "gemm_wall_ms": gemm_wall,
+        "gemm_queued_ms": gemm_queued, "busy_ms": busy,
         "idle_ms": wall - busy, "gaps": gaps,
         "kernels": [{"name": k, "ms": ms, "calls": calls[k]} for k, ms in kernels],
     }  # fmt: skip
@@ -171,7 +177,8 @@ def main() -> None:
         print(
             f"{r['shape']} {mode}: wall {r['wall_ms']:.2f} ms (queued {r['queued_wall_ms']:.2f}), "
             f"host enqueue {r['host_ms']:.2f} ms; forward {r['fwd_wall_ms']:.2f} ms (queued "
-            f"{r['fwd_queued_ms']:.2f}, host {r['fwd_host_ms']:.2f}); "
+            f"{r['fwd_queued_ms']:.2f}, host {r['fwd_host_ms']:.2f}); one floor GEMM "
+            f"{r['gemm_wall_ms']:.2f} ms (queued {r['gemm_queued_ms']:.2f}); "
             f"busy {r['busy_ms']:.2f} ms, idle {r['idle_ms']:.2f} ms"
         )
         for g in r["gaps"]:
