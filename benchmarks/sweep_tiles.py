@@ -46,6 +46,7 @@ VARIANTS = {
     "fx128x64-w4": {"fixed": (128, 64, 64), "fixed_warps": 4},
     "fxpipe": {"fixed_pipe": True},
     "vs4k": {"v_split": 4096},
+    "bv128-w4": {"block_v": 128, "logit_warps": 4},
     "fx64x128-pipe": {"fixed": (64, 128, 64), "fixed_pipe": True},
 }
 

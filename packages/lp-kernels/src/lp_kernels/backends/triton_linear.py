@@ -97,6 +97,10 @@ class TileConfig:
     warp_specialize: bool = False
     """Ask Triton to warp-specialize the forward's loop over vocabulary tiles
     (experimental; the same arithmetic)."""
+    logit_warps: int | None = None
+    """Warps of the two logit-tile kernels (forward statistics, d_logits); None: num_warps.
+    Experimental (sweep variant ``bv128-w4``): 4 warps on 128 x 128 tiles fit two programs
+    per SM, so that one's softmax epilogue can overlap the other's MMAs."""
 
 
 # Chosen by benchmarks/sweep_tiles.py on H200 (docs/benchmarks.md, session 3).
@@ -459,10 +463,11 @@ def _flags(hidden: torch.Tensor, cfg: TileConfig) -> dict:
     }
 
 
-def _launch_opts(cfg: TileConfig, device: torch.device) -> dict:
+def _launch_opts(cfg: TileConfig, device: torch.device, *, logits: bool = False) -> dict:
     if device.type == "cpu":
         return {}
-    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    warps = cfg.logit_warps if logits and cfg.logit_warps else cfg.num_warps
+    return {"num_warps": warps, "num_stages": cfg.num_stages}
 
 
 def forward_stats(
@@ -492,7 +497,7 @@ def forward_stats(
         V_SPLIT=cfg.v_split, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=p.return_entropy, TMA=tma, WS=cfg.warp_specialize and tma,
         **_flags(hidden, cfg),
-        **_launch_opts(cfg, hidden.device),
+        **_launch_opts(cfg, hidden.device, logits=True),
     )  # fmt: skip
     return stats
 
@@ -551,7 +556,7 @@ def _dlogits(hidden, w_real, t_col, lse, mean, g_lp, g_ent, c0, out, v_begin, v_
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=g_ent is not None, HAS_LP=g_lp is not None, IGNORED=IGNORED, TMA=tma,
-        **_flags(hidden, cfg), **_launch_opts(cfg, hidden.device),
+        **_flags(hidden, cfg), **_launch_opts(cfg, hidden.device, logits=True),
     )  # fmt: skip
 
 
