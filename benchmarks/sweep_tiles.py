@@ -48,6 +48,8 @@ VARIANTS = {
     "vs4k": {"v_split": 4096},
     "bv128-w4": {"block_v": 128, "logit_warps": 4},
     "fx64x128-pipe": {"fixed": (64, 128, 64), "fixed_pipe": True},
+    "fxsplit": {"fixed_convert": "split"},
+    "fx64x128-split": {"fixed": (64, 128, 64), "fixed_convert": "split"},
 }
 
 
@@ -57,6 +59,7 @@ def _apply(base, base_fixed, variant: dict) -> None:
     tdet.FIXED_GPU = variant.get("fixed", base_fixed)
     tdet.FIXED_WARPS = variant.get("fixed_warps")
     tdet.FIXED_PIPELINE = variant.get("fixed_pipe", False)
+    tdet.FIXED_CONVERT = variant.get("fixed_convert", "cvt")
 
 
 def _run(hl, wl, targets, grad_out, det: bool):
@@ -74,6 +77,7 @@ def _run(hl, wl, targets, grad_out, det: bool):
 ORDER_ONLY = {
     "pointer": {"tma": False},
     "ungrouped": {"group": 1},
+    "fxsplit": {"fixed_convert": "split"},  # the same integers (deterministic mode)
 }
 
 
@@ -86,7 +90,10 @@ def check_bits(base) -> list[dict]:
         tlin.GPU_CONFIG = base
         ref = _run(hl, wl, targets, grad_out, det)
         for name, fields in ORDER_ONLY.items():
-            tlin.GPU_CONFIG = dataclasses.replace(base, **fields)
+            tlin.GPU_CONFIG = dataclasses.replace(
+                base, **{k: v for k, v in fields.items() if k != "fixed_convert"}
+            )
+            tdet.FIXED_CONVERT = fields.get("fixed_convert", "cvt")
             try:
                 got = _run(hl, wl, targets, grad_out, det)
                 same = [torch.equal(a, b) for a, b in zip(ref, got, strict=True)]
@@ -95,7 +102,7 @@ def check_bits(base) -> list[dict]:
                 row = {"check": f"{name}_bits", "deterministic": det, "error": repr(exc)[:300]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    tlin.GPU_CONFIG = base
+    tlin.GPU_CONFIG, tdet.FIXED_CONVERT = base, "cvt"
     return rows
 
 

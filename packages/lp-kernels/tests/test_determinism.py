@@ -136,9 +136,10 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
     dtype, deterministic, device, monkeypatch
 ):
     """Tensor-descriptor loads against pointer loads, the grouped launch order against
-    another grouping, and (deterministic) the pipelined fixed-point leaves: the same
-    products in the same order, so the same bits (the load path is chosen by H, dtype
-    and alignment; see triton_linear.tma_ok)."""
+    another grouping, and (deterministic) the pipelined fixed-point leaves and the split
+    rounding of the fixed-point GEMM: the same products in the same order (and the same
+    integers), so the same bits (the load path is chosen by H, dtype and alignment; see
+    triton_linear.tma_ok)."""
     import dataclasses
 
     import lp_kernels.backends.triton_deterministic as tdet
@@ -151,10 +152,11 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
     )
     results = []
     changes = [{}, {"tma": False}, {"group": 1}, {"group": 0, "tma": False}]
-    if deterministic:  # and the fixed-point GEMM's leaf pipelining
-        changes.append({"pipe": True})
+    if deterministic:  # and the fixed-point GEMM's leaf pipelining and split rounding
+        changes += [{"pipe": True}, {"convert": "split"}]
     for change in changes:
         monkeypatch.setattr(tdet, "FIXED_PIPELINE", change.pop("pipe", False))
+        monkeypatch.setattr(tdet, "FIXED_CONVERT", change.pop("convert", "cvt"))
         monkeypatch.setattr(tri, name, dataclasses.replace(base, **change))
         h = p.hidden.detach().clone().requires_grad_()
         w = p.weight.detach().clone().requires_grad_()

@@ -56,6 +56,10 @@ FIXED_GPU_4BYTE = (64, 128, 64)  # the same for fp32 inputs (with two pipeline s
 FIXED_SMALL, FIXED_SMALL_4BYTE = (64, 128, 64), (32, 64, 32)  # less shared memory
 FIXED_WARPS: int | None = None  # num_warps of _matmul_fixed_kernel (None: the config's)
 FIXED_PIPELINE = False  # experimental: round a leaf while the next one's MMAs run
+# experimental: "split" rounds each scaled leaf into three int32 parts with fp32 adds of a
+# magic constant (no 64-bit conversion per element; see _split_rint); "cvt" converts
+# each element with one cvt.rni.s64.f32. The same integers, so the same bits.
+FIXED_CONVERT = "cvt"
 FIXED_INTERPRET = (64, 64, TILE)
 _STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
 
@@ -94,6 +98,37 @@ def _round_to_int64(x, INTERPRET: tl.constexpr):
         return libdevice.llrint(x)
 
 
+_MAGIC = 12582912.0  # 1.5 * 2^23: x + _MAGIC rounds x to an integer (|x| < 2^22)
+_MAGIC_BITS = 0x4B400000  # its fp32 bit pattern
+
+
+@triton.jit
+def _magic_rint(x):
+    """``(q, q as fp32)`` with q = round(x), ties to even, for |x| <= 2^22: one fp32 add of
+    _MAGIC rounds (the sum lies in [2^23, 2^24], where fp32 steps by 1), its bits give q."""
+    s = x + _MAGIC
+    return s.to(tl.int32, bitcast=True) - _MAGIC_BITS, s - _MAGIC
+
+
+@triton.jit
+def _split_rint(y):
+    """round(y) (ties to even) for fp32 |y| < 2^63 as three int32 parts
+    ``q1 * 2^42 + q2 * 2^21 + q3`` with |q1| <= 2^21 (<= 2^18 below the fixed-point
+    bound 2^60) and |q2|, |q3| <= 2^20.
+
+    Each level scales by a power of two (exact), rounds with a magic-constant add and
+    subtracts the rounded part back (exact: both are multiples of y's ulp and the
+    remainder fits 24 bits), so the parts sum exactly to round(y); the shifts are by even
+    amounts, so ties stay ties to even. Only fp32 adds, multiplies and integer subtracts,
+    instead of a 64-bit conversion per element."""
+    q1, r1 = _magic_rint(y * 2.2737367544323206e-13)  # 2^-42
+    y = y - r1 * 4398046511104.0  # 2^42
+    q2, r2 = _magic_rint(y * 4.76837158203125e-07)  # 2^-21
+    y = y - r2 * 2097152.0  # 2^21
+    q3, _ = _magic_rint(y)
+    return q1, q2, q3
+
+
 @triton.jit
 def _leaf_product(
     a_src, b_src, p_a, p_b, l0, i_m, i_n, m_m, m_n, o_k, K_A, K_B, stride_ak, stride_bk,
@@ -116,6 +151,7 @@ def _matmul_fixed_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PIPE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
     """C (int64) += sum over LEAF-wide K tiles of round(s_m * (A[:, tile] @ B[tile])).
 
@@ -126,6 +162,9 @@ def _matmul_fixed_kernel(
     ``b_src`` are tensor descriptors with those bounds. ``PIPE`` (experimental) computes
     the next leaf's product before rounding the previous one, so that the conversion may
     overlap the tensor-core work; the integers, hence the result, are the same.
+    ``SPLIT`` (experimental, not with PIPE) rounds through :func:`_split_rint` into three
+    int32 sums, joined into C once (with |values| < 2^60, up to 2^10 leaves per call keep
+    the sums within int32; the launcher checks the count).
     K > 0 (a multiple of LEAF).
     """
     i_m, i_n = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), group)
@@ -158,6 +197,20 @@ def _matmul_fixed_kernel(
             b_acc += _round_to_int64(b_prev * b_scale[:, None], INTERPRET)
             b_prev = b_cur
         b_acc += _round_to_int64(b_prev * b_scale[:, None], INTERPRET)
+    elif SPLIT:
+        b_q1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        b_q2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        b_q3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        for l0 in range(0, K, LEAF):
+            b_leaf = _leaf_product(
+                a_src, b_src, p_a, p_b, l0, i_m, i_n, m_m, m_n, o_k, K_A, K_B, stride_ak,
+                stride_bk, LEAF, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, PRECISION, TMA,
+            )  # fmt: skip
+            q1, q2, q3 = _split_rint(b_leaf * b_scale[:, None])
+            b_q1 += q1
+            b_q2 += q2
+            b_q3 += q3
+        b_acc += (b_q1.to(tl.int64) << 42) + (b_q2.to(tl.int64) << 21) + b_q3.to(tl.int64)
     else:
         for l0 in range(0, K, LEAF):
             b_leaf = _leaf_product(
@@ -187,11 +240,14 @@ def _matmul_fixed_(c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: T
         num_stages=cfg.num_stages if _full_stages(a) else min(cfg.num_stages, 2),
     )
     a_src, b_src, tma = tri.gemm_sources(a, b, m, k_a, False, mm_cfg, block_m, block_n)
+    if FIXED_CONVERT == "split" and k_a > TILE << 10:
+        raise ValueError(f"FIXED_CONVERT='split' takes at most 1024 leaves per call, got {k_a}")
     _matmul_fixed_kernel[(blocks_m * triton.cdiv(n, block_n),)](
         a_src, b_src, c, scale, m, n, k_a, k_a, k, tri._group(cfg, blocks_m),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         LEAF=TILE, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, PIPE=FIXED_PIPELINE,
+        SPLIT=FIXED_CONVERT == "split" and not FIXED_PIPELINE,
         **tri._launch_opts(mm_cfg, a.device),
     )  # fmt: skip
 
