@@ -27,6 +27,7 @@ from protocol import SHAPES, make_inputs, time_cuda
 from torch.profiler import ProfilerActivity, profile
 
 from lp_kernels import linear_logprob
+from lp_kernels.bench import time_cpu
 
 
 def _step(hidden, weight, targets, grad_out, det: bool):
@@ -38,15 +39,8 @@ def _step(hidden, weight, targets, grad_out, det: bool):
 
 
 def _wall_ms(fn, device: str, reps: int = 3) -> float:
-    if device == "cuda":
-        return statistics.median(time_cuda(fn, warmup=1, reps=reps))
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    timer = time_cuda if device == "cuda" else time_cpu
+    return statistics.median(timer(fn, warmup=1, reps=reps))
 
 
 def _host_ms(fn, device: str, reps: int = 3) -> float:

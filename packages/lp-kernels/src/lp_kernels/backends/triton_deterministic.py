@@ -47,7 +47,7 @@ from lp_kernels._fixed_point import from_fixed_point, row_exponents
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends import triton_linear as tri
-from lp_kernels.backends.triton_linear import TileConfig, _gemm_step, _grouped
+from lp_kernels.backends.triton_linear import TileConfig, _gemm_step, _grouped, _operand_ptrs
 
 # Every column tile is one global vocabulary tile. The fixed-point GEMM keeps an int64
 # and an fp32 accumulator per output element (chosen by benchmarks/sweep_tiles.py).
@@ -178,12 +178,9 @@ def _matmul_fixed_kernel(
     # [BLOCK_M, BLOCK_N] int64
     b_acc = tl.load(p_c, mask=m_c, other=0)
     b_scale = tl.load(s_ptr + o_m, mask=m_m, other=1.0)
-    if TMA:
-        p_a = a_src  # unused
-        p_b = b_src
-    else:
-        p_a = a_src + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
-        p_b = b_src + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
+    p_a, p_b = _operand_ptrs(
+        a_src, b_src, o_m, o_n, o_k, stride_am, stride_ak, stride_bk, stride_bn, TMA
+    )
     if PIPE:
         b_prev = _leaf_product(
             a_src, b_src, p_a, p_b, 0, i_m, i_n, m_m, m_n, o_k, K_A, K_B, stride_ak, stride_bk,

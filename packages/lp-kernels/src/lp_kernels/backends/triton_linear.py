@@ -401,6 +401,19 @@ def _gemm_step(
     return acc
 
 
+@triton.jit
+def _operand_ptrs(
+    a_src, b_src, o_m, o_n, o_k, stride_am, stride_ak, stride_bk, stride_bn, TMA: tl.constexpr
+):
+    """``(p_a, p_b)`` for :func:`_gemm_step`: the pointer blocks of A's rows ``o_m`` and
+    B's columns ``o_n`` at K offset 0, or (``TMA``) the descriptors themselves (unused)."""
+    if TMA:
+        return a_src, b_src
+    p_a = a_src + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
+    p_b = b_src + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
+    return p_a, p_b
+
+
 def _matmul_acc_body(
     a_src, b_src, c_ptr, M, M_A, N, K, K_A, K_B, group,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -425,12 +438,9 @@ def _matmul_acc_body(
     p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
     # [BLOCK_M, BLOCK_N]
     b_acc = tl.load(p_c, mask=m_m[:, None] & m_n[None, :], other=0.0)
-    if TMA:
-        p_a = a_src  # unused
-        p_b = b_src
-    else:
-        p_a = a_src + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
-        p_b = b_src + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
+    p_a, p_b = _operand_ptrs(
+        a_src, b_src, o_m, o_n, o_k, stride_am, stride_ak, stride_bk, stride_bn, TMA
+    )
     for k0 in range(0, K, BLOCK_K):
         b_acc = _gemm_step(
             b_acc, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B,
