@@ -406,11 +406,16 @@ def _operand_ptrs(
     a_src, b_src, o_m, o_n, o_k, stride_am, stride_ak, stride_bk, stride_bn, TMA: tl.constexpr
 ):
     """``(p_a, p_b)`` for :func:`_gemm_step`: the pointer blocks of A's rows ``o_m`` and
-    B's columns ``o_n`` at K offset 0, or (``TMA``) the descriptors themselves (unused)."""
+    B's columns ``o_n`` at K offset 0, or (``TMA``) the descriptors themselves (unused).
+
+    One ``return`` after a constexpr if/else: Triton (3.6) still compiles the code after an
+    early ``return`` under ``if TMA``, and pointer arithmetic on a descriptor fails."""
     if TMA:
-        return a_src, b_src
-    p_a = a_src + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
-    p_b = b_src + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
+        p_a = a_src
+        p_b = b_src
+    else:
+        p_a = a_src + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
+        p_b = b_src + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
     return p_a, p_b
 
 
