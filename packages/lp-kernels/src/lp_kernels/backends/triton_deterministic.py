@@ -98,8 +98,8 @@ def _round_to_int64(x, INTERPRET: tl.constexpr):
         return libdevice.llrint(x)
 
 
-_MAGIC = 12582912.0  # 1.5 * 2^23: x + _MAGIC rounds x to an integer (|x| < 2^22)
-_MAGIC_BITS = 0x4B400000  # its fp32 bit pattern
+_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + _MAGIC rounds x to an integer (|x| < 2^22)
+_MAGIC_BITS = tl.constexpr(0x4B400000)  # its fp32 bit pattern
 
 
 @triton.jit

@@ -1,0 +1,258 @@
+"""Compile lp's Triton kernels for a GPU on a machine without one (test-only).
+
+The CPU suite runs the kernels under Triton's interpreter, which executes their Python
+bodies and so never sees what only the compiler rejects: a global that is not a
+``tl.constexpr``, code after an early ``return`` under a constexpr ``if`` (Triton still
+compiles it), a tensor descriptor used as a pointer. Those failures otherwise surface only
+on the GPU machine, one device call later.
+
+This module runs ``linear_logprob`` forward and backward on CPU tensors with every
+``JITFunction.run`` intercepted: each launch is recorded instead of run, with the GPU's
+pinned tile configs (``config_for`` and the launch options are steered to a CUDA device of
+the chosen shared-memory tier) and tensor descriptors where the GPU path would build them.
+Each distinct launch is then compiled ahead of time for ``sm_90`` (ptxas included) with
+``triton.compile``. The kernels' outputs are never computed, so nothing numeric is checked
+here; the interpreter and the GPU suites do that.
+
+It must run in a process without ``TRITON_INTERPRET=1`` (``triton.jit`` then returns
+interpreter objects that cannot be compiled). ``lp_kernels``'s interpreter check is
+patched instead, so the triton backend accepts CPU tensors. Usage::
+
+    python -m lp_testing.aot [--tiers large,mid,small] [--variants all] [--jobs N]
+
+It prints one line per compiled launch and exits non-zero if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import importlib
+import os
+import sys
+import time
+import types
+from collections.abc import Iterator
+
+import torch
+
+_DTYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+}
+
+# Experimental switches compiled by ``--variants all`` (module, attribute, value).
+EXPERIMENTS = {
+    "split": ("lp_kernels.backends.triton_deterministic", "FIXED_CONVERT", "split"),
+    "pipe": ("lp_kernels.backends.triton_deterministic", "FIXED_PIPELINE", True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One recorded kernel launch, reduced to what compiling it needs."""
+
+    kernel: str
+    signature: tuple[tuple[str, str], ...]
+    constexprs: tuple[tuple[str, object], ...]
+    options: tuple[tuple[str, object], ...]
+
+    def describe(self) -> str:
+        flags = ", ".join(f"{k}={v}" for k, v in self.constexprs)
+        opts = ", ".join(f"{k}={v}" for k, v in self.options)
+        descs = [t for _, t in self.signature if t.startswith("tensordesc")]
+        return f"{self.kernel}[{flags}; {opts}{'; TMA' if descs else ''}]"
+
+
+def _arg_type(value) -> str:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if isinstance(value, TensorDescriptor):
+        shape = ", ".join(str(s) for s in value.block_shape)
+        return f"tensordesc<{_DTYPES[value.base.dtype]}[{shape}]>"
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton signature type for a {type(value).__name__} argument")
+
+
+def _record(fn, args, kwargs) -> Launch:
+    params = fn.params
+    values = dict(zip((p.name for p in params), args))
+    options = {}
+    for key, value in kwargs.items():
+        if key in ("num_warps", "num_stages", "num_ctas", "maxnreg"):
+            options[key] = value
+        else:
+            values[key] = value
+    signature, constexprs = [], []
+    for p in params:
+        if p.name not in values:
+            if not p.has_default:
+                raise TypeError(f"{fn.__name__}: no value recorded for {p.name}")
+            values[p.name] = p.default
+        value = values[p.name]
+        if p.name == "INTERPRET":
+            value = False  # the recorded launch ran on CPU; compile the GPU code path
+        if p.is_constexpr:
+            signature.append((p.name, "constexpr"))
+            constexprs.append((p.name, value))
+        else:
+            signature.append((p.name, _arg_type(value)))
+    return Launch(fn.__name__, tuple(signature), tuple(constexprs), tuple(sorted(options.items())))
+
+
+@contextlib.contextmanager
+def gpu_launches(tier: str = "large") -> Iterator[list]:
+    """Inside: lp's triton backend accepts CPU tensors, picks the GPU configs of a CUDA
+    device of ``tier`` and records every kernel launch (fn, Launch) into the yielded list
+    without running it."""
+    from triton.runtime.jit import JITFunction
+
+    import lp_kernels.backends.triton_deterministic as tdet
+    import lp_kernels.backends.triton_linear as tri
+
+    api = importlib.import_module("lp_kernels.linear_logprob")  # the package shadows the name
+
+    if isinstance(tri._fwd_stats_kernel, JITFunction) is False:
+        raise RuntimeError("lp_testing.aot needs TRITON_INTERPRET unset (it compiles the kernels)")
+    fake = types.SimpleNamespace(type="cuda", index=0)
+    launches: list = []
+    saved = []
+
+    def patch(obj, name, value):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    tri_config, det_config, opts = tri.config_for, tdet.config_for, tri._launch_opts
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launches.append((self, _record(self, args, kwargs)))
+
+    patch(JITFunction, "run", run)
+    patch(api, "_triton_interpreting", lambda: True)
+    patch(tri, "gpu_tier", lambda device: tier)
+    patch(tri, "config_for", lambda device, dtype=torch.bfloat16: tri_config(fake, dtype))
+    patch(tdet, "config_for", lambda device, dtype=torch.bfloat16: det_config(fake, dtype))
+    patch(tri, "_launch_opts", lambda cfg, device, **kw: opts(cfg, fake, **kw))
+    try:
+        yield launches
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
+def _problems():
+    """(dtype, deterministic, entropy, H) of the linear_logprob calls whose launches get
+    compiled: both input dtype classes, both modes, with and without entropy, H a multiple
+    of the tile or not, and rows whose stride rules out tensor descriptors (H = 100 in bf16:
+    200 bytes), which takes the pointer path of every kernel."""
+    for det in (False, True):
+        for dtype in (torch.bfloat16, torch.float32):
+            for entropy, h in ((True, 256), (False, 200)):
+                yield dtype, det, entropy, h
+        yield torch.bfloat16, det, True, 100
+
+
+def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Launch, object]:
+    """Distinct launches (-> the JITFunction) of forward + backward over :func:`_problems`,
+    with each named experiment switched on in turn on top of the defaults."""
+    from lp_kernels import linear_logprob
+
+    found: dict[Launch, object] = {}
+    settings = [None, *experiments]
+    for setting in settings:
+        restore = None
+        if setting is not None:
+            module, attr, value = EXPERIMENTS[setting]
+            mod = importlib.import_module(module)
+            restore = (mod, attr, getattr(mod, attr))
+            setattr(mod, attr, value)
+        try:
+            for dtype, det, entropy, h in _problems():
+                gen = torch.Generator().manual_seed(0)
+                n, v = 300, 1000
+                hidden = torch.randn(n, h, generator=gen).to(dtype).requires_grad_()
+                weight = torch.randn(v, h, generator=gen).to(dtype).requires_grad_()
+                targets = torch.randint(0, v, (n,), generator=gen)
+                with gpu_launches(tier) as launches:
+                    out = linear_logprob(
+                        hidden, weight, targets, backend="triton", deterministic=det,
+                        return_entropy=entropy, validate=False,
+                    )  # fmt: skip
+                    loss = out.logprob.sum() + (out.entropy.sum() if entropy else 0)
+                    loss.backward()
+                for fn, launch in launches:
+                    found.setdefault(launch, fn)
+        finally:
+            if restore is not None:
+                setattr(*restore)
+    return found
+
+
+def _compile(fn, launch: Launch, arch: int) -> str | None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = [name for name, _ in launch.signature]
+    constexprs = {(names.index(k),): v for k, v in launch.constexprs}
+    src = ASTSource(fn, dict(launch.signature), constexprs)
+    try:
+        triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
+    except Exception as exc:  # noqa: BLE001 - reported per launch
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiers", default="large", help="shared-memory tiers: large,mid,small")
+    parser.add_argument(
+        "--variants", default="", help=f"experimental switches too: all or {','.join(EXPERIMENTS)}"
+    )
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        parser.error("run without TRITON_INTERPRET=1: this compiles the kernels")
+    names = list(EXPERIMENTS) if args.variants == "all" else [v for v in args.variants.split(",") if v]
+    for v in names:
+        if v not in EXPERIMENTS:
+            parser.error(f"--variants: unknown {v!r}; expected all or {', '.join(EXPERIMENTS)}")
+    found: dict[Launch, object] = {}
+    for tier in args.tiers.split(","):
+        for launch, fn in collect(tier, tuple(names)).items():
+            found.setdefault(launch, fn)
+    t0 = time.perf_counter()
+    failed = 0
+    # Threads: most of a compile is spent in MLIR passes and ptxas, outside the GIL.
+    with concurrent.futures.ThreadPoolExecutor(max(args.jobs, 1)) as pool:
+        results = pool.map(lambda kv: (kv[0], _compile(kv[1], kv[0], args.arch)), found.items())
+        for launch, error in results:
+            status = "ok" if error is None else "FAILED"
+            print(f"{status:6} {launch.describe()}")
+            if error is not None:
+                failed += 1
+                print("       " + error.replace("\n", "\n       "))
+    print(f"{len(found) - failed}/{len(found)} launches compiled for sm_{args.arch} "
+          f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
