@@ -92,7 +92,7 @@ def _arg_type(value) -> str:
 
 def _record(fn, args, kwargs) -> Launch:
     params = fn.params
-    values = dict(zip((p.name for p in params), args))
+    values = dict(zip((p.name for p in params[: len(args)]), args, strict=True))
     options = {}
     for key, value in kwargs.items():
         if key in ("num_warps", "num_stages", "num_ctas", "maxnreg"):
@@ -214,7 +214,7 @@ def _compile(fn, launch: Launch, arch: int) -> str | None:
     src = ASTSource(fn, dict(launch.signature), constexprs)
     try:
         triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
-    except Exception as exc:  # noqa: BLE001 - reported per launch
+    except Exception as exc:  # reported per launch
         return f"{type(exc).__name__}: {exc}"
     return None
 
@@ -230,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         parser.error("run without TRITON_INTERPRET=1: this compiles the kernels")
-    names = list(EXPERIMENTS) if args.variants == "all" else [v for v in args.variants.split(",") if v]
+    names = (
+        list(EXPERIMENTS) if args.variants == "all" else [v for v in args.variants.split(",") if v]
+    )
     for v in names:
         if v not in EXPERIMENTS:
             parser.error(f"--variants: unknown {v!r}; expected all or {', '.join(EXPERIMENTS)}")
