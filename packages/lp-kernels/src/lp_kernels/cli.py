@@ -18,7 +18,7 @@ the storages allocated during the call; on CUDA by torch.cuda.max_memory_allocat
 
     lp bench [--shapes S1,S2|NxHxV,...] [--backends lp-triton,lp-torch,materialized,...]
              [--dtype bf16|fp16|fp32|both] [--temperature T] [--entropy] [--reps R]
-             [--warmup W] [--device auto|cpu|cuda] [--out DIR]
+             [--warmup W] [--warm-s S] [--device auto|cpu|cuda] [--out DIR]
     lp check [--quick] [--no-tp]
 
 `lp bench` runs the performance protocol of `lp_kernels.bench` (the S1-S4 shapes on a GPU,
@@ -428,6 +428,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def _init_tp(tp: int, device: str, parser: argparse.ArgumentParser) -> int:
     """Join the torchrun launch of ``lp bench --tp N``; returns this process's rank."""
     import os
@@ -496,6 +503,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, device: st
         entropy=args.entropy,
         reps=args.reps if args.reps is not None else (5 if cuda else 3),
         warmup=args.warmup if args.warmup is not None else (2 if cuda else 1),
+        warm_s=(args.warm_s if args.warm_s is not None else 1.0) if cuda else 0.0,
         check=not args.no_check,
         seed=args.seed,
         tp=args.tp,
@@ -509,7 +517,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, device: st
     say(
         f"providers {', '.join(providers)}; dtypes {', '.join(dtypes)}; T={cfg.temperature}; "
         f"entropy {'on' if cfg.entropy else 'off'}; median of {cfg.reps} after {cfg.warmup} "
-        f"warm-up; errors vs the {ref} reference"
+        f"warm-up"
+        + (f" (and >= {cfg.warm_s:g} s: steady clocks)" if cfg.warm_s else "")
+        + f"; errors vs the {ref} reference"
         + (
             f"; TP={cfg.tp}: per-rank head shards, floor of one rank's shard, "
             "slowest rank's time"
@@ -692,6 +702,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--warmup", type=_non_negative_int, default=None, help="default 2 GPU, 1 CPU"
+    )
+    bench.add_argument(
+        "--warm-s",
+        type=_non_negative_float,
+        default=None,
+        help="GPU: warm each timed call (floor included) up for at least S seconds, so "
+        "that it is timed at the clock its sustained load settles to (default 1; 0: off)",
     )
     bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     bench.add_argument(
