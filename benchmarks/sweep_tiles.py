@@ -24,6 +24,7 @@ from protocol import SHAPES, make_inputs, time_cuda
 import lp_kernels.backends.triton_deterministic as tdet
 import lp_kernels.backends.triton_linear as tlin
 from lp_kernels import linear_logprob
+from lp_kernels.bench import steady_warmup
 
 # "old": the launch order and loads pinned up to session 2 (no grouping, pointer loads,
 # 128 x 128 tiles). Keys starting with "fixed" set the fixed-point GEMM's tiles of
@@ -115,6 +116,10 @@ def main() -> None:
         "--bits", action="store_true", help="order-only variants against pinned, bitwise"
     )
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--warm-s", type=float, default=1.0,
+        help="warm every timed call up for >= S seconds: steady clocks (lp bench's protocol)",
+    )  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     base, base_fixed = tlin.GPU_CONFIG, tdet.FIXED_GPU
@@ -124,9 +129,16 @@ def main() -> None:
     for s in args.shapes.split(","):
         n, h, v = SHAPES[s]
         hidden, weight, targets, grad_out = make_inputs(n, h, v)
-        floor = 4 * statistics.median(
-            time_cuda(lambda h=hidden, w=weight: h @ w.T, warmup=2, reps=args.reps)
-        )
+
+        def four(h=hidden, w=weight):
+            for _ in range(4):
+                h @ w.T
+
+        def timed(fn):  # median ms at steady clocks, as lp bench times
+            warm = steady_warmup(fn, 1, args.warm_s)
+            return statistics.median(time_cuda(fn, warmup=warm, reps=args.reps))
+
+        floor = timed(four)
         hl, wl = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
         for name in args.variants.split(","):
             _apply(base, base_fixed, VARIANTS[name])
@@ -143,8 +155,7 @@ def main() -> None:
 
                 label = name + ("/det" if det else "")
                 try:
-                    t_f = statistics.median(time_cuda(fwd, warmup=1, reps=args.reps))
-                    t_all = statistics.median(time_cuda(step, warmup=1, reps=args.reps))
+                    t_f, t_all = timed(fwd), timed(step)
                     row = {
                         "shape": s, "variant": label, "fwd_ms": t_f, "total_ms": t_all,
                         "bwd_ms": t_all - t_f, "floor_ms": floor, "x_floor": t_all / floor,
