@@ -15,6 +15,7 @@ while ``nvidia-smi`` samples the SM clock and power every 50 ms (``clocks.csv``)
 timed call records its start time, so the log shows the clock each call ran at.
 
 Usage: python3 clock_check.py --shapes S1,S4 --reps 10 --out OUT/clock.json
+       python3 clock_check.py --summarize OUT/clock.json OUT/clock-clocks.csv  (no GPU)
 """
 
 from __future__ import annotations
@@ -93,13 +94,69 @@ def run_shape(name: str, n: int, h: int, v: int, reps: int, det: bool) -> dict:
     return result
 
 
+def clock_summary(json_path: str, csv_path: str) -> list[dict]:
+    """Mean SM clock (MHz) and power (W) of the nvidia-smi samples taken during each
+    protocol's floor and lp calls of a finished run (host clocks in UTC)."""
+    import bisect
+    import datetime
+
+    samples = []
+    with open(csv_path) as f:
+        for line in f:
+            cols = [c.strip() for c in line.split(",")]
+            try:
+                when = datetime.datetime.strptime(cols[0], "%Y/%m/%d %H:%M:%S.%f")
+            except (ValueError, IndexError):
+                continue
+            stamp = when.replace(tzinfo=datetime.UTC).timestamp()
+            samples.append((stamp, float(cols[1].split()[0]), float(cols[2].split()[0])))
+    stamps = [s[0] for s in samples]
+    with open(json_path) as f:
+        results = json.load(f)["results"]
+    out = []
+    for r in results:
+        for protocol in ("floor-first", "lp-first", "interleaved", "after-idle"):
+            for fn in ("floor", "lp"):
+                clk, watts = [], []
+                for c in r["calls"]:
+                    if c["protocol"] != protocol or c["fn"] != fn:
+                        continue
+                    i = bisect.bisect_left(stamps, c["t"])
+                    j = bisect.bisect_left(stamps, c["t"] + c["ms"] / 1e3)
+                    for _, mhz, w in samples[max(i - 1, 0) : j + 1]:
+                        clk.append(mhz)
+                        watts.append(w)
+                out.append(
+                    {
+                        "shape": r["shape"], "deterministic": r["deterministic"],
+                        "protocol": protocol, "fn": fn, "ms": r[protocol][f"{fn}_ms"],
+                        "mhz": statistics.mean(clk) if clk else None,
+                        "watts": statistics.mean(watts) if watts else None,
+                    }
+                )  # fmt: skip
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--summarize", nargs=2, metavar=("JSON", "CSV"),
+        help="print the clock and power of each protocol's calls from a finished run",
+    )  # fmt: skip
     parser.add_argument("--shapes", default="S1,S4")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--det", action="store_true", help="time deterministic=True as well")
     parser.add_argument("--out", default="clock.json")
     args = parser.parse_args()
+    if args.summarize:
+        print(f"{'shape':6} {'mode':8} {'protocol':12} {'call':6} {'ms':>8} {'MHz':>6} {'W':>5}")
+        for r in clock_summary(*args.summarize):
+            mode = "det" if r["deterministic"] else "default"
+            mhz = "-" if r["mhz"] is None else f"{r['mhz']:.0f}"
+            w = "-" if r["watts"] is None else f"{r['watts']:.0f}"
+            print(f"{r['shape']:6} {mode:8} {r['protocol']:12} {r['fn']:6} {r['ms']:8.2f} "
+                  f"{mhz:>6} {w:>5}")  # fmt: skip
+        return
     results = []
     with open(args.out.replace(".json", "-clocks.csv"), "w") as log:
         smi = subprocess.Popen(
