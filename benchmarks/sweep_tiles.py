@@ -51,6 +51,7 @@ VARIANTS = {
     "fx64x128-pipe": {"fixed": (64, 128, 64), "fixed_pipe": True},
     "fxsplit": {"fixed_convert": "split"},
     "fx64x128-split": {"fixed": (64, 128, 64), "fixed_convert": "split"},
+    "dlstore": {"dl_store_tma": True},
 }
 
 
@@ -79,6 +80,7 @@ ORDER_ONLY = {
     "pointer": {"tma": False},
     "ungrouped": {"group": 1},
     "fxsplit": {"fixed_convert": "split"},  # the same integers (deterministic mode)
+    "dlstore": {"dl_store_tma": True},  # the same d_logits values, another store path
 }
 
 

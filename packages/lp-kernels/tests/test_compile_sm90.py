@@ -43,3 +43,4 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
     fixed = [line for line in lines if " _matmul_fixed_kernel[" in line]
     assert any("SPLIT=True" in line for line in fixed)
     assert any("PIPE=True" in line for line in fixed)
+    assert any(" _dlogits_kernel[" in line and "STORE_TMA=True" in line for line in lines)

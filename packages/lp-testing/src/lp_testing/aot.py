@@ -20,7 +20,9 @@ patched instead, so the triton backend accepts CPU tensors. Usage::
 
     python -m lp_testing.aot [--tiers large,mid,small] [--variants all] [--jobs N]
 
-It prints one line per compiled launch and exits non-zero if any failed.
+It prints one line per compiled launch with its shared memory, and exits non-zero if any
+failed to compile or needs more shared memory than the smallest tier it serves offers
+(``smem_limit``): a launch error that would otherwise surface only on the GPU.
 """
 
 from __future__ import annotations
@@ -50,10 +52,17 @@ _DTYPES = {
     torch.bool: "i1",
 }
 
-# Experimental switches compiled by ``--variants all`` (module, attribute, value).
+
+def _dl_store_tma(cfg):
+    return dataclasses.replace(cfg, dl_store_tma=True)
+
+
+# Experimental switches compiled by ``--variants all``: (module, attribute, new value, or a
+# function of the old value).
 EXPERIMENTS = {
     "split": ("lp_kernels.backends.triton_deterministic", "FIXED_CONVERT", "split"),
     "pipe": ("lp_kernels.backends.triton_deterministic", "FIXED_PIPELINE", True),
+    "dlstore": ("lp_kernels.backends.triton_linear", "GPU_CONFIG", _dl_store_tma),
 }
 
 
@@ -181,7 +190,7 @@ def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Laun
             module, attr, value = EXPERIMENTS[setting]
             mod = importlib.import_module(module)
             restore = (mod, attr, getattr(mod, attr))
-            setattr(mod, attr, value)
+            setattr(mod, attr, value(restore[2]) if callable(value) else value)
         try:
             for dtype, det, entropy, h in _problems():
                 gen = torch.Generator().manual_seed(0)
@@ -204,7 +213,18 @@ def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Laun
     return found
 
 
-def _compile(fn, launch: Launch, arch: int) -> str | None:
+def smem_limit(tier: str) -> int:
+    """Shared memory per block (bytes) that every GPU of a tier offers: the tier's lower
+    bound in :func:`lp_kernels.backends.triton_linear.gpu_tier` (small: Ada and consumer
+    Ampere, 99 KiB)."""
+    import lp_kernels.backends.triton_linear as tri
+
+    return {"large": tri.LARGE_SMEM, "mid": tri.MID_SMEM, "small": 99 << 10}[tier]
+
+
+def _compile(fn, launch: Launch, arch: int, limit: int) -> tuple[str | None, int | None]:
+    """(error or None, shared memory bytes) of compiling ``launch``; a kernel that needs
+    more shared memory than ``limit`` is an error (it would fail at launch)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -213,10 +233,18 @@ def _compile(fn, launch: Launch, arch: int) -> str | None:
     constexprs = {(names.index(k),): v for k, v in launch.constexprs}
     src = ASTSource(fn, dict(launch.signature), constexprs)
     try:
-        triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
+        kernel = triton.compile(
+            src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options)
+        )
     except Exception as exc:  # reported per launch
-        return f"{type(exc).__name__}: {exc}"
-    return None
+        return f"{type(exc).__name__}: {exc}", None
+    shared = kernel.metadata.shared
+    if shared > limit:
+        return (
+            f"needs {shared / 1024:.1f} KiB of shared memory; its tier offers {limit >> 10}",
+            shared,
+        )
+    return None, shared
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,18 +264,24 @@ def main(argv: list[str] | None = None) -> int:
     for v in names:
         if v not in EXPERIMENTS:
             parser.error(f"--variants: unknown {v!r}; expected all or {', '.join(EXPERIMENTS)}")
-    found: dict[Launch, object] = {}
+    found: dict[Launch, tuple[object, int]] = {}  # -> (JITFunction, smallest tier limit)
     for tier in args.tiers.split(","):
         for launch, fn in collect(tier, tuple(names)).items():
-            found.setdefault(launch, fn)
+            limit = min(smem_limit(tier), found.get(launch, (fn, smem_limit(tier)))[1])
+            found[launch] = (fn, limit)
     t0 = time.perf_counter()
     failed = 0
+
+    def work(item):
+        launch, (fn, limit) = item
+        return launch, *_compile(fn, launch, args.arch, limit)
+
     # Threads: most of a compile is spent in MLIR passes and ptxas, outside the GIL.
     with concurrent.futures.ThreadPoolExecutor(max(args.jobs, 1)) as pool:
-        results = pool.map(lambda kv: (kv[0], _compile(kv[1], kv[0], args.arch)), found.items())
-        for launch, error in results:
+        for launch, error, shared in pool.map(work, found.items()):
             status = "ok" if error is None else "FAILED"
-            print(f"{status:6} {launch.describe()}")
+            smem = "-" if shared is None else f"{shared / 1024:.1f} KiB"
+            print(f"{status:6} {smem:>10}  {launch.describe()}")
             if error is not None:
                 failed += 1
                 print("       " + error.replace("\n", "\n       "))

@@ -101,6 +101,11 @@ class TileConfig:
     """Warps of the two logit-tile kernels (forward statistics, d_logits); None: num_warps.
     Experimental (sweep variant ``bv128-w4``): 4 warps on 128 x 128 tiles fit two programs
     per SM, so that one's softmax epilogue can overlap the other's MMAs."""
+    dl_store_tma: bool = False
+    """Store d_logits tiles through a tensor descriptor (a bulk copy from shared memory,
+    bounds clipped by the descriptor) instead of masked pointer stores, where
+    :func:`tma_ok` allows. Experimental (sweep variant ``dlstore``): the same values, so
+    the same bits; whether it frees the MMA warps sooner is for the GPU to say."""
 
 
 # Chosen by benchmarks/sweep_tiles.py on H200 (docs/benchmarks.md, session 3).
@@ -325,10 +330,12 @@ def _dlogits_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, EVEN_H: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, IGNORED: tl.constexpr, TMA: tl.constexpr,
+    STORE_TMA: tl.constexpr = False,
 ):  # fmt: skip
     """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T for columns [v_begin, +v_count).
 
     Columns [v_count, v_store) of the output get exact zeros (v_store: v_count padded to 128).
+    ``STORE_TMA``: ``dl_ptr`` is a tensor descriptor over the ``[N, v_store]`` output.
     """
     i_n, i_v = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_store, BLOCK_V), group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -363,8 +370,12 @@ def _dlogits_kernel(
     m_live = m_n & (b_t != IGNORED)
     if (tl.min(m_live.to(tl.int32), axis=0) == 0) | ((i_v + 1) * BLOCK_V > v_count):
         b_dz = tl.where(m_live[:, None] & m_v[None, :], b_dz, 0.0)
-    p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_c[None, :]
-    tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & (o_c < v_store)[None, :])
+    if STORE_TMA:  # rows past N and columns past v_store fall outside the descriptor
+        dl_ptr.store([i_n * BLOCK_N, i_v * BLOCK_V], b_dz.to(dl_ptr.dtype))
+    else:
+        p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_c[None, :]
+        b_out = b_dz.to(dl_ptr.dtype.element_ty)
+        tl.store(p_d, b_out, mask=m_n[:, None] & (o_c < v_store)[None, :])
 
 
 @triton.jit
@@ -564,15 +575,25 @@ def _dlogits(hidden, w_real, t_col, lse, mean, g_lp, g_ent, c0, out, v_begin, v_
     v_store = out.shape[1]
     blocks_n = triton.cdiv(n, cfg.block_n)
     h_src, w_src, tma = _logits_sources(hidden, w_real, cfg)
+    dl_dst, store_tma = dlogits_destination(out, cfg)
     _dlogits_kernel[(blocks_n * triton.cdiv(v_store, cfg.block_v),)](
         h_src, w_src, t_col, lse, mean if mean is not None else lse,
-        g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, out,
+        g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, dl_dst,
         n, h_dim, v_begin, v_count, v_store, p.inv_temperature, _group(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=g_ent is not None, HAS_LP=g_lp is not None, IGNORED=IGNORED, TMA=tma,
+        STORE_TMA=store_tma,
         **_flags(hidden, cfg), **_launch_opts(cfg, hidden.device, logits=True),
     )  # fmt: skip
+
+
+def dlogits_destination(out: torch.Tensor, cfg: TileConfig):
+    """``(dst, store_tma)``: a tensor descriptor over the ``[rows, v_store]`` d_logits block
+    when the config asks for one (``dl_store_tma``) and ``out`` allows it, else ``out``."""
+    if cfg.dl_store_tma and tma_ok(out):
+        return _desc(out, out.shape[0], out.shape[1], (cfg.block_n, cfg.block_v)), True
+    return out, False
 
 
 def _matmul_acc_(
