@@ -122,6 +122,11 @@ def main() -> None:
         "--warm-s", type=float, default=1.0,
         help="warm every timed call up for >= S seconds: steady clocks (lp bench's protocol)",
     )  # fmt: skip
+    ap.add_argument(
+        "--rounds", type=int, default=1,
+        help="time every variant (and the floor) in R rounds, in turn, and take the median "
+        "of the rounds' medians: slow drift of the GPU's clock then falls on every variant alike",
+    )  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     base, base_fixed = tlin.GPU_CONFIG, tdet.FIXED_GPU
@@ -140,11 +145,19 @@ def main() -> None:
             warm = steady_warmup(fn, 1, args.warm_s)
             return statistics.median(time_cuda(fn, warmup=warm, reps=args.reps))
 
-        floor = timed(four)
         hl, wl = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-        for name in args.variants.split(","):
-            _apply(base, base_fixed, VARIANTS[name])
-            for det in (False, True) if args.det else (False,):
+        labels = [
+            (name, det) for name in args.variants.split(",")
+            for det in ((False, True) if args.det else (False,))
+        ]  # fmt: skip
+        times: dict = {"floor": []}  # label -> [(fwd ms, total ms) per round] or error
+        for _ in range(args.rounds):
+            times["floor"].append(timed(four))
+            for name, det in labels:
+                label = name + ("/det" if det else "")
+                if isinstance(times.get(label), str):
+                    continue  # failed in an earlier round
+                _apply(base, base_fixed, VARIANTS[name])
 
                 def fwd(hl=hl, wl=wl, targets=targets, det=det):
                     return linear_logprob(
@@ -155,17 +168,25 @@ def main() -> None:
                     hl.grad = wl.grad = None
                     fwd().backward(grad_out)
 
-                label = name + ("/det" if det else "")
                 try:
-                    t_f, t_all = timed(fwd), timed(step)
-                    row = {
-                        "shape": s, "variant": label, "fwd_ms": t_f, "total_ms": t_all,
-                        "bwd_ms": t_all - t_f, "floor_ms": floor, "x_floor": t_all / floor,
-                    }  # fmt: skip
+                    times.setdefault(label, []).append((timed(fwd), timed(step)))
                 except Exception as exc:  # report and go on: a variant may not compile
-                    row = {"shape": s, "variant": label, "error": repr(exc)[:300]}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                    times[label] = repr(exc)[:300]
+        _apply(base, base_fixed, {})
+        floor = statistics.median(times.pop("floor"))
+        for label, got in times.items():
+            if isinstance(got, str):
+                row = {"shape": s, "variant": label, "error": got}
+            else:
+                t_f = statistics.median(f for f, _ in got)
+                t_all = statistics.median(t for _, t in got)
+                row = {
+                    "shape": s, "variant": label, "fwd_ms": t_f, "total_ms": t_all,
+                    "bwd_ms": t_all - t_f, "floor_ms": floor, "x_floor": t_all / floor,
+                    "rounds_total_ms": [t for _, t in got],
+                }  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         del hidden, weight, hl, wl
         torch.cuda.empty_cache()
     _apply(base, base_fixed, {})
