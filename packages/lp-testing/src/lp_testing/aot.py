@@ -57,12 +57,19 @@ def _dl_store_tma(cfg):
     return dataclasses.replace(cfg, dl_store_tma=True)
 
 
-# Experimental switches compiled by ``--variants all``: (module, attribute, new value, or a
-# function of the old value).
+_DET = "lp_kernels.backends.triton_deterministic"
+_LIN = "lp_kernels.backends.triton_linear"
+# Experimental switches compiled by ``--variants all``: name -> the (module, attribute,
+# new value or a function of the old value) settings it makes.
 EXPERIMENTS = {
-    "split": ("lp_kernels.backends.triton_deterministic", "FIXED_CONVERT", "split"),
-    "pipe": ("lp_kernels.backends.triton_deterministic", "FIXED_PIPELINE", True),
-    "dlstore": ("lp_kernels.backends.triton_linear", "GPU_CONFIG", _dl_store_tma),
+    "split": [(_DET, "FIXED_CONVERT", "split")],
+    "pipe": [(_DET, "FIXED_PIPELINE", True)],
+    "dlstore": [(_LIN, "GPU_CONFIG", _dl_store_tma)],
+    "fx64x128-w4-s2": [
+        (_DET, "FIXED_GPU", (64, 128, 64)),
+        (_DET, "FIXED_WARPS", 4),
+        (_DET, "FIXED_STAGES", 2),
+    ],
 }
 
 
@@ -158,6 +165,7 @@ def gpu_launches(tier: str = "large") -> Iterator[list]:
     patch(tri, "config_for", lambda device, dtype=torch.bfloat16: tri_config(fake, dtype))
     patch(tdet, "config_for", lambda device, dtype=torch.bfloat16: det_config(fake, dtype))
     patch(tri, "_launch_opts", lambda cfg, device, **kw: opts(cfg, fake, **kw))
+    patch(tdet, "_full_stages", lambda a: a.element_size() <= 2 and tier == "large")
     try:
         yield launches
     finally:
@@ -185,12 +193,11 @@ def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Laun
     found: dict[Launch, object] = {}
     settings = [None, *experiments]
     for setting in settings:
-        restore = None
-        if setting is not None:
-            module, attr, value = EXPERIMENTS[setting]
+        restore = []
+        for module, attr, value in EXPERIMENTS[setting] if setting is not None else []:
             mod = importlib.import_module(module)
-            restore = (mod, attr, getattr(mod, attr))
-            setattr(mod, attr, value(restore[2]) if callable(value) else value)
+            restore.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, value(restore[-1][2]) if callable(value) else value)
         try:
             for dtype, det, entropy, h in _problems():
                 gen = torch.Generator().manual_seed(0)
@@ -208,18 +215,17 @@ def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Laun
                 for fn, launch in launches:
                     found.setdefault(launch, fn)
         finally:
-            if restore is not None:
-                setattr(*restore)
+            for mod, attr, value in reversed(restore):
+                setattr(mod, attr, value)
     return found
 
 
 def smem_limit(tier: str) -> int:
-    """Shared memory per block (bytes) that every GPU of a tier offers: the tier's lower
-    bound in :func:`lp_kernels.backends.triton_linear.gpu_tier` (small: Ada and consumer
-    Ampere, 99 KiB)."""
-    import lp_kernels.backends.triton_linear as tri
-
-    return {"large": tri.LARGE_SMEM, "mid": tri.MID_SMEM, "small": 99 << 10}[tier]
+    """Shared memory per block (bytes) of the smallest GPU in a tier of
+    :func:`lp_kernels.backends.triton_linear.gpu_tier`: Hopper's 227 KiB (large), A100's
+    163 KiB (mid), Ada's and consumer Ampere's 99 KiB (small). The tier thresholds (200 and
+    160 KiB) only sort GPUs between these."""
+    return {"large": 227 << 10, "mid": 163 << 10, "small": 99 << 10}[tier]
 
 
 def _compile(fn, launch: Launch, arch: int, limit: int) -> tuple[str | None, int | None]:
