@@ -6,8 +6,8 @@ Performance protocol (DESIGN.md), one run per shape (N tokens, H hidden, V vocab
   matmuls in the input dtype (forward logits, backward recompute, two gradient GEMMs),
   measured in the same process at steady state (below). ``floor_single_ms`` keeps the
   earlier figure, 4 x the median of one matmul timed first on an idle GPU: a burst
-  that runs at boost clock, 10-15 % below what a sustained sequence of matmuls takes on
-  an H200 at its power limit (docs/benchmarks.md, "Steady state");
+  that runs at boost clock, up to 16 % below what a sustained sequence of matmuls takes
+  on an H200 at its power limit (docs/benchmarks.md, "Steady state");
 - each provider: forward + backward of a per-token logprob (and entropy with
   ``entropy=True``) with a random upstream gradient; median of ``reps`` timed runs after
   ``warmup`` runs and, on GPU, at least ``warm_s`` seconds of warm-up, so that the floor
