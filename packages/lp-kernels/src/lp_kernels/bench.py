@@ -133,20 +133,25 @@ def time_cuda(
     return times
 
 
-def steady_warmup(fn: Callable[[], object], warmup: int, warm_s: float, tp: int = 1) -> int:
+def steady_warmup(
+    fn: Callable[[], object], warmup: int, warm_s: float, tp: int = 1, device: str = "cuda"
+) -> int:
     """Warm-up calls for :func:`time_cuda` such that they last at least ``warm_s`` seconds
     (and are at least ``warmup``): a GPU at its power limit runs sustained work at a lower
     clock than a burst after idle, so each call is timed once its clock has settled under
-    its own load (docs/benchmarks.md, "Steady state"). Runs ``fn`` once to time it. Under
-    TP every rank gets the largest count, so that collectives inside ``fn`` stay paired.
+    its own load (docs/benchmarks.md, "Steady state"). Runs ``fn`` twice to time it (the
+    first call compiles and allocates). Under TP (``tp > 1``, every rank of the default
+    group calls this) every rank gets the largest count, so that collectives inside ``fn``
+    stay paired.
     """
     if warm_s <= 0:
         return warmup
-    fn()  # compile and allocate, then time one call
-    ms = statistics.median(time_cuda(fn, warmup=0, reps=1))
+    fn()
+    timer = time_cuda if device == "cuda" else time_cpu
+    ms = statistics.median(timer(fn, warmup=0, reps=1))
     count = max(warmup, math.ceil(warm_s * 1e3 / max(ms, 1e-3)))
     if tp > 1:
-        count = int(_all_ranks_max(float(count), "cuda"))
+        count = int(_all_ranks_max(float(count), device))
     return count
 
 
