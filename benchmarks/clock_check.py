@@ -27,37 +27,28 @@ import subprocess
 import time
 
 import torch
-from protocol import SHAPES, make_inputs
+from protocol import SHAPES, make_inputs, time_cuda
 
 from lp_kernels import linear_logprob
+from lp_kernels.bench import floor_call
 
 
 def _timed(fn) -> tuple[float, float]:
-    """(host time at start, ms) of one call, synchronised at both ends."""
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    """(host time at start, ms) of one call; time_cuda synchronises before it."""
     t0 = time.time()
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return t0, start.elapsed_time(end)
+    return t0, time_cuda(fn, warmup=0, reps=1)[0]
 
 
 def run_shape(name: str, n: int, h: int, v: int, reps: int, det: bool) -> dict:
     hidden, weight, targets, grad_out = make_inputs(n, h, v, device="cuda")
     hl, wl = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
 
-    def floor():
-        for _ in range(4):
-            hidden @ weight.T
-
     def step():
         hl.grad = wl.grad = None
         out = linear_logprob(hl, wl, targets, backend="triton", validate=False, deterministic=det)
         out.logprob.backward(grad_out)
 
-    fns = {"floor": floor, "lp": step}
+    fns = {"floor": floor_call(hidden, weight), "lp": step}
     for fn in fns.values():  # compile, allocate
         for _ in range(2):
             fn()

@@ -24,7 +24,7 @@ from protocol import SHAPES, make_inputs, time_cuda
 import lp_kernels.backends.triton_deterministic as tdet
 import lp_kernels.backends.triton_linear as tlin
 from lp_kernels import linear_logprob
-from lp_kernels.bench import steady_warmup
+from lp_kernels.bench import floor_call, steady_warmup
 
 # "old": the launch order and loads pinned up to session 2 (no grouping, pointer loads,
 # 128 x 128 tiles). Keys starting with "fixed" set the fixed-point GEMM's tiles of
@@ -140,10 +140,6 @@ def main() -> None:
         n, h, v = SHAPES[s]
         hidden, weight, targets, grad_out = make_inputs(n, h, v)
 
-        def four(h=hidden, w=weight):
-            for _ in range(4):
-                h @ w.T
-
         def timed(fn):  # median ms at steady clocks, as lp bench times
             warm = steady_warmup(fn, 1, args.warm_s)
             return statistics.median(time_cuda(fn, warmup=warm, reps=args.reps))
@@ -155,7 +151,7 @@ def main() -> None:
         ]  # fmt: skip
         times: dict = {"floor": []}  # label -> [(fwd ms, total ms) per round] or error
         for _ in range(args.rounds):
-            times["floor"].append(timed(four))
+            times["floor"].append(timed(floor_call(hidden, weight)))
             for name, det in labels:
                 label = name + ("/det" if det else "")
                 if isinstance(times.get(label), str):

@@ -133,6 +133,16 @@ def time_cuda(
     return times
 
 
+def floor_call(hidden: torch.Tensor, weight: torch.Tensor) -> Callable[[], None]:
+    """The floor's work as one call: four back-to-back ``hidden @ weight.T`` matmuls."""
+
+    def four() -> None:
+        for _ in range(4):
+            hidden @ weight.T
+
+    return four
+
+
 def steady_warmup(
     fn: Callable[[], object], warmup: int, warm_s: float, tp: int = 1, device: str = "cuda"
 ) -> int:
@@ -483,11 +493,7 @@ def bench_problem(
             time_cuda(lambda: hidden @ shard.T, warmup=cfg.warmup, reps=cfg.reps)
         )
         floor_single = 4 * mm
-
-        def four():
-            for _ in range(4):
-                hidden @ shard.T
-
+        four = floor_call(hidden, shard)
         warm = steady_warmup(four, cfg.warmup, cfg.warm_s, cfg.tp)
         floor = statistics.median(time_cuda(four, warmup=warm, reps=cfg.reps))
         if cfg.tp > 1:

@@ -37,6 +37,7 @@ import sys
 import time
 import types
 from collections.abc import Iterator
+from unittest import mock
 
 import torch
 
@@ -144,33 +145,34 @@ def gpu_launches(tier: str = "large") -> Iterator[list]:
 
     api = importlib.import_module("lp_kernels.linear_logprob")  # the package shadows the name
 
-    if isinstance(tri._fwd_stats_kernel, JITFunction) is False:
+    if not isinstance(tri._fwd_stats_kernel, JITFunction):
         raise RuntimeError("lp_testing.aot needs TRITON_INTERPRET unset (it compiles the kernels)")
     fake = types.SimpleNamespace(type="cuda", index=0)
     launches: list = []
-    saved = []
-
-    def patch(obj, name, value):
-        saved.append((obj, name, getattr(obj, name)))
-        setattr(obj, name, value)
-
     tri_config, det_config, opts = tri.config_for, tdet.config_for, tri._launch_opts
 
     def run(self, *args, grid, warmup, **kwargs):
         launches.append((self, _record(self, args, kwargs)))
 
-    patch(JITFunction, "run", run)
-    patch(api, "_triton_interpreting", lambda: True)
-    patch(tri, "gpu_tier", lambda device: tier)
-    patch(tri, "config_for", lambda device, dtype=torch.bfloat16: tri_config(fake, dtype))
-    patch(tdet, "config_for", lambda device, dtype=torch.bfloat16: det_config(fake, dtype))
-    patch(tri, "_launch_opts", lambda cfg, device, **kw: opts(cfg, fake, **kw))
-    patch(tdet, "_full_stages", lambda a: a.element_size() <= 2 and tier == "large")
-    try:
+    with _patched(
+        (JITFunction, "run", run),
+        (api, "_triton_interpreting", lambda: True),
+        (tri, "gpu_tier", lambda device: tier),
+        (tri, "config_for", lambda device, dtype=torch.bfloat16: tri_config(fake, dtype)),
+        (tdet, "config_for", lambda device, dtype=torch.bfloat16: det_config(fake, dtype)),
+        (tri, "_launch_opts", lambda cfg, device, **kw: opts(cfg, fake, **kw)),
+        (tdet, "_full_stages", lambda a: a.element_size() <= 2 and tier == "large"),
+    ):
         yield launches
-    finally:
-        for obj, name, value in reversed(saved):
-            setattr(obj, name, value)
+
+
+@contextlib.contextmanager
+def _patched(*settings) -> Iterator[None]:
+    """Set each ``(object, attribute, value)`` inside, restoring them all on exit."""
+    with contextlib.ExitStack() as stack:
+        for obj, name, value in settings:
+            stack.enter_context(mock.patch.object(obj, name, value))
+        yield
 
 
 def _problems():
@@ -193,12 +195,11 @@ def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Laun
     found: dict[Launch, object] = {}
     settings = [None, *experiments]
     for setting in settings:
-        restore = []
+        changes = []
         for module, attr, value in EXPERIMENTS[setting] if setting is not None else []:
             mod = importlib.import_module(module)
-            restore.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, value(restore[-1][2]) if callable(value) else value)
-        try:
+            changes.append((mod, attr, value(getattr(mod, attr)) if callable(value) else value))
+        with _patched(*changes):
             for dtype, det, entropy, h in _problems():
                 gen = torch.Generator().manual_seed(0)
                 n, v = 300, 1000
@@ -214,9 +215,6 @@ def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Laun
                     loss.backward()
                 for fn, launch in launches:
                     found.setdefault(launch, fn)
-        finally:
-            for mod, attr, value in reversed(restore):
-                setattr(mod, attr, value)
     return found
 
 

@@ -241,14 +241,15 @@ def _matmul_fixed_(c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: T
         num_stages=FIXED_STAGES or (cfg.num_stages if _full_stages(a) else min(cfg.num_stages, 2)),
     )
     a_src, b_src, tma = tri.gemm_sources(a, b, m, k_a, False, mm_cfg, block_m, block_n)
-    if FIXED_CONVERT == "split" and k_a > TILE << 10:
+    split = FIXED_CONVERT == "split" and not FIXED_PIPELINE
+    if split and k_a > TILE << 10:
         raise ValueError(f"FIXED_CONVERT='split' takes at most 1024 leaves per call, got {k_a}")
     _matmul_fixed_kernel[(blocks_m * triton.cdiv(n, block_n),)](
         a_src, b_src, c, scale, m, n, k_a, k_a, k, tri._group(cfg, blocks_m),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         LEAF=TILE, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, PIPE=FIXED_PIPELINE,
-        SPLIT=FIXED_CONVERT == "split" and not FIXED_PIPELINE,
+        SPLIT=split,
         **tri._launch_opts(mm_cfg, a.device),
     )  # fmt: skip
 
