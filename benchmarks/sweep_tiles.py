@@ -54,6 +54,8 @@ VARIANTS = {
     "dlstore": {"dl_store_tma": True},
     "fx64x128-w4-s2": {"fixed": (64, 128, 64), "fixed_warps": 4, "fixed_stages": 2},
     "fx64x128-w4": {"fixed": (64, 128, 64), "fixed_warps": 4},
+    "dlearly": {"dl_early_tests": True},
+    "dlstore-early": {"dl_store_tma": True, "dl_early_tests": True},
 }
 
 
@@ -84,6 +86,7 @@ ORDER_ONLY = {
     "ungrouped": {"group": 1},
     "fxsplit": {"fixed_convert": "split"},  # the same integers (deterministic mode)
     "dlstore": {"dl_store_tma": True},  # the same d_logits values, another store path
+    "dlearly": {"dl_early_tests": True},  # the same branches, taken before the K loop
     # another fixed-point tile: the same leaf products if the MMAs keep their K order
     # (an open question this check answers; not needed for TP invariance)
     "fx64x128-w4-s2": {"fixed": (64, 128, 64), "fixed_warps": 4, "fixed_stages": 2},

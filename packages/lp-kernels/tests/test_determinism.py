@@ -136,7 +136,8 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
     dtype, deterministic, device, monkeypatch
 ):
     """Tensor-descriptor loads against pointer loads, the grouped launch order against
-    another grouping, descriptor stores of d_logits against pointer stores, and
+    another grouping, descriptor stores of d_logits against pointer stores, the d_logits
+    tile tests before the K loop against after it, and
     (deterministic) the pipelined fixed-point leaves and the split
     rounding of the fixed-point GEMM: the same products in the same order (and the same
     integers), so the same bits (the load path is chosen by H, dtype and alignment; see
@@ -154,6 +155,7 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
     results = []
     changes = [{}, {"tma": False}, {"group": 1}, {"group": 0, "tma": False}]
     changes += [{"dl_store_tma": True}]  # d_logits stored through a descriptor
+    changes += [{"dl_early_tests": True}]  # d_logits tile tests before the K loop
     if deterministic:  # and the fixed-point GEMM's leaf pipelining and split rounding
         changes += [{"pipe": True}, {"convert": "split"}]
     for change in changes:

@@ -30,13 +30,17 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
-def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``acc += a @ b`` with ``acc`` fp32, in place."""
+def addmm_f32_(
+    acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool = True
+) -> torch.Tensor:
+    """``acc += a @ b`` with ``acc`` fp32, in place; ``accumulate=False``: ``acc = a @ b``
+    (beta = 0: acc's old contents, NaN included, are never read)."""
+    beta = 1 if accumulate else 0
     if a.dtype == torch.float32:
-        return acc.addmm_(a, b)
+        return acc.addmm_(a, b, beta=beta)
     if _native_fp32_out(a) and hasattr(torch.ops.aten.addmm, "dtype_out"):
-        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    return acc.addmm_(a.float(), b.float())
+        return torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
+    return acc.addmm_(a.float(), b.float(), beta=beta)
 
 
 class _Scratch:

@@ -58,6 +58,10 @@ def _dl_store_tma(cfg):
     return dataclasses.replace(cfg, dl_store_tma=True)
 
 
+def _dl_early_tests(cfg):
+    return dataclasses.replace(cfg, dl_early_tests=True)
+
+
 _DET = "lp_kernels.backends.triton_deterministic"
 _LIN = "lp_kernels.backends.triton_linear"
 # Experimental switches compiled by ``--variants all``: name -> the (module, attribute,
@@ -66,6 +70,7 @@ EXPERIMENTS = {
     "split": [(_DET, "FIXED_CONVERT", "split")],
     "pipe": [(_DET, "FIXED_PIPELINE", True)],
     "dlstore": [(_LIN, "GPU_CONFIG", _dl_store_tma)],
+    "dlearly": [(_LIN, "GPU_CONFIG", _dl_early_tests)],
     "fx64x128-w4-s2": [
         (_DET, "FIXED_GPU", (64, 128, 64)),
         (_DET, "FIXED_WARPS", 4),

@@ -311,10 +311,12 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             w_chunk = w_real[v_begin : v_begin + v_count]
             if need_w:
                 gw_slice = grad_w[v_begin : v_begin + v_count]
-                acc = (gw_slice if acc_w is None else acc_w[:v_count]).zero_()
+                acc = gw_slice if acc_w is None else acc_w[:v_count]
             for r0, r1, dl, cols in blocks:
                 if need_w:  # lp's fixed-tile GEMM: a row's sum never depends on the shard
-                    tri._matmul_acc_(acc, dl.T, hidden[r0:r1], cfg, m_a=cols)
+                    # width (the first token chunk overwrites acc: as from zeros, bitwise)
+                    first = r0 == 0
+                    tri._matmul_acc_(acc, dl.T, hidden[r0:r1], cfg, m_a=cols, accumulate=not first)
                 if need_h:
                     _matmul_fixed_(acc_h[r0:r1], dl, w_chunk, scale[r0:r1], cols, fixed, cfg)
             if need_w and acc_w is not None:

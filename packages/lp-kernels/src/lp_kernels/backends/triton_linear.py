@@ -106,6 +106,12 @@ class TileConfig:
     bounds clipped by the descriptor) instead of masked pointer stores, where
     :func:`tma_ok` allows. Experimental (sweep variant ``dlstore``): the same values, so
     the same bits; whether it frees the MMA warps sooner is for the GPU to say."""
+    dl_early_tests: bool = False
+    """Take the d_logits kernel's two per-tile tests (does a row's target fall in this
+    tile; does the tile need the zeroing select) before its K loop instead of after it.
+    Each is a block-wide reduction, a barrier of the program's warps: before the loop it
+    waits with the first loads, after it the tensor cores wait on it. Experimental (sweep
+    variant ``dlearly``): the same branches, so the same bits."""
 
 
 # Chosen by benchmarks/sweep_tiles.py on H200 (docs/benchmarks.md, session 3).
@@ -330,18 +336,24 @@ def _dlogits_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, EVEN_H: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, IGNORED: tl.constexpr, TMA: tl.constexpr,
-    STORE_TMA: tl.constexpr = False,
+    STORE_TMA: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):  # fmt: skip
     """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T for columns [v_begin, +v_count).
 
     Columns [v_count, v_store) of the output get exact zeros (v_store: v_count padded to 128).
     ``STORE_TMA``: ``dl_ptr`` is a tensor descriptor over the ``[N, v_store]`` output.
+    ``EARLY``: the per-tile tests (:func:`_dlogits_tests`) run before the K loop.
     """
     i_n, i_v = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_store, BLOCK_V), group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # column within the chunk
     m_n = o_n < N
     m_v = o_c < v_count
+    if EARLY:
+        b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
+        b_trel, m_live, hit, need_select = _dlogits_tests(
+            b_t, m_n, v_begin, i_v, v_count, BLOCK_V, IGNORED, HAS_LP
+        )
     b_z = _logits_tile(
         h_src, w_src, i_n * BLOCK_N, v_begin + i_v * BLOCK_V, m_n, m_v, H, stride_hn,
         stride_hh, stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET,
@@ -358,17 +370,20 @@ def _dlogits_kernel(
         b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
     else:
         b_dz = b_p * b_c0[:, None]
-    b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
-    if HAS_LP:  # + g_lp / T in the target's column, in tiles that hold some row's target
-        b_trel = b_t - (v_begin + i_v * BLOCK_V)
-        if tl.max(((b_trel >= 0) & (b_trel < BLOCK_V)).to(tl.int32), axis=0) > 0:
+    if not EARLY:
+        b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
+        b_trel, m_live, hit, need_select = _dlogits_tests(
+            b_t, m_n, v_begin, i_v, v_count, BLOCK_V, IGNORED, HAS_LP
+        )
+    # + g_lp / T in the target's column, in tiles that hold some row's target
+    if HAS_LP:  # noqa: SIM102  (a constexpr branch around a runtime one)
+        if hit:
             b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
             m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
             b_dz = tl.where(m_hit, b_dz + b_glp[:, None], b_dz)
     # ignored rows (code IGNORED) and rows past N get exact zeros, even where their hidden
     # is not finite, as do columns past v_count: a select only in tiles that have them
-    m_live = m_n & (b_t != IGNORED)
-    if (tl.min(m_live.to(tl.int32), axis=0) == 0) | ((i_v + 1) * BLOCK_V > v_count):
+    if need_select:
         b_dz = tl.where(m_live[:, None] & m_v[None, :], b_dz, 0.0)
     if STORE_TMA:  # rows past N and columns past v_store fall outside the descriptor
         dl_ptr.store([i_n * BLOCK_N, i_v * BLOCK_V], b_dz.to(dl_ptr.dtype))
@@ -376,6 +391,26 @@ def _dlogits_kernel(
         p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_c[None, :]
         b_out = b_dz.to(dl_ptr.dtype.element_ty)
         tl.store(p_d, b_out, mask=m_n[:, None] & (o_c < v_store)[None, :])
+
+
+@triton.jit
+def _dlogits_tests(
+    b_t, m_n, v_begin, i_v, v_count,
+    BLOCK_V: tl.constexpr, IGNORED: tl.constexpr, HAS_LP: tl.constexpr,
+):  # fmt: skip
+    """The d_logits tile's tests from its rows' target codes ``b_t``: ``(b_trel, m_live,
+    hit, need_select)`` = each target's column relative to the tile, the live rows (in
+    range, not ignored), whether some row's target falls in the tile (``HAS_LP`` only),
+    and whether the tile has a dead row or a column past ``v_count`` (then the zeroing
+    select runs)."""
+    b_trel = b_t - (v_begin + i_v * BLOCK_V)
+    if HAS_LP:  # noqa: SIM108  (a constexpr branch: only one side is compiled)
+        hit = tl.max(((b_trel >= 0) & (b_trel < BLOCK_V)).to(tl.int32), axis=0) > 0
+    else:
+        hit = False
+    m_live = m_n & (b_t != IGNORED)
+    need_select = (tl.min(m_live.to(tl.int32), axis=0) == 0) | ((i_v + 1) * BLOCK_V > v_count)
+    return b_trel, m_live, hit, need_select
 
 
 @triton.jit
@@ -435,8 +470,10 @@ def _matmul_acc_body(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
+    ACC: tl.constexpr,
 ):  # fmt: skip
-    """C[:M] (fp32) += A @ B over K. One program per C tile, fixed K order: no atomics.
+    """C[:M] (fp32) += A @ B over K (``ACC``; else C = A @ B: the sum starts from +0.0, as
+    from a zeroed C, without reading it). One program per C tile, fixed K order: no atomics.
 
     A's rows are bounded by M_A and its columns by K_A, B's rows by K_B; the loop runs to
     K, which may pass K_B over columns where A holds exact zeros. The bound of A's
@@ -453,7 +490,10 @@ def _matmul_acc_body(
     m_n = o_n < N
     p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
     # [BLOCK_M, BLOCK_N]
-    b_acc = tl.load(p_c, mask=m_m[:, None] & m_n[None, :], other=0.0)
+    if ACC:
+        b_acc = tl.load(p_c, mask=m_m[:, None] & m_n[None, :], other=0.0)
+    else:
+        b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     p_a, p_b = _operand_ptrs(
         a_src, b_src, o_m, o_n, o_k, stride_am, stride_ak, stride_bk, stride_bn, TMA
     )
@@ -583,7 +623,7 @@ def _dlogits(hidden, w_real, t_col, lse, mean, g_lp, g_ent, c0, out, v_begin, v_
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=g_ent is not None, HAS_LP=g_lp is not None, IGNORED=IGNORED, TMA=tma,
-        STORE_TMA=store_tma,
+        STORE_TMA=store_tma, EARLY=cfg.dl_early_tests,
         **_flags(hidden, cfg), **_launch_opts(cfg, hidden.device, logits=True),
     )  # fmt: skip
 
@@ -604,10 +644,12 @@ def _matmul_acc_(
     *,
     m_a: int | None = None,
     k_a: int | None = None,
+    accumulate: bool = True,
 ) -> None:
-    """``c += a @ b`` (fp32 ``c``). ``a`` may extend, with exact zeros, to ``m_a`` rows or
-    ``k_a`` columns past its shape: the padded bound of its contiguous dimension (give
-    exactly one of them; ``m_a`` means ``a`` is a transposed d_logits buffer)."""
+    """``c += a @ b`` (fp32 ``c``; ``accumulate=False``: ``c = a @ b``, bitwise as into a
+    zeroed ``c``). ``a`` may extend, with exact zeros, to ``m_a`` rows or ``k_a`` columns
+    past its shape: the padded bound of its contiguous dimension (give exactly one of
+    them; ``m_a`` means ``a`` is a transposed d_logits buffer)."""
     m, k = a.shape
     n = b.shape[1]
     a_t = m_a is not None
@@ -620,7 +662,7 @@ def _matmul_acc_(
         a_src, b_src, c, m, m_a, n, max(k, k_a), k_a, k, _group(cfg, blocks_m),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         BLOCK_M=cfg.mm_block_m, BLOCK_N=cfg.mm_block_n, BLOCK_K=cfg.mm_block_k,
-        INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, A_T=a_t,
+        INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, A_T=a_t, ACC=accumulate,
         **_launch_opts(cfg, a.device),
     )  # fmt: skip
 
@@ -757,9 +799,10 @@ class LinearLogprobTriton(torch.autograd.Function):
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
         grads = masked_upstream(ignored, g_lp, g_ent, g_lse)
-        grad_h32 = (
-            torch.zeros((n, h_dim), dtype=torch.float32, device=hidden.device) if need_h else None
-        )
+        grad_h32 = None
+        if need_h:  # the first vocabulary chunk writes every element (accumulate=False)
+            alloc = scratch.empty if v_real > 0 else torch.zeros
+            grad_h32 = alloc((n, h_dim), dtype=torch.float32, device=hidden.device)
         grad_w = grad_weight_buffer(weight, v_real, n) if need_w else None
         rows = min(cfg.token_chunk, n)
         # fp32 accumulator for a grad_W slice when N spans several token chunks
@@ -775,14 +818,16 @@ class LinearLogprobTriton(torch.autograd.Function):
             gw_slice = grad_w[v_begin : v_begin + v_count] if need_w else None
             acc = None
             if need_w and rows < n:  # fp32 accumulation over token chunks
-                acc = (gw_slice if acc_w is None else acc_w[:v_count]).zero_()
+                acc = gw_slice if acc_w is None else acc_w[:v_count]
             for r0, r1, dl, cols in blocks:
                 if need_w and rows == n:  # one token chunk: the slice in one GEMM
                     _grad_weight_slice(dl, hidden, gw_slice)
-                elif need_w:
-                    addmm_f32_(acc, dl.T, hidden[r0:r1])
+                elif need_w:  # the first token chunk overwrites acc
+                    addmm_f32_(acc, dl.T, hidden[r0:r1], accumulate=r0 > 0)
                 if need_h:  # dl's zero columns up to cols keep K_A vectorized
-                    _matmul_acc_(grad_h32[r0:r1], dl, w_chunk, cfg, k_a=cols)
+                    _matmul_acc_(
+                        grad_h32[r0:r1], dl, w_chunk, cfg, k_a=cols, accumulate=v_begin > 0
+                    )
             if need_w and acc_w is not None:
                 gw_slice.copy_(acc)
         grad_h = None
