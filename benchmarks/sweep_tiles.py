@@ -56,6 +56,14 @@ VARIANTS = {
     "fx64x128-w4": {"fixed": (64, 128, 64), "fixed_warps": 4},
     "dlearly": {"dl_early_tests": True},
     "dlstore-early": {"dl_store_tma": True, "dl_early_tests": True},
+    "bh128-s2": {"block_h": 128, "logit_stages": 2},
+    "bh128-s2-fx64x128-pipe": {
+        "block_h": 128,
+        "logit_stages": 2,
+        "fixed": (64, 128, 64),
+        "fixed_pipe": True,
+    },
+    "fx64x128-pipe-w4": {"fixed": (64, 128, 64), "fixed_pipe": True, "fixed_warps": 4},
 }
 
 
@@ -87,6 +95,8 @@ ORDER_ONLY = {
     "fxsplit": {"fixed_convert": "split"},  # the same integers (deterministic mode)
     "dlstore": {"dl_store_tma": True},  # the same d_logits values, another store path
     "dlearly": {"dl_early_tests": True},  # the same branches, taken before the K loop
+    "bh128-s2": {"block_h": 128, "logit_stages": 2},  # K steps of 128: the same k16 order?
+    "fx64x128-pipe": {"fixed": (64, 128, 64), "fixed_pipe": True},  # the same integers?
     # another fixed-point tile: the same leaf products if the MMAs keep their K order
     # (an open question this check answers; not needed for TP invariance)
     "fx64x128-w4-s2": {"fixed": (64, 128, 64), "fixed_warps": 4, "fixed_stages": 2},

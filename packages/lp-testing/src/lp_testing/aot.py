@@ -62,6 +62,10 @@ def _dl_early_tests(cfg):
     return dataclasses.replace(cfg, dl_early_tests=True)
 
 
+def _bh128_s2(cfg):
+    return dataclasses.replace(cfg, block_h=128, logit_stages=2)
+
+
 _DET = "lp_kernels.backends.triton_deterministic"
 _LIN = "lp_kernels.backends.triton_linear"
 # Experimental switches compiled by ``--variants all``: name -> the (module, attribute,
@@ -71,6 +75,8 @@ EXPERIMENTS = {
     "pipe": [(_DET, "FIXED_PIPELINE", True)],
     "dlstore": [(_LIN, "GPU_CONFIG", _dl_store_tma)],
     "dlearly": [(_LIN, "GPU_CONFIG", _dl_early_tests)],
+    "bh128-s2": [(_LIN, "GPU_CONFIG", _bh128_s2)],
+    "fx64x128-pipe": [(_DET, "FIXED_GPU", (64, 128, 64)), (_DET, "FIXED_PIPELINE", True)],
     "fx64x128-w4-s2": [
         (_DET, "FIXED_GPU", (64, 128, 64)),
         (_DET, "FIXED_WARPS", 4),

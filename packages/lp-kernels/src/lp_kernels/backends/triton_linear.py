@@ -101,6 +101,9 @@ class TileConfig:
     """Warps of the two logit-tile kernels (forward statistics, d_logits); None: num_warps.
     Experimental (sweep variant ``bv128-w4``): 4 warps on 128 x 128 tiles fit two programs
     per SM, so that one's softmax epilogue can overlap the other's MMAs."""
+    logit_stages: int | None = None
+    """Pipeline stages of the two logit-tile kernels; None: num_stages. Experimental
+    (sweep variant ``bh128-s2``: K steps of 128 in two stages)."""
     dl_store_tma: bool = False
     """Store d_logits tiles through a tensor descriptor (a bulk copy from shared memory,
     bounds clipped by the descriptor) instead of masked pointer stores, where
@@ -533,7 +536,8 @@ def _launch_opts(cfg: TileConfig, device: torch.device, *, logits: bool = False)
     if device.type == "cpu":
         return {}
     warps = cfg.logit_warps if logits and cfg.logit_warps else cfg.num_warps
-    return {"num_warps": warps, "num_stages": cfg.num_stages}
+    stages = cfg.logit_stages if logits and cfg.logit_stages else cfg.num_stages
+    return {"num_warps": warps, "num_stages": stages}
 
 
 def forward_stats(
