@@ -64,6 +64,9 @@ VARIANTS = {
         "fixed_pipe": True,
     },
     "fx64x128-pipe-w4": {"fixed": (64, 128, 64), "fixed_pipe": True, "fixed_warps": 4},
+    "exp2": {"exp2_fold": True},
+    "tailmask": {"fwd_tail_mask": True},
+    "exp2-tailmask": {"exp2_fold": True, "fwd_tail_mask": True},
 }
 
 
@@ -97,6 +100,7 @@ ORDER_ONLY = {
     "dlearly": {"dl_early_tests": True},  # the same branches, taken before the K loop
     "bh128-s2": {"block_h": 128, "logit_stages": 2},  # K steps of 128: the same k16 order?
     "fx64x128-pipe": {"fixed": (64, 128, 64), "fixed_pipe": True},  # the same integers?
+    "tailmask": {"fwd_tail_mask": True},  # a select that keeps every value, skipped
     # another fixed-point tile: the same leaf products if the MMAs keep their K order
     # (an open question this check answers; not needed for TP invariance)
     "fx64x128-w4-s2": {"fixed": (64, 128, 64), "fixed_warps": 4, "fixed_stages": 2},

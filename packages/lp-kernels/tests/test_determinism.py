@@ -137,7 +137,8 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
 ):
     """Tensor-descriptor loads against pointer loads, the grouped launch order against
     another grouping, descriptor stores of d_logits against pointer stores, the d_logits
-    tile tests before the K loop against after it, and
+    tile tests before the K loop against after it, the forward's masks in the tail tile
+    only against in every tile, and
     (deterministic) the pipelined fixed-point leaves and the split
     rounding of the fixed-point GEMM: the same products in the same order (and the same
     integers), so the same bits (the load path is chosen by H, dtype and alignment; see
@@ -156,6 +157,7 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
     changes = [{}, {"tma": False}, {"group": 1}, {"group": 0, "tma": False}]
     changes += [{"dl_store_tma": True}]  # d_logits stored through a descriptor
     changes += [{"dl_early_tests": True}]  # d_logits tile tests before the K loop
+    changes += [{"fwd_tail_mask": True}]  # forward masks only in the split's last tile
     if deterministic:  # and the fixed-point GEMM's leaf pipelining and split rounding
         changes += [{"pipe": True}, {"convert": "split"}]
     for change in changes:

@@ -66,6 +66,10 @@ def _bh128_s2(cfg):
     return dataclasses.replace(cfg, block_h=128, logit_stages=2)
 
 
+def _exp2_tailmask(cfg):
+    return dataclasses.replace(cfg, exp2_fold=True, fwd_tail_mask=True)
+
+
 _DET = "lp_kernels.backends.triton_deterministic"
 _LIN = "lp_kernels.backends.triton_linear"
 # Experimental switches compiled by ``--variants all``: name -> the (module, attribute,
@@ -76,6 +80,7 @@ EXPERIMENTS = {
     "dlstore": [(_LIN, "GPU_CONFIG", _dl_store_tma)],
     "dlearly": [(_LIN, "GPU_CONFIG", _dl_early_tests)],
     "bh128-s2": [(_LIN, "GPU_CONFIG", _bh128_s2)],
+    "exp2-tailmask": [(_LIN, "GPU_CONFIG", _exp2_tailmask)],
     "fx64x128-pipe": [(_DET, "FIXED_GPU", (64, 128, 64)), (_DET, "FIXED_PIPELINE", True)],
     "fx64x128-w4-s2": [
         (_DET, "FIXED_GPU", (64, 128, 64)),

@@ -101,6 +101,15 @@ class TileConfig:
     """Warps of the two logit-tile kernels (forward statistics, d_logits); None: num_warps.
     Experimental (sweep variant ``bv128-w4``): 4 warps on 128 x 128 tiles fit two programs
     per SM, so that one's softmax epilogue can overlap the other's MMAs."""
+    exp2_fold: bool = False
+    """d_logits: ``p = exp2(z * (log2(e) / T) - lse * log2(e))``, one FMA before the
+    exponential, instead of scaling, subtracting and the exponential's own multiply by
+    log2(e). Experimental (sweep variant ``exp2``): other roundings, so other bits (the
+    same on every layout: TP invariance holds)."""
+    fwd_tail_mask: bool = False
+    """Forward: mask columns past the split's end only in the tile that has them (a
+    branch on a scalar, no reduction), not in every tile. Experimental (sweep variant
+    ``tailmask``): a select that keeps every value elsewhere, so the same bits."""
     logit_stages: int | None = None
     """Pipeline stages of the two logit-tile kernels; None: num_stages. Experimental
     (sweep variant ``bh128-s2``: K steps of 128 in two stages)."""
@@ -132,6 +141,7 @@ INTERPRET_CONFIG = TileConfig(
 
 
 IGNORED = -2  # target code of an ignored row in the kernels (see target_codes)
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 # GPUs with less shared memory per block than Hopper's 227 KiB (A100: 163 KiB; Ada and
@@ -256,9 +266,12 @@ def _fwd_stats_kernel(
     stride_hn, stride_hh, stride_wv, stride_wh,
     V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, TAIL: tl.constexpr = False,
 ):  # fmt: skip
-    """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target]."""
+    """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target].
+
+    ``TAIL``: the masks of columns past the split's end run only in the tile that has some.
+    """
     i_n, i_s = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -276,7 +289,12 @@ def _fwd_stats_kernel(
             h_src, w_src, i_n * BLOCK_N, v0, m_n, m_v, H, stride_hn, stride_hh, stride_wv,
             stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET, PRECISION, TMA,
         )  # fmt: skip
-        b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
+        if TAIL:
+            b_z = b_z * inv_t
+            if v0 + BLOCK_V > v_end:
+                b_z = tl.where(m_v[None, :], b_z, float("-inf"))
+        else:
+            b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
         b_zt += tl.sum(tl.where(o_v[None, :] == b_t[:, None], b_z, 0.0), axis=1)
         # online update; the first tile turns m from -inf into a finite maximum
         b_mn = tl.maximum(b_m, tl.max(b_z, axis=1))
@@ -285,7 +303,12 @@ def _fwd_stats_kernel(
         b_e = tl.exp(b_d)
         if ENTROPY:
             b_shift = tl.where(b_s > 0, b_m - b_mn, 0.0)
-            b_ed = tl.where(m_v[None, :], b_e * b_d, 0.0)
+            if TAIL:  # e (z - m) is 0 * -inf in masked columns
+                b_ed = b_e * b_d
+                if v0 + BLOCK_V > v_end:
+                    b_ed = tl.where(m_v[None, :], b_ed, 0.0)
+            else:
+                b_ed = tl.where(m_v[None, :], b_e * b_d, 0.0)
             b_a = b_alpha * (b_a + b_shift * b_s) + tl.sum(b_ed, axis=1)
         b_s = b_s * b_alpha + tl.sum(b_e, axis=1)
         b_m = b_mn
@@ -339,13 +362,14 @@ def _dlogits_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, EVEN_H: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, IGNORED: tl.constexpr, TMA: tl.constexpr,
-    STORE_TMA: tl.constexpr = False, EARLY: tl.constexpr = False,
+    STORE_TMA: tl.constexpr = False, EARLY: tl.constexpr = False, EXP2: tl.constexpr = False,
 ):  # fmt: skip
     """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T for columns [v_begin, +v_count).
 
     Columns [v_count, v_store) of the output get exact zeros (v_store: v_count padded to 128).
     ``STORE_TMA``: ``dl_ptr`` is a tensor descriptor over the ``[N, v_store]`` output.
     ``EARLY``: the per-tile tests (:func:`_dlogits_tests`) run before the K loop.
+    ``EXP2``: p = exp2(z log2(e) / T - lse log2(e)), one FMA and the exponential.
     """
     i_n, i_v = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_store, BLOCK_V), group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -366,7 +390,10 @@ def _dlogits_kernel(
     b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
     b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0) * inv_t
     b_zs = b_z * inv_t
-    b_p = tl.exp(b_zs - b_lse[:, None])
+    if EXP2:
+        b_p = tl.exp2(b_z * (inv_t * _LOG2E) - (b_lse * _LOG2E)[:, None])
+    else:
+        b_p = tl.exp(b_zs - b_lse[:, None])
     if ENTROPY:
         b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
         b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
@@ -566,6 +593,7 @@ def forward_stats(
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1),
         V_SPLIT=cfg.v_split, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=p.return_entropy, TMA=tma, WS=cfg.warp_specialize and tma,
+        TAIL=cfg.fwd_tail_mask,
         **_flags(hidden, cfg),
         **_launch_opts(cfg, hidden.device, logits=True),
     )  # fmt: skip
@@ -627,7 +655,7 @@ def _dlogits(hidden, w_real, t_col, lse, mean, g_lp, g_ent, c0, out, v_begin, v_
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=g_ent is not None, HAS_LP=g_lp is not None, IGNORED=IGNORED, TMA=tma,
-        STORE_TMA=store_tma, EARLY=cfg.dl_early_tests,
+        STORE_TMA=store_tma, EARLY=cfg.dl_early_tests, EXP2=cfg.exp2_fold,
         **_flags(hidden, cfg), **_launch_opts(cfg, hidden.device, logits=True),
     )  # fmt: skip
 
