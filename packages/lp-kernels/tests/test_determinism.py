@@ -136,10 +136,7 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
     dtype, deterministic, device, monkeypatch
 ):
     """Tensor-descriptor loads against pointer loads, the grouped launch order against
-    another grouping, descriptor stores of d_logits against pointer stores, the d_logits
-    tile tests before the K loop against after it, the forward's masks in the tail tile
-    only against in every tile, and
-    (deterministic) the pipelined fixed-point leaves and the split
+    another grouping, and (deterministic) the pipelined fixed-point leaves and the split
     rounding of the fixed-point GEMM: the same products in the same order (and the same
     integers), so the same bits (the load path is chosen by H, dtype and alignment; see
     triton_linear.tma_ok)."""
@@ -155,9 +152,6 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
     )
     results = []
     changes = [{}, {"tma": False}, {"group": 1}, {"group": 0, "tma": False}]
-    changes += [{"dl_store_tma": True}]  # d_logits stored through a descriptor
-    changes += [{"dl_early_tests": True}]  # d_logits tile tests before the K loop
-    changes += [{"fwd_tail_mask": True}]  # forward masks only in the split's last tile
     if deterministic:  # and the fixed-point GEMM's leaf pipelining and split rounding
         changes += [{"pipe": True}, {"convert": "split"}]
     for change in changes:
@@ -179,48 +173,14 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
             assert_bitwise_equal(a, b)
 
 
-def _store_path(store: str, device: str, monkeypatch) -> list:
-    """Pin how _dlogits_kernel stores its tiles: masked pointer stores (the default) or a
-    tensor descriptor (TileConfig.dl_store_tma, experimental). Returns the list of
-    ``store_tma`` flags of every d_logits launch, to check that the path asked for ran."""
-    import dataclasses
-
-    import lp_kernels.backends.triton_linear as tri
-
-    name = "INTERPRET_CONFIG" if device == "cpu" else "GPU_CONFIG"
-    cfg = getattr(tri, name)
-    monkeypatch.setattr(tri, name, dataclasses.replace(cfg, dl_store_tma=store == "tma"))
-    flags, real = [], tri.dlogits_destination
-
-    def spy(out, cfg):
-        dst, store_tma = real(out, cfg)
-        flags.append(store_tma)
-        return dst, store_tma
-
-    monkeypatch.setattr(tri, "dlogits_destination", spy)
-    return flags
-
-
-def _ran_store_path(store: str, flags: list) -> bool:
-    return bool(flags) and all(f == (store == "tma") for f in flags)
-
-
-@pytest.mark.parametrize(
-    ("dtype", "store"),
-    [(torch.float32, "ptr"), (torch.bfloat16, "ptr"), (torch.bfloat16, "tma")],
-    ids=["fp32", "bf16", "bf16-tma-store"],
-)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
-def test_every_output_and_gradient_element_written(
-    dtype, store, deterministic, device, monkeypatch
-):
-    """NaN-poisoned scratch and outputs (grad_weight is not zero-filled first): the results
-    equal those of zeroed allocations, bit for bit, with several token chunks, several
-    vocabulary chunks and padding rows (the triton backend's interpreter config on CPU);
-    with either store path of d_logits."""
+def test_every_output_and_gradient_element_written(dtype, deterministic, device, monkeypatch):
+    """NaN-poisoned scratch and outputs (grad_weight is not zero-filled first; the fp32
+    accumulators are overwritten by their first chunk): the results equal those of zeroed
+    allocations, bit for bit, with several token chunks, several vocabulary chunks and
+    padding rows (the triton backend's interpreter config on CPU)."""
     from lp_kernels._matmul import scratch
-
-    blocks = _store_path(store, device, monkeypatch)
 
     p = make_problem(
         131, 32, 2300, dtype=dtype, device=device, seed=9, ignore_frac=0.1, padded_vocab=2432
@@ -238,22 +198,19 @@ def test_every_output_and_gradient_element_written(
         (out.logprob * g + out.entropy * g.flip(0)).sum().backward()
         results.append((out.logprob, out.entropy, h.grad, w.grad))
     assert torch.equal(results[1][3][2300:], torch.zeros_like(results[1][3][2300:]))
-    assert _ran_store_path(store, blocks)
     for a, b in zip(*results, strict=True):
         assert_bitwise_equal(a, b)
 
 
-@pytest.mark.parametrize("store", ["ptr", "tma"], ids=["ptr-store", "tma-store"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
-def test_dlogits_buffer_is_exactly_zero_past_the_chunk(deterministic, store, device, monkeypatch):
+def test_dlogits_buffer_is_exactly_zero_past_the_chunk(deterministic, device, monkeypatch):
     """The d_logits blocks the gradient GEMMs read (NaN-poisoned scratch) hold exact zeros
     in their padded columns [v_count, cols) (the kernels' padded K bound assumes them) and
     in ignored rows, even where those rows' hidden is NaN, while the real columns of live
-    rows are written; with either store path."""
+    rows are written."""
     import lp_kernels.backends.triton_linear as tri
     from lp_kernels._matmul import scratch
 
-    blocks = _store_path(store, device, monkeypatch)
     monkeypatch.setattr(scratch, "poison", True)
     seen = []  # (v_count, rows r0:r1, the block with its padded columns)
     real = tri.dlogits_blocks
@@ -287,7 +244,6 @@ def test_dlogits_buffer_is_exactly_zero_past_the_chunk(deterministic, store, dev
         deterministic=deterministic,
     ).logprob.sum().backward()
     ignored = targets == p.ignore_index
-    assert _ran_store_path(store, blocks)
     assert any(block.shape[1] > v_count for v_count, _, _, block in seen)
     for v_count, r0, r1, block in seen:
         dead = ignored[r0:r1]

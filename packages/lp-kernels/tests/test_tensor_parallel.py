@@ -276,3 +276,41 @@ def test_group_of_size_one_equals_no_group():
     ref.logprob.sum().backward()
     ((lp, gh),) = run_ranks(_group_of_one_rank, 1, problem, timeout=60)
     assert torch.equal(lp, ref.logprob) and torch.equal(gh, h.grad)
+
+
+def _padding_shard_rank(rank, world, problem, deterministic):
+    from lp_kernels._matmul import scratch
+
+    scratch.poison = True  # every unwritten scratch element reads as NaN
+    start, size = split_vocab(problem.v_padded, world, mode="even")[rank]
+    h = problem.hidden.clone().requires_grad_()
+    w = problem.weight[start : start + size].clone().requires_grad_()
+    out = linear_logprob(
+        h, w, problem.targets, tp_group=dist.group.WORLD, reduce_grad_hidden=False,
+        return_entropy=True, return_lse=True, backend="triton", deterministic=deterministic,
+        **problem.op_kwargs(),
+    )  # fmt: skip
+    _loss(out, _upstream(problem.n)).backward()
+    return out.logprob, h.grad, w.grad
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+def test_triton_shard_of_padding_only(deterministic):
+    """A rank whose shard holds only padding columns (a small vocabulary padded to 128 x
+    TP) runs no d_logits chunk: its partial grad_hidden and its grad_weight are exact zeros,
+    not uninitialised scratch (NaN-poisoned here), and rank 0's partial is the whole sum."""
+    problem = make_problem(9, 16, 100, seed=5, ignore_frac=0.2, padded_vocab=256)
+    p = problem.with_grad()
+    ref = linear_logprob(
+        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, **p.op_kwargs()
+    )
+    _loss(ref, _upstream(p.n)).backward()
+    (lp0, gh0, gw0), (lp1, gh1, gw1) = run_ranks(
+        _padding_shard_rank, 2, problem, deterministic, timeout=240
+    )
+    assert split_vocab(problem.v_padded, 2, mode="even")[1][0] >= 100  # rank 1: padding only
+    assert torch.equal(gh1, torch.zeros_like(gh1)) and torch.equal(gw1, torch.zeros_like(gw1))
+    assert torch.equal(lp0, lp1)
+    assert_close(lp0, ref.logprob, rtol=1e-5, atol=1e-5, name="logprob")
+    assert_close(gh0, p.hidden.grad, rtol=1e-5, atol=1e-5, name="grad_hidden (rank 0)")
+    assert_close(gw0, p.weight.grad[:128], rtol=1e-5, atol=1e-5, name="grad_weight (rank 0)")

@@ -54,22 +54,6 @@ _DTYPES = {
 }
 
 
-def _dl_store_tma(cfg):
-    return dataclasses.replace(cfg, dl_store_tma=True)
-
-
-def _dl_early_tests(cfg):
-    return dataclasses.replace(cfg, dl_early_tests=True)
-
-
-def _bh128_s2(cfg):
-    return dataclasses.replace(cfg, block_h=128, logit_stages=2)
-
-
-def _exp2_tailmask(cfg):
-    return dataclasses.replace(cfg, exp2_fold=True, fwd_tail_mask=True)
-
-
 _DET = "lp_kernels.backends.triton_deterministic"
 _LIN = "lp_kernels.backends.triton_linear"
 # Experimental switches compiled by ``--variants all``: name -> the (module, attribute,
@@ -77,16 +61,6 @@ _LIN = "lp_kernels.backends.triton_linear"
 EXPERIMENTS = {
     "split": [(_DET, "FIXED_CONVERT", "split")],
     "pipe": [(_DET, "FIXED_PIPELINE", True)],
-    "dlstore": [(_LIN, "GPU_CONFIG", _dl_store_tma)],
-    "dlearly": [(_LIN, "GPU_CONFIG", _dl_early_tests)],
-    "bh128-s2": [(_LIN, "GPU_CONFIG", _bh128_s2)],
-    "exp2-tailmask": [(_LIN, "GPU_CONFIG", _exp2_tailmask)],
-    "fx64x128-pipe": [(_DET, "FIXED_GPU", (64, 128, 64)), (_DET, "FIXED_PIPELINE", True)],
-    "fx64x128-w4-s2": [
-        (_DET, "FIXED_GPU", (64, 128, 64)),
-        (_DET, "FIXED_WARPS", 4),
-        (_DET, "FIXED_STAGES", 2),
-    ],
 }
 
 
@@ -128,7 +102,7 @@ def _record(fn, args, kwargs) -> Launch:
     values = dict(zip((p.name for p in params[: len(args)]), args, strict=True))
     options = {}
     for key, value in kwargs.items():
-        if key in ("num_warps", "num_stages", "num_ctas", "maxnreg"):
+        if key in ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion"):
             options[key] = value
         else:
             values[key] = value
@@ -166,6 +140,7 @@ def gpu_launches(tier: str = "large") -> Iterator[list]:
     fake = types.SimpleNamespace(type="cuda", index=0)
     launches: list = []
     tri_config, det_config, opts = tri.config_for, tdet.config_for, tri._launch_opts
+    compile_opts = tri._compile_opts
 
     def run(self, *args, grid, warmup, **kwargs):
         launches.append((self, _record(self, args, kwargs)))
@@ -177,6 +152,7 @@ def gpu_launches(tier: str = "large") -> Iterator[list]:
         (tri, "config_for", lambda device, dtype=torch.bfloat16: tri_config(fake, dtype)),
         (tdet, "config_for", lambda device, dtype=torch.bfloat16: det_config(fake, dtype)),
         (tri, "_launch_opts", lambda cfg, device, **kw: opts(cfg, fake, **kw)),
+        (tri, "_compile_opts", lambda device: compile_opts(fake)),
         (tdet, "_full_stages", lambda a: a.element_size() <= 2 and tier == "large"),
     ):
         yield launches

@@ -55,10 +55,6 @@ FIXED_GPU = (128, 128, 64)  # BLOCK_M, BLOCK_N, BLOCK_K of _matmul_fixed_kernel 
 FIXED_GPU_4BYTE = (64, 128, 64)  # the same for fp32 inputs (with two pipeline stages)
 FIXED_SMALL, FIXED_SMALL_4BYTE = (64, 128, 64), (32, 64, 32)  # less shared memory
 FIXED_WARPS: int | None = None  # num_warps of _matmul_fixed_kernel (None: the config's)
-# experimental: pipeline stages of _matmul_fixed_kernel (None: see _matmul_fixed_). With
-# 64 x 128 tiles, 4 warps and 2 stages (96 KiB) two programs fit on one H200 SM, so that
-# one's rounding can run while the other's MMAs do (sweep variant fx64x128-w4-s2).
-FIXED_STAGES: int | None = None
 FIXED_PIPELINE = False  # experimental: round a leaf while the next one's MMAs run
 # experimental: "split" rounds each scaled leaf into three int32 parts with fp32 adds of a
 # magic constant (no 64-bit conversion per element; see _split_rint); "cvt" converts
@@ -238,7 +234,7 @@ def _matmul_fixed_(c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: T
         cfg,
         mm_block_k=block_k,
         num_warps=FIXED_WARPS or cfg.num_warps,
-        num_stages=FIXED_STAGES or (cfg.num_stages if _full_stages(a) else min(cfg.num_stages, 2)),
+        num_stages=cfg.num_stages if _full_stages(a) else min(cfg.num_stages, 2),
     )
     a_src, b_src, tma = tri.gemm_sources(a, b, m, k_a, False, mm_cfg, block_m, block_n)
     split = FIXED_CONVERT == "split" and not FIXED_PIPELINE

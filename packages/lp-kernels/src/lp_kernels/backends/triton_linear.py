@@ -101,29 +101,6 @@ class TileConfig:
     """Warps of the two logit-tile kernels (forward statistics, d_logits); None: num_warps.
     Experimental (sweep variant ``bv128-w4``): 4 warps on 128 x 128 tiles fit two programs
     per SM, so that one's softmax epilogue can overlap the other's MMAs."""
-    exp2_fold: bool = False
-    """d_logits: ``p = exp2(z * (log2(e) / T) - lse * log2(e))``, one FMA before the
-    exponential, instead of scaling, subtracting and the exponential's own multiply by
-    log2(e). Experimental (sweep variant ``exp2``): other roundings, so other bits (the
-    same on every layout: TP invariance holds)."""
-    fwd_tail_mask: bool = False
-    """Forward: mask columns past the split's end only in the tile that has them (a
-    branch on a scalar, no reduction), not in every tile. Experimental (sweep variant
-    ``tailmask``): a select that keeps every value elsewhere, so the same bits."""
-    logit_stages: int | None = None
-    """Pipeline stages of the two logit-tile kernels; None: num_stages. Experimental
-    (sweep variant ``bh128-s2``: K steps of 128 in two stages)."""
-    dl_store_tma: bool = False
-    """Store d_logits tiles through a tensor descriptor (a bulk copy from shared memory,
-    bounds clipped by the descriptor) instead of masked pointer stores, where
-    :func:`tma_ok` allows. Experimental (sweep variant ``dlstore``): the same values, so
-    the same bits; whether it frees the MMA warps sooner is for the GPU to say."""
-    dl_early_tests: bool = False
-    """Take the d_logits kernel's two per-tile tests (does a row's target fall in this
-    tile; does the tile need the zeroing select) before its K loop instead of after it.
-    Each is a block-wide reduction, a barrier of the program's warps: before the loop it
-    waits with the first loads, after it the tensor cores wait on it. Experimental (sweep
-    variant ``dlearly``): the same branches, so the same bits."""
 
 
 # Chosen by benchmarks/sweep_tiles.py on H200 (docs/benchmarks.md, session 3).
@@ -141,7 +118,6 @@ INTERPRET_CONFIG = TileConfig(
 
 
 IGNORED = -2  # target code of an ignored row in the kernels (see target_codes)
-_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 # GPUs with less shared memory per block than Hopper's 227 KiB (A100: 163 KiB; Ada and
@@ -266,12 +242,9 @@ def _fwd_stats_kernel(
     stride_hn, stride_hh, stride_wv, stride_wh,
     V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr, TAIL: tl.constexpr = False,
+    TMA: tl.constexpr, WS: tl.constexpr,
 ):  # fmt: skip
-    """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target].
-
-    ``TAIL``: the masks of columns past the split's end run only in the tile that has some.
-    """
+    """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target]."""
     i_n, i_s = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -289,12 +262,7 @@ def _fwd_stats_kernel(
             h_src, w_src, i_n * BLOCK_N, v0, m_n, m_v, H, stride_hn, stride_hh, stride_wv,
             stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET, PRECISION, TMA,
         )  # fmt: skip
-        if TAIL:
-            b_z = b_z * inv_t
-            if v0 + BLOCK_V > v_end:
-                b_z = tl.where(m_v[None, :], b_z, float("-inf"))
-        else:
-            b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
+        b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
         b_zt += tl.sum(tl.where(o_v[None, :] == b_t[:, None], b_z, 0.0), axis=1)
         # online update; the first tile turns m from -inf into a finite maximum
         b_mn = tl.maximum(b_m, tl.max(b_z, axis=1))
@@ -303,12 +271,7 @@ def _fwd_stats_kernel(
         b_e = tl.exp(b_d)
         if ENTROPY:
             b_shift = tl.where(b_s > 0, b_m - b_mn, 0.0)
-            if TAIL:  # e (z - m) is 0 * -inf in masked columns
-                b_ed = b_e * b_d
-                if v0 + BLOCK_V > v_end:
-                    b_ed = tl.where(m_v[None, :], b_ed, 0.0)
-            else:
-                b_ed = tl.where(m_v[None, :], b_e * b_d, 0.0)
+            b_ed = tl.where(m_v[None, :], b_e * b_d, 0.0)
             b_a = b_alpha * (b_a + b_shift * b_s) + tl.sum(b_ed, axis=1)
         b_s = b_s * b_alpha + tl.sum(b_e, axis=1)
         b_m = b_mn
@@ -362,25 +325,16 @@ def _dlogits_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, EVEN_H: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, IGNORED: tl.constexpr, TMA: tl.constexpr,
-    STORE_TMA: tl.constexpr = False, EARLY: tl.constexpr = False, EXP2: tl.constexpr = False,
 ):  # fmt: skip
     """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T for columns [v_begin, +v_count).
 
     Columns [v_count, v_store) of the output get exact zeros (v_store: v_count padded to 128).
-    ``STORE_TMA``: ``dl_ptr`` is a tensor descriptor over the ``[N, v_store]`` output.
-    ``EARLY``: the per-tile tests (:func:`_dlogits_tests`) run before the K loop.
-    ``EXP2``: p = exp2(z log2(e) / T - lse log2(e)), one FMA and the exponential.
     """
     i_n, i_v = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_store, BLOCK_V), group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # column within the chunk
     m_n = o_n < N
     m_v = o_c < v_count
-    if EARLY:
-        b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
-        b_trel, m_live, hit, need_select = _dlogits_tests(
-            b_t, m_n, v_begin, i_v, v_count, BLOCK_V, IGNORED, HAS_LP
-        )
     b_z = _logits_tile(
         h_src, w_src, i_n * BLOCK_N, v_begin + i_v * BLOCK_V, m_n, m_v, H, stride_hn,
         stride_hh, stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET,
@@ -390,57 +344,27 @@ def _dlogits_kernel(
     b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
     b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0) * inv_t
     b_zs = b_z * inv_t
-    if EXP2:
-        b_p = tl.exp2(b_z * (inv_t * _LOG2E) - (b_lse * _LOG2E)[:, None])
-    else:
-        b_p = tl.exp(b_zs - b_lse[:, None])
+    b_p = tl.exp(b_zs - b_lse[:, None])
     if ENTROPY:
         b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
         b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
         b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
     else:
         b_dz = b_p * b_c0[:, None]
-    if not EARLY:
-        b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
-        b_trel, m_live, hit, need_select = _dlogits_tests(
-            b_t, m_n, v_begin, i_v, v_count, BLOCK_V, IGNORED, HAS_LP
-        )
-    # + g_lp / T in the target's column, in tiles that hold some row's target
-    if HAS_LP:  # noqa: SIM102  (a constexpr branch around a runtime one)
-        if hit:
+    b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
+    if HAS_LP:  # + g_lp / T in the target's column, in tiles that hold some row's target
+        b_trel = b_t - (v_begin + i_v * BLOCK_V)
+        if tl.max(((b_trel >= 0) & (b_trel < BLOCK_V)).to(tl.int32), axis=0) > 0:
             b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
             m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
             b_dz = tl.where(m_hit, b_dz + b_glp[:, None], b_dz)
     # ignored rows (code IGNORED) and rows past N get exact zeros, even where their hidden
     # is not finite, as do columns past v_count: a select only in tiles that have them
-    if need_select:
-        b_dz = tl.where(m_live[:, None] & m_v[None, :], b_dz, 0.0)
-    if STORE_TMA:  # rows past N and columns past v_store fall outside the descriptor
-        dl_ptr.store([i_n * BLOCK_N, i_v * BLOCK_V], b_dz.to(dl_ptr.dtype))
-    else:
-        p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_c[None, :]
-        b_out = b_dz.to(dl_ptr.dtype.element_ty)
-        tl.store(p_d, b_out, mask=m_n[:, None] & (o_c < v_store)[None, :])
-
-
-@triton.jit
-def _dlogits_tests(
-    b_t, m_n, v_begin, i_v, v_count,
-    BLOCK_V: tl.constexpr, IGNORED: tl.constexpr, HAS_LP: tl.constexpr,
-):  # fmt: skip
-    """The d_logits tile's tests from its rows' target codes ``b_t``: ``(b_trel, m_live,
-    hit, need_select)`` = each target's column relative to the tile, the live rows (in
-    range, not ignored), whether some row's target falls in the tile (``HAS_LP`` only),
-    and whether the tile has a dead row or a column past ``v_count`` (then the zeroing
-    select runs)."""
-    b_trel = b_t - (v_begin + i_v * BLOCK_V)
-    if HAS_LP:  # noqa: SIM108  (a constexpr branch: only one side is compiled)
-        hit = tl.max(((b_trel >= 0) & (b_trel < BLOCK_V)).to(tl.int32), axis=0) > 0
-    else:
-        hit = False
     m_live = m_n & (b_t != IGNORED)
-    need_select = (tl.min(m_live.to(tl.int32), axis=0) == 0) | ((i_v + 1) * BLOCK_V > v_count)
-    return b_trel, m_live, hit, need_select
+    if (tl.min(m_live.to(tl.int32), axis=0) == 0) | ((i_v + 1) * BLOCK_V > v_count):
+        b_dz = tl.where(m_live[:, None] & m_v[None, :], b_dz, 0.0)
+    p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_c[None, :]
+    tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & (o_c < v_store)[None, :])
 
 
 @triton.jit
@@ -559,12 +483,22 @@ def _flags(hidden: torch.Tensor, cfg: TileConfig) -> dict:
     }
 
 
+# Multiply-adds contract to FMAs in every kernel, as Triton has always compiled them by
+# default; pinned because Triton 3.9 warns that 3.10 turns that default off, which would
+# change the bits (and the speed) of every kernel with a Triton upgrade.
+FP_FUSION = True
+
+
+def _compile_opts(device: torch.device) -> dict:
+    """Compile options every GPU launch pins (none under the interpreter)."""
+    return {} if device.type == "cpu" else {"enable_fp_fusion": FP_FUSION}
+
+
 def _launch_opts(cfg: TileConfig, device: torch.device, *, logits: bool = False) -> dict:
     if device.type == "cpu":
         return {}
     warps = cfg.logit_warps if logits and cfg.logit_warps else cfg.num_warps
-    stages = cfg.logit_stages if logits and cfg.logit_stages else cfg.num_stages
-    return {"num_warps": warps, "num_stages": stages}
+    return {"num_warps": warps, "num_stages": cfg.num_stages, **_compile_opts(device)}
 
 
 def forward_stats(
@@ -593,7 +527,6 @@ def forward_stats(
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1),
         V_SPLIT=cfg.v_split, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=p.return_entropy, TMA=tma, WS=cfg.warp_specialize and tma,
-        TAIL=cfg.fwd_tail_mask,
         **_flags(hidden, cfg),
         **_launch_opts(cfg, hidden.device, logits=True),
     )  # fmt: skip
@@ -630,7 +563,7 @@ def merge(stats: torch.Tensor, *, entropy: bool):
     block = 128 if dev.type != "cpu" else 256
     _merge_kernel[(triton.cdiv(n, block),)](
         stats.contiguous(), lse, mean if entropy else lse, zt, ent if entropy else lse, k, n,
-        BLOCK_N=block, ENTROPY=entropy,
+        BLOCK_N=block, ENTROPY=entropy, **_compile_opts(dev),
     )  # fmt: skip
     return lse, mean, zt, ent
 
@@ -647,25 +580,15 @@ def _dlogits(hidden, w_real, t_col, lse, mean, g_lp, g_ent, c0, out, v_begin, v_
     v_store = out.shape[1]
     blocks_n = triton.cdiv(n, cfg.block_n)
     h_src, w_src, tma = _logits_sources(hidden, w_real, cfg)
-    dl_dst, store_tma = dlogits_destination(out, cfg)
     _dlogits_kernel[(blocks_n * triton.cdiv(v_store, cfg.block_v),)](
         h_src, w_src, t_col, lse, mean if mean is not None else lse,
-        g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, dl_dst,
+        g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, out,
         n, h_dim, v_begin, v_count, v_store, p.inv_temperature, _group(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=g_ent is not None, HAS_LP=g_lp is not None, IGNORED=IGNORED, TMA=tma,
-        STORE_TMA=store_tma, EARLY=cfg.dl_early_tests, EXP2=cfg.exp2_fold,
         **_flags(hidden, cfg), **_launch_opts(cfg, hidden.device, logits=True),
     )  # fmt: skip
-
-
-def dlogits_destination(out: torch.Tensor, cfg: TileConfig):
-    """``(dst, store_tma)``: a tensor descriptor over the ``[rows, v_store]`` d_logits block
-    when the config asks for one (``dl_store_tma``) and ``out`` allows it, else ``out``."""
-    if cfg.dl_store_tma and tma_ok(out):
-        return _desc(out, out.shape[0], out.shape[1], (cfg.block_n, cfg.block_v)), True
-    return out, False
 
 
 def _matmul_acc_(
