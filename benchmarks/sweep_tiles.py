@@ -53,7 +53,6 @@ VARIANTS = {
     "fx64x128-split": {"fixed": (64, 128, 64), "fixed_convert": "split"},
     "fx64x128-w4": {"fixed": (64, 128, 64), "fixed_warps": 4},
     "fx64x128-pipe-w4": {"fixed": (64, 128, 64), "fixed_pipe": True, "fixed_warps": 4},
-    "mm-s4": {"mm_stages": 4},
 }
 
 
@@ -85,7 +84,6 @@ ORDER_ONLY = {
     # another fixed-point tile, pipelined: the same leaf products if the MMAs keep their
     # K order (equal on H200, docs/benchmarks.md; not needed for TP invariance)
     "fx64x128-pipe": {"fixed": (64, 128, 64), "fixed_pipe": True},
-    "mm-s4": {"mm_stages": 4},  # the fp32-accumulating GEMM's pipeline depth
 }
 
 

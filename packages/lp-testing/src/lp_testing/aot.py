@@ -61,7 +61,6 @@ _LIN = "lp_kernels.backends.triton_linear"
 EXPERIMENTS = {
     "split": [(_DET, "FIXED_CONVERT", "split")],
     "pipe": [(_DET, "FIXED_PIPELINE", True)],
-    "mm-s4": [(_LIN, "GPU_CONFIG", lambda cfg: dataclasses.replace(cfg, mm_stages=4))],
 }
 
 

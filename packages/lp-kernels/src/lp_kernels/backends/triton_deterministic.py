@@ -235,7 +235,6 @@ def _matmul_fixed_(c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: T
         mm_block_k=block_k,
         num_warps=FIXED_WARPS or cfg.num_warps,
         num_stages=cfg.num_stages if _full_stages(a) else min(cfg.num_stages, 2),
-        mm_stages=None,  # the fixed-point GEMM's own depth (a stage holds a leaf)
     )
     a_src, b_src, tma = tri.gemm_sources(a, b, m, k_a, False, mm_cfg, block_m, block_n)
     split = FIXED_CONVERT == "split" and not FIXED_PIPELINE

@@ -101,9 +101,6 @@ class TileConfig:
     """Warps of the two logit-tile kernels (forward statistics, d_logits); None: num_warps.
     Experimental (sweep variant ``bv128-w4``): 4 warps on 128 x 128 tiles fit two programs
     per SM, so that one's softmax epilogue can overlap the other's MMAs."""
-    mm_stages: int | None = None
-    """Pipeline stages of the fp32-accumulating GEMM (``_matmul_acc_``); None: num_stages.
-    Experimental (sweep variant ``mm-s4``): the launch only, so the same bits."""
 
 
 # Chosen by benchmarks/sweep_tiles.py on H200 (docs/benchmarks.md, session 3).
@@ -501,8 +498,7 @@ def _launch_opts(cfg: TileConfig, device: torch.device, *, logits: bool = False)
     if device.type == "cpu":
         return {}
     warps = cfg.logit_warps if logits and cfg.logit_warps else cfg.num_warps
-    stages = cfg.num_stages if logits or not cfg.mm_stages else cfg.mm_stages
-    return {"num_warps": warps, "num_stages": stages, **_compile_opts(device)}
+    return {"num_warps": warps, "num_stages": cfg.num_stages, **_compile_opts(device)}
 
 
 def forward_stats(
