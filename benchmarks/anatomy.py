@@ -23,7 +23,6 @@ So ``triton_logits / cublas_logits`` is what the Triton GEMM structure costs, an
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import types
@@ -109,40 +108,7 @@ def anatomy(shape: str, reps: int, warm_s: float, device: str = "cuda") -> dict:
         "triton_acc / cublas_addmm": ms["triton_acc"] / ms["cublas_addmm"],
         "forward / cublas_full": ms["forward"] / ms["cublas_full"],
     }
-    gemm = {}  # lp's grad_hidden GEMM of the chunk under other launch configs
-    ref = torch.empty_like(acc)
-    tri._matmul_acc_(ref, out, w_c, cfg, k_a=cols, accumulate=False)
-    for name, fields in GEMM_VARIANTS.items():
-        fields = dict(fields)
-        accumulate = fields.pop("accumulate", True)
-        cfg_v = dataclasses.replace(cfg, **fields)
-        got = torch.empty_like(acc)
-        tri._matmul_acc_(got, out, w_c, cfg_v, k_a=cols, accumulate=False)
-
-        def fn(cfg_v=cfg_v, accumulate=accumulate):
-            tri._matmul_acc_(acc, out, w_c, cfg_v, k_a=cols, accumulate=accumulate)
-
-        warm = steady_warmup(fn, 1, warm_s, device=device)
-        t = statistics.median(time_cuda(fn, warmup=warm, reps=reps))
-        gemm[name] = {
-            "ms": t,
-            "x_cublas": t / ms["cublas_addmm"],
-            "same_bits": torch.equal(got, ref),
-        }
-    return {"shape": shape, "rows": rows, "cols": cols, "ms": ms, "ratios": ratios, "gemm": gemm}
-
-
-# Launch configs of the grad_hidden GEMM; none changes a product's K order, so each
-# should give the pinned bits (checked: same_bits).
-GEMM_VARIANTS = {
-    "pinned": {},
-    "no C load (accumulate=False)": {"accumulate": False},
-    "4 stages": {"num_stages": 4},
-    "K step 128, 2 stages": {"mm_block_k": 128, "num_stages": 2},
-    "group 16": {"group": 16},
-    "256 x 128": {"mm_block_m": 256, "mm_block_n": 128},
-    "128 x 128, 4 stages": {"mm_block_n": 128, "num_stages": 4},
-}
+    return {"shape": shape, "rows": rows, "cols": cols, "ms": ms, "ratios": ratios}
 
 
 def main() -> None:
@@ -160,11 +126,6 @@ def main() -> None:
         times = ", ".join(f"{k} {v:.3f}" for k, v in r["ms"].items())
         print(f"{r['shape']} chunk {r['rows']} x {r['cols']} (ms): {times}")
         print("   " + ", ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()))
-        for name, g in r["gemm"].items():
-            print(
-                f"   grad_hidden GEMM {name}: {g['ms']:.3f} ms, {g['x_cublas']:.3f} x cuBLAS, "
-                f"same bits {g['same_bits']}"
-            )
 
 
 if __name__ == "__main__":
