@@ -2,11 +2,11 @@
 # The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
 #   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [bench] [sweep] [profile-det]
-#       [profile-step] [clock] [tp]
+#       [profile-step] [clock] [anatomy] [tp]
 #   (default: tests megatron bench sweep)
 # SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help);
 # STEP_SHAPES (default S1,S4) and STEP_TRACE=1 (chrome traces, large) to profile-step;
-# STEP_SHAPES also to clock.
+# STEP_SHAPES also to clock (default S1,S4) and to anatomy (default S1,S2,S3,S4).
 # Writes logs, JUnit XML and bench.json/bench.png under $OUT (default ./gpu-out).
 # megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
 # are installed into /tmp/site first (the GPU image lacks them). Set LP_COMMIT to the
@@ -68,6 +68,9 @@ for stage in $stages; do
     clock)  # protocol check: floor and lp step timed in four orders, SM clock sampled
       (cd benchmarks && python3 clock_check.py --shapes ${STEP_SHAPES:-S1,S4} --reps 10 \
         --out "$OUT/clock.json") 2>&1 | tee "$OUT/clock.log" | tail -n 12 || status=1 ;;
+    anatomy)  # issue 3: each kernel on one chunk against cuBLAS (benchmarks/anatomy.py)
+      (cd benchmarks && python3 anatomy.py --shapes ${STEP_SHAPES:-S1,S2,S3,S4} \
+        --out "$OUT/anatomy.json") 2>&1 | tee "$OUT/anatomy.log" | tail -n 12 || status=1 ;;
     profile-step)  # issue 3: kernel-by-kernel busy time of one step against its wall time
       (cd benchmarks && python3 profile_step.py --shapes ${STEP_SHAPES:-S1,S4} --det ${STEP_TRACE:+--trace "$OUT"} \
         --out "$OUT/step.json") 2>&1 | tee "$OUT/step.log" | tail -n 60 || status=1 ;;
