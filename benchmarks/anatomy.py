@@ -85,7 +85,6 @@ def anatomy(shape: str, reps: int, warm_s: float, device: str = "cuda") -> dict:
     out = torch.empty(rows, cols, dtype=hidden.dtype, device=device)
     acc = torch.zeros(rows, h_dim, dtype=torch.float32, device=device)
     p = types.SimpleNamespace(inv_temperature=1.0, max_v_local=v, return_entropy=False)
-    t_all = targets.clone()
     calls = {
         "cublas_logits": lambda: torch.mm(h_c, w_c.T, out=out),
         "triton_logits": lambda: plain_logits(h_c, w_c, out, cfg),
@@ -95,7 +94,7 @@ def anatomy(shape: str, reps: int, warm_s: float, device: str = "cuda") -> dict:
         "cublas_addmm": lambda: torch.addmm(acc, out, w_c, out_dtype=torch.float32, out=acc),
         "triton_acc": lambda: tri._matmul_acc_(acc, out, w_c, cfg, k_a=cols),
         "cublas_full": lambda: hidden @ weight.T,
-        "forward": lambda: tri.forward_stats(hidden, weight, t_all, p, cfg),
+        "forward": lambda: tri.forward_stats(hidden, weight, targets, p, cfg),
     }
     ms = {}
     for name, fn in calls.items():

@@ -311,8 +311,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             for r0, r1, dl, cols in blocks:
                 if need_w:  # lp's fixed-tile GEMM: a row's sum never depends on the shard
                     # width (the first token chunk overwrites acc: as from zeros, bitwise)
-                    first = r0 == 0
-                    tri._matmul_acc_(acc, dl.T, hidden[r0:r1], cfg, m_a=cols, accumulate=not first)
+                    tri._matmul_acc_(acc, dl.T, hidden[r0:r1], cfg, m_a=cols, accumulate=r0 > 0)
                 if need_h:
                     _matmul_fixed_(acc_h[r0:r1], dl, w_chunk, scale[r0:r1], cols, fixed, cfg)
             if need_w and acc_w is not None:
