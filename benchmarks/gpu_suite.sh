@@ -6,7 +6,8 @@
 #   (default: tests megatron bench sweep)
 # SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help);
 # STEP_SHAPES (default S1,S4) and STEP_TRACE=1 (chrome traces, large) to profile-step;
-# STEP_SHAPES also to clock (default S1,S4) and to anatomy (default S1,S2,S3,S4).
+# STEP_SHAPES also to clock (default S1,S4) and to anatomy (default S1,S2,S3,S4);
+# BENCH_BACKENDS to bench (lp bench --backends).
 # Writes logs, JUnit XML and bench.json/bench.png under $OUT (default ./gpu-out).
 # megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
 # are installed into /tmp/site first (the GPU image lacks them). Set LP_COMMIT to the
@@ -48,7 +49,7 @@ for stage in $stages; do
       run_pytest megatron packages/lp-megatron/tests || status=1 ;;
     bench)
       python3 -m lp_kernels.cli bench --shapes S1,S2,S3,S4 \
-        --backends lp-triton,lp-triton-det,lp-torch,materialized,liger,cce \
+        --backends ${BENCH_BACKENDS:-lp-triton,lp-triton-det,lp-torch,materialized,liger,cce} \
         --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 30 || status=1 ;;
     sweep)
       python3 benchmarks/sweep_tiles.py ${SWEEP_ARGS:-} --out "$OUT/sweep${SWEEP_TAG:-}.json" 2>&1 \

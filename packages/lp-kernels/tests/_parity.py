@@ -7,10 +7,10 @@ import torch
 from lp_kernels import linear_logprob
 from lp_testing import assert_close, assert_zero, materialized_baseline, reference_all
 
-
 def check_against_fp64(
-    problem, tol, *, entropy: bool, lse: bool, chunk_size=None, backend="torch", deterministic=False
-):
+    problem, tol, *, entropy: bool, lse: bool, chunk_size=None, backend="torch",
+    deterministic=False, deterministic_tile=128,
+):  # fmt: skip
     """Run linear_logprob with random per-row upstream gradients; compare everything to fp64.
 
     Tolerances are relative to the materialized-logits path in the same dtype.
@@ -34,6 +34,7 @@ def check_against_fp64(
         chunk_size=chunk_size,
         backend=backend,
         deterministic=deterministic,
+        deterministic_tile=deterministic_tile,
     )
     loss = (out.logprob * grads["grad_logprob"]).sum()
     if entropy:

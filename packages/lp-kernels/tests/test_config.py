@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -33,3 +34,25 @@ def test_triton_config_by_shared_memory(smem_kib, tier, monkeypatch):
     assert (det_cfg.block_v, det_cfg.v_split) == (128, 128)
     assert fixed == (tdet.FIXED_GPU if tier == "large" else tdet.FIXED_SMALL)
     assert tri.config_for(torch.device("cpu"), torch.float32) == tri.INTERPRET_CONFIG
+
+
+@pytest.mark.parametrize(
+    "v_real, tile, chunk, spans, width",
+    [
+        (1000, 128, 512, [(0, 512), (512, 488)], 512),  # several tiles per piece
+        (300, 128, 512, [(0, 300)], 384),  # a narrow shard: a narrower buffer
+        (1000, 384, 512, [(0, 384), (384, 384), (768, 232)], 384),  # one tile per piece
+        (200, 384, 512, [(0, 200)], 384),  # ... its width set by the tile alone
+        (1000, 640, 512, [(0, 384), (384, 256), (640, 360)], 384),  # tiles cut in two
+        (2000, 1408, 512, [(0, 512), (512, 512), (1024, 384), (1408, 512), (1920, 80)], 512),
+    ],
+)
+def test_deterministic_vocab_pieces(v_real, tile, chunk, spans, width):
+    """The backward's pieces: tile-aligned, in order, covering the shard, and (one tile
+    per piece or less) cut by the tile alone, so every layout cuts a global tile alike."""
+    import lp_kernels.backends.triton_deterministic as tdet
+
+    got, got_width = tdet.vocab_pieces(v_real, tile, chunk)
+    assert (got, got_width) == (spans, width)
+    assert got[0][0] == 0 and sum(c for _, c in got) == v_real
+    assert all(b + c == nb for (b, c), (nb, _) in itertools.pairwise(got))

@@ -2,8 +2,8 @@
 
 For one global problem, outputs and both gradients must be bitwise identical for
 TP = 1, 2, 3, 4, 8 and any shard layout whose bounds are multiples of 128 (uneven ones
-included), on the torch backend and on the triton backend (under Triton's interpreter);
-and still match fp64 like the default path.
+included), or of a wider ``deterministic_tile``, on the torch backend and on the triton
+backend (under Triton's interpreter); and still match fp64 like the default path.
 """
 
 from __future__ import annotations
@@ -100,19 +100,25 @@ def test_bitwise_identical_across_tp_degrees_and_layouts(dtype, backend):
         assert_close(got, truth[name], rtol=tol, atol=tol * scale, name=f"{name} vs fp64")
 
 
+@pytest.mark.parametrize("tile", [128, 384])
 @pytest.mark.parametrize("tol", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", AWKWARD_SHAPES, ids=str)
-def test_deterministic_parity_awkward_shapes(shape, tol, device, backend):
-    """deterministic=True is as accurate as the default path: every dtype, all options."""
+def test_deterministic_parity_awkward_shapes(shape, tol, tile, device, backend):
+    """deterministic=True is as accurate as the default path: every dtype, all options,
+    the default tile and a wider one (384: not a multiple of the forward's 256-column
+    logit tiles)."""
     if backend == "torch" and device == "cuda":
         pytest.skip("deterministic=True with the torch backend is CPU-only (NotImplementedError)")
-    if backend == "triton" and device == "cpu" and shape.v > 2000:
+    if backend == "triton" and device == "cpu" and (shape.v > 2000 or tile != 128):
         pytest.skip("Triton's interpreter only at tiny sizes in CI; the GPU run covers it")
     problem = make_problem(
         shape.n, shape.h, shape.v, dtype=tol.dtype, device=device, seed=shape.n + shape.v,
         ignore_frac=0.25, padded_vocab=shape.v + 13, temperature=0.7,
     )  # fmt: skip
-    check_against_fp64(problem, tol, entropy=True, lse=True, backend=backend, deterministic=True)
+    check_against_fp64(
+        problem, tol, entropy=True, lse=True, backend=backend, deterministic=True,
+        deterministic_tile=tile,
+    )  # fmt: skip
 
 
 def test_deterministic_single_process_batch_invariant_and_reproducible(backend):
@@ -136,6 +142,77 @@ def test_deterministic_single_process_batch_invariant_and_reproducible(backend):
         assert_bitwise_equal(a, b[rows], "rows alone vs in the batch")
 
 
+# deterministic_tile wider than 128, on the three backward plans of the triton backend
+# (lp_kernels.backends.triton_deterministic.vocab_pieces), chosen under the interpreter by
+# its vocabulary chunk: several tiles per piece; one tile per piece; a tile cut into pieces.
+WIDE_CASES = {  # name -> (tile, vocab chunk of the interpreter config, V_pad, layouts)
+    "tile256-multi": (256, None, 1024, ["tp1", "tp2", "tp4", "tp3-w256"]),
+    "tile256-per-tile": (256, 256, 1024, ["tp1", "tp2", "tp4", "tp3-w256"]),
+    "tile384-cut": (384, 256, 1152, ["tp1", "tp3-w384", "tp2-w384"]),
+}
+WIDE_LAYOUTS = {
+    "tp1": lambda v_pad: [(0, v_pad)],
+    "tp2": lambda v_pad: [(0, v_pad // 2), (v_pad // 2, v_pad // 2)],
+    "tp4": lambda v_pad: [(v_pad // 4 * r, v_pad // 4) for r in range(4)],
+    "tp3-w256": lambda v_pad: [(0, 256), (256, 512), (768, v_pad - 768)],
+    "tp3-w384": lambda v_pad: [(0, 384), (384, 384), (768, v_pad - 768)],
+    "tp2-w384": lambda v_pad: [(0, 768), (768, v_pad - 768)],
+}
+
+
+def _wide_rank(rank, world, problem, bounds, backend, tile, chunk):
+    if chunk is not None:  # a smaller vocabulary chunk: the same code paths as large tiles
+        import dataclasses
+
+        from lp_kernels.backends import triton_linear as tri
+
+        tri.INTERPRET_CONFIG = dataclasses.replace(tri.INTERPRET_CONFIG, vocab_chunk=chunk)
+    start, size = bounds[rank]
+    h = problem.hidden.clone().requires_grad_()
+    w = problem.weight[start : start + size].clone().requires_grad_()
+    out = linear_logprob(
+        h, w, problem.targets, tp_group=dist.group.WORLD, vocab_start=start,
+        deterministic=True, deterministic_tile=tile, return_entropy=True, return_lse=True,
+        backend=backend, **problem.op_kwargs(),
+    )  # fmt: skip
+    g_lp, g_ent, g_lse = _upstream(problem.n)
+    (out.logprob * g_lp + out.entropy * g_ent + out.lse * g_lse).sum().backward()
+    return out.logprob, out.entropy, out.lse, h.grad, w.grad
+
+
+@pytest.mark.parametrize("case", list(WIDE_CASES))
+def test_wider_tiles_bitwise_identical_across_layouts(case, backend):
+    """deterministic_tile > 128: the same bits on every layout on that tile's grid (uneven
+    ones included), on each backward plan, and still as accurate as the default path."""
+    tile, chunk, v_pad, layouts = WIDE_CASES[case]
+    problem = make_problem(
+        37, 24, 1000, dtype=torch.bfloat16, seed=5, ignore_frac=0.1, padded_vocab=v_pad,
+        temperature=0.8,
+    )  # fmt: skip
+    names = ("logprob", "entropy", "lse", "grad_hidden", "grad_weight")
+    results = {}
+    for layout in layouts:
+        bounds = WIDE_LAYOUTS[layout](v_pad)
+        per_rank = run_ranks(
+            _wide_rank, len(bounds), problem, bounds, backend, tile, chunk, timeout=180
+        )
+        for rank in range(1, len(bounds)):
+            for k in range(4):
+                assert_bitwise_equal(per_rank[rank][k], per_rank[0][k], f"{layout} rank {rank}")
+        results[layout] = (*per_rank[0][:4], torch.cat([r[4] for r in per_rank]))
+    for layout, got in results.items():
+        for name, a, b in zip(names, got, results["tp1"], strict=True):
+            assert_bitwise_equal(a, b, f"{name}: {layout} vs tp1 (tile {tile})")
+    g_lp, g_ent, g_lse = _upstream(problem.n)
+    truth = reference_all(
+        problem.hidden, problem.weight, problem.targets, grad_logprob=g_lp, grad_entropy=g_ent,
+        grad_lse=g_lse, **problem.op_kwargs(),
+    )  # fmt: skip
+    for name, got in zip(names, results["tp1"], strict=True):
+        scale = float(truth[name].abs().max())
+        assert_close(got, truth[name], rtol=2e-2, atol=2e-2 * scale, name=f"{name} vs fp64")
+
+
 def _misaligned_rank(rank, world):
     p = make_problem(4, 8, 300, seed=0)
     start, size = (0, 100) if rank == 0 else (100, 200)  # 100 is not a multiple of 128
@@ -152,7 +229,31 @@ def test_misaligned_layout_raises_on_every_rank():
     assert text.count("ValueError") >= 2 and "multiples of 128" in text
 
 
-def _logits_rank(rank, world, logits, targets, bounds):
+def _tile_rank(rank, world, tiles, bounds):
+    p = make_problem(4, 8, 1024, seed=0)
+    start, size = bounds[rank]
+    linear_logprob(
+        p.hidden, p.weight[start : start + size], p.targets, tp_group=dist.group.WORLD,
+        vocab_start=start, deterministic=True, deterministic_tile=tiles[rank],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "tiles, bounds, message",
+    [
+        ((256, 256), [(0, 384), (384, 640)], "multiples of 256"),  # 384 is off the grid
+        ((128, 256), [(0, 512), (512, 512)], "disagree on the tile size"),
+    ],
+    ids=["off-grid", "disagree"],
+)
+def test_tile_layout_errors_raise_on_every_rank(tiles, bounds, message):
+    with pytest.raises(RankError) as info:
+        run_ranks(_tile_rank, 2, tiles, bounds, timeout=60)
+    text = str(info.value)
+    assert text.count("ValueError") >= 2 and message in text
+
+
+def _logits_rank(rank, world, logits, targets, bounds, tile):
     from lp_kernels import vocab_parallel_logprob
 
     start, size = bounds[rank]
@@ -160,19 +261,27 @@ def _logits_rank(rank, world, logits, targets, bounds):
     out = vocab_parallel_logprob(
         x, targets, tp_group=dist.group.WORLD, vocab_start=start, vocab_size=1000,
         return_entropy=True, return_lse=True, temperature=0.8, deterministic=True,
+        deterministic_tile=tile,
     )  # fmt: skip
     g_lp, g_ent, g_lse = _upstream(targets.shape[0])
     (out.logprob * g_lp + out.entropy * g_ent + out.lse * g_lse).sum().backward()
     return out.logprob, out.entropy, out.lse, x.grad
 
 
-def test_vocab_parallel_logprob_bitwise_identical_across_tp():
+@pytest.mark.parametrize(
+    "tile, layouts",
+    [(128, ("tp1", "tp2-uneven", "tp3-uneven", "tp8")), (256, ("tp1", "tp2", "tp4"))],
+    ids=["tile128", "tile256"],
+)
+def test_vocab_parallel_logprob_bitwise_identical_across_tp(tile, layouts):
     p = _problem(torch.bfloat16)
     logits = (p.hidden.float() @ p.weight.float().T).to(torch.bfloat16)  # [37, 1024]
     results = {}
-    for name in ("tp1", "tp2-uneven", "tp3-uneven", "tp8"):
+    for name in layouts:
         bounds = LAYOUTS[name]
-        per_rank = run_ranks(_logits_rank, len(bounds), logits, p.targets, bounds, timeout=120)
+        per_rank = run_ranks(
+            _logits_rank, len(bounds), logits, p.targets, bounds, tile, timeout=120
+        )
         for rank in range(1, len(bounds)):
             for k in range(3):
                 assert_bitwise_equal(per_rank[rank][k], per_rank[0][k], f"{name} rank {rank}")

@@ -64,6 +64,10 @@ def _call(**over):
         ({"vocab_size": V + 1}, ValueError, "vocab_size=51 exceeds"),
         ({"vocab_size": 0}, ValueError, "vocab_size must be"),
         ({"vocab_start": 10}, ValueError, "vocab_start=10 needs tp_group"),
+        ({"deterministic_tile": 100}, ValueError, "deterministic_tile must be a positive multiple"),
+        ({"deterministic_tile": 0}, ValueError, "deterministic_tile must be a positive multiple"),
+        ({"deterministic_tile": 256.0}, TypeError, "deterministic_tile must be an int"),
+        ({"deterministic_tile": True}, TypeError, "deterministic_tile must be an int"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
@@ -117,3 +121,5 @@ def test_vocab_parallel_logprob_bad_arguments():
         vocab_parallel_logprob(logits, targets + V)
     with pytest.raises(ValueError, match="temperature"):
         vocab_parallel_logprob(logits, targets, temperature=-2.0)
+    with pytest.raises(ValueError, match="deterministic_tile must be a positive multiple of 128"):
+        vocab_parallel_logprob(logits, targets, deterministic=True, deterministic_tile=64)

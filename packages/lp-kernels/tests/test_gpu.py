@@ -344,3 +344,52 @@ def test_nccl_s2_head(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs; found {torch.cuda.device_count()}")
     check_s2_head(world)
+
+
+def _shared_gpu_rank(rank, world, tile):
+    """One gloo rank of the S2 head on GPU 0, which every rank shares (see below)."""
+    from lp_testing import gloo_cuda_via_host
+
+    problem = _s2_problem(S2_HEAD)
+    start, size = split_vocab(S2_HEAD["v_padded"], world, mode="even", multiple=tile)[rank]
+    dev = torch.device("cuda", 0)
+    h = problem.hidden.to(dev).requires_grad_()
+    w = problem.weight[start : start + size].to(dev).requires_grad_()
+    with gloo_cuda_via_host():
+        out = linear_logprob(
+            h, w, problem.targets.to(dev), tp_group=dist.group.WORLD, vocab_start=start,
+            return_entropy=True, return_lse=True, deterministic=True, deterministic_tile=tile,
+            **problem.op_kwargs(),
+        )  # fmt: skip
+        g = torch.linspace(-1, 1, problem.n, device=dev)
+        (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.5).sum().backward()
+    return (start, size), out.logprob, out.entropy, out.lse, h.grad, w.grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [128, 31104], ids=["tile128", "tile31104"])
+def test_deterministic_tp_layouts_sharing_one_gpu(tile):
+    """The S2 head (V_pad 248832) split 2, 4 and 8 ways over gloo ranks that all run on one
+    GPU: the triton kernels of each shard, on the GPU, give bitwise the single-process
+    result, with the default tile and with V_pad / 8 = 31104 (the widest for TP 1-8).
+    It checks the kernels' layout invariance where fewer GPUs than ranks are present; the
+    NCCL runs (test_nccl_s2_head) check the same with one GPU per rank."""
+    p = _s2_problem(S2_HEAD).to("cuda").with_grad()
+    ref = linear_logprob(
+        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, deterministic=True,
+        deterministic_tile=tile, **p.op_kwargs(),
+    )  # fmt: skip
+    g = torch.linspace(-1, 1, p.n, device="cuda")
+    (ref.logprob * g + ref.entropy * g.flip(0) + ref.lse * 0.5).sum().backward()
+    want = [x.detach().cpu() for x in (ref.logprob, ref.entropy, ref.lse, p.hidden.grad)]
+    grad_w = p.weight.grad.cpu()
+    del p, ref
+    names = ("logprob", "entropy", "lse", "grad_hidden")
+    differ = []
+    for world in (2, 4, 8):
+        results = run_ranks(_shared_gpu_rank, world, tile, timeout=300)
+        for rank, ((start, size), *got) in enumerate(results):
+            pairs = list(zip(names, got[:4], want, strict=True))
+            pairs.append(("grad_weight", got[4], grad_w[start : start + size]))
+            differ += [f"TP{world} rank {rank} {n}" for n, a, b in pairs if not torch.equal(a, b)]
+    assert not differ, f"deterministic_tile={tile}: not bitwise equal to one process: {differ}"

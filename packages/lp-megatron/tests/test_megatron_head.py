@@ -473,6 +473,8 @@ def _check_pipeline(results: list, tp: int) -> None:
         ({"vocab_size": 0}, "vocab_size"),
         ({"vocab_size": 10, "ignore_index": 3}, "ignore_index"),
         ({"deterministic": 1}, "deterministic"),
+        ({"deterministic_tile": 100}, "deterministic_tile"),
+        ({"deterministic_tile": 256.0}, "deterministic_tile"),
         ({"validate": "yes"}, "validate"),
     ],
     ids=lambda x: str(x) if isinstance(x, str) else "-".join(f"{k}={v}" for k, v in x.items()),
@@ -646,7 +648,8 @@ def test_megatron_ddp_main_grad() -> None:
 
 
 def _deterministic_rank(rank: int, world_size: int) -> dict:
-    """deterministic=True through the head (vocabulary 256: shards of 128 at TP 2)."""
+    """deterministic=True through the head (vocabulary 256: shards of 128 at TP 2, so the
+    widest tile is 256 at TP 1 and 128 at TP 2)."""
     from lp_megatron import install_logprob_head
 
     with lp_testing.MegatronCpuPatches():
@@ -655,7 +658,10 @@ def _deterministic_rank(rank: int, world_size: int) -> dict:
         ref = _reference(model(ids, pos, mask), labels, Case(False, True, vocab_size=250))[0]
         (weights[0] * ref).sum().backward()
         ref_grads = _grads(model)
-        config = LogprobHeadConfig(backend="torch", deterministic=True, vocab_size=250)
+        config = LogprobHeadConfig(
+            backend="torch", deterministic=True, deterministic_tile=256 // world_size,
+            vocab_size=250,
+        )  # fmt: skip
         with install_logprob_head(model, config) as head:
             out = head.logprobs(model(ids, pos, mask), labels).logprob
             (weights[0] * out).sum().backward()

@@ -87,6 +87,19 @@ def check_options(
     return temperature
 
 
+def check_deterministic_tile(tile: Any) -> int:
+    """``deterministic_tile``: a positive multiple of 128 (the kernels' column tiles)."""
+    from lp_kernels._dist import DETERMINISTIC_TILE
+
+    if isinstance(tile, bool) or not isinstance(tile, int):
+        raise TypeError(f"deterministic_tile must be an int, got {type(tile).__name__}")
+    if tile < DETERMINISTIC_TILE or tile % DETERMINISTIC_TILE:
+        raise ValueError(
+            f"deterministic_tile must be a positive multiple of {DETERMINISTIC_TILE}, got {tile}"
+        )
+    return tile
+
+
 def check_ignore_index(ignore_index: int, vocab_size: int) -> None:
     if 0 <= ignore_index < vocab_size:
         raise ValueError(

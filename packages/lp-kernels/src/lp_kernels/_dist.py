@@ -27,7 +27,8 @@ import torch.distributed as dist
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _DTYPE_NAMES = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
 _UNSET = -1
-# deterministic=True: the global vocabulary tile whose partials are merged in order.
+# deterministic=True: the default (and the smallest) global vocabulary tile whose partials
+# are merged in order; ``deterministic_tile`` may take any multiple of it.
 DETERMINISTIC_TILE = 128
 # Fields of the per-rank record, in order.
 _FIELDS = (
@@ -154,7 +155,7 @@ def resolve_vocab(
     deterministic: bool,
     device: torch.device,
     problem: int = 0,
-    tile: int = 0,
+    tile: int = DETERMINISTIC_TILE,
 ) -> ShardLayout:
     """This rank's view of the validated layout (checked across ranks under a group).
 
@@ -260,12 +261,19 @@ def _check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:
             f"vocab_size must be in [1, {total}] (the shards cover {total} ids), got {vocab_size}"
         )
     if recs[0]["deterministic"]:
+        tile = recs[0]["tile"]
         for i, (st, sz) in enumerate(zip(starts, sizes, strict=True)):
-            end_ok = i == world - 1 or (st + sz) % DETERMINISTIC_TILE == 0
-            if st % DETERMINISTIC_TILE or not end_ok:
+            end_ok = i == world - 1 or (st + sz) % tile == 0
+            if st % tile or not end_ok:
+                hint = (
+                    "Megatron pads the vocabulary so"
+                    if tile == DETERMINISTIC_TILE
+                    else f"deterministic_tile={tile}; the default {DETERMINISTIC_TILE} "
+                    "takes any layout Megatron pads"
+                )
                 raise ValueError(
-                    f"deterministic=True needs shard bounds on multiples of {DETERMINISTIC_TILE} "
-                    f"(Megatron pads the vocabulary so): rank {i} holds [{st}, {st + sz})"
+                    f"deterministic=True needs shard bounds on multiples of {tile} "
+                    f"({hint}): rank {i} holds [{st}, {st + sz})"
                 )
     return ShardLayout(starts=starts, sizes=sizes, vocab_size=vocab_size, rank=rank)
 

@@ -60,6 +60,9 @@ class LogprobParams:
     """Rows of every rank's shard, in rank order."""
     deterministic: bool = False
     """Tensor-parallel invariant mode (see lp_kernels.backends.torch_deterministic)."""
+    deterministic_tile: int = 128
+    """Width of the global vocabulary tiles of ``deterministic=True`` (a multiple of 128):
+    the unit of the forward's ordered merge and of grad_hidden's fixed-point sum."""
 
     @property
     def inv_temperature(self) -> float:

@@ -21,7 +21,8 @@ Performance protocol (DESIGN.md), one run per shape (N tokens, H hidden, V vocab
   and the closed-form gradient, independent of lp.
 
 Providers: ``lp-triton``, ``lp-torch``, ``lp-auto`` (lp's backends; ``lp-triton-det`` and
-``lp-torch-det`` run them with ``deterministic=True``), ``materialized``
+``lp-torch-det`` run them with ``deterministic=True``, ``lp-triton-det8`` with
+``deterministic_tile`` set by :func:`tp8_tile`), ``materialized``
 (logits in the input dtype, fp32 ``log_softmax``, gather), and peers when importable
 (never dependencies): ``liger`` (liger-kernel's fused linear cross entropy; a scalar
 loss, so timing and memory only, no error figures) and ``cce`` (Apple's
@@ -72,8 +73,25 @@ CPU_SHAPES: dict[str, tuple[int, int, int]] = {"cpu": (256, 128, 16003)}
 """The embedded default problem of ``lp bench`` on CPU (well under a minute on 2 cores)."""
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-LP_PROVIDERS = ("lp-triton", "lp-torch", "lp-auto", "lp-triton-det", "lp-torch-det")
-"""lp's backends; ``-det`` runs ``deterministic=True`` (bitwise TP-invariant mode)."""
+LP_PROVIDERS = (
+    "lp-triton",
+    "lp-torch",
+    "lp-auto",
+    "lp-triton-det",
+    "lp-torch-det",
+    "lp-triton-det8",
+)
+"""lp's backends; ``-det`` runs ``deterministic=True`` (bitwise TP-invariant mode), ``-det8``
+the same with the widest tile that serves TP = 1, 2, 4 and 8 (:func:`tp8_tile`)."""
+
+
+def tp8_tile(vocab: int) -> int:
+    """``deterministic_tile`` of ``lp-triton-det8``: ``V_pad / 8`` with the vocabulary padded
+    to a multiple of 1024 (as Megatron pads it for TP = 8, to be used at every TP degree),
+    so that the shards of TP = 1, 2, 4 and 8 all fall on the tile grid."""
+    return -(-vocab // 1024) * 128
+
+
 PEERS = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}  # provider -> module
 PEER_DISTS = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}  # provider -> distribution
 ALL_PROVIDERS = (*LP_PROVIDERS, "materialized", *PEERS)
@@ -276,12 +294,15 @@ def provider_lp(
     temperature: float = 1.0,
     entropy: bool = False,
     deterministic: bool = False,
+    wide_tile: bool = False,
     tp: dict | None = None,
 ) -> Step:
-    """lp's ``linear_logprob``; ``tp``: ``tp_group``, ``vocab_start``, ``vocab_size`` kwargs."""
+    """lp's ``linear_logprob``; ``tp``: ``tp_group``, ``vocab_start``, ``vocab_size`` kwargs;
+    ``wide_tile``: ``deterministic_tile = tp8_tile(V)``."""
     from lp_kernels import linear_logprob
 
     def run(hidden, weight, targets, grad_out, grad_entropy=None):
+        vocab = (tp or {}).get("vocab_size") or weight.shape[0]
         out = linear_logprob(
             hidden,
             weight,
@@ -291,6 +312,7 @@ def provider_lp(
             backend=backend,
             validate=False,
             deterministic=deterministic,
+            deterministic_tile=tp8_tile(vocab) if wide_tile else 128,
             **(tp or {}),
         )
         if entropy:
@@ -359,12 +381,13 @@ def make_provider(
     name: str, *, temperature: float = 1.0, entropy: bool = False, tp: dict | None = None
 ) -> Step:
     if name in LP_PROVIDERS:
-        backend = name.removeprefix("lp-").removesuffix("-det")
+        backend = name.removeprefix("lp-").removesuffix("8").removesuffix("-det")
         return provider_lp(
             backend,
             temperature=temperature,
             entropy=entropy,
-            deterministic=name.endswith("-det"),
+            deterministic="-det" in name,
+            wide_tile=name.endswith("-det8"),
             tp=tp,
         )
     if tp is not None:
@@ -391,7 +414,7 @@ def provider_available(name: str, device: str) -> str | None:
             return "peers run on CUDA only"
     if name == "lp-torch-det" and device == "cuda":
         return "deterministic=True with the torch backend runs on CPU only"
-    if name in ("lp-triton", "lp-triton-det"):
+    if name in ("lp-triton", "lp-triton-det", "lp-triton-det8"):
         if importlib.util.find_spec("triton") is None:
             return "triton is not importable"
         if device != "cuda" and not _triton_interpreting():

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 
 from lp_kernels import _checks
-from lp_kernels._dist import resolve_vocab
+from lp_kernels._dist import DETERMINISTIC_TILE, resolve_vocab
 from lp_kernels._types import LogProbOutput, LogprobParams
 from lp_kernels.backends.torch_linear import LinearLogprobTorch, default_chunk_rows
 
@@ -87,6 +87,7 @@ def linear_logprob(
     vocab_size: int | None = None,
     reduce_grad_hidden: bool = True,
     deterministic: bool = False,
+    deterministic_tile: int = DETERMINISTIC_TILE,
     backend: Backend = "auto",
     chunk_size: int | None = None,
     validate: bool = True,
@@ -130,6 +131,13 @@ def linear_logprob(
             CPU; the torch backend on CUDA raises ``NotImplementedError``. With
             ``reduce_grad_hidden=False`` the returned partial is exact per rank, but
             the caller's own reduction decides the bits of the sum.
+        deterministic_tile: width of the global vocabulary tiles of
+            ``deterministic=True`` (a multiple of 128; unused otherwise). The bits are
+            identical across layouts whose shard bounds are multiples of it; they
+            depend on the tile, so compare runs made with the same one. Wider tiles
+            cost less (fewer partials to merge, fewer fixed-point roundings; see
+            docs/design.md): with Megatron's vocabulary padded for the largest TP
+            degree P, ``V_pad / P`` serves TP = 1, 2, ..., P.
         backend: ``"torch"`` (chunked torch ops, CPU and GPU), ``"triton"`` (the
             fused kernel; CUDA, or CPU under ``TRITON_INTERPRET=1``), or ``"auto"``:
             triton on CUDA devices of compute capability >= 8.0, else torch.
@@ -145,7 +153,8 @@ def linear_logprob(
     Raises:
         TypeError: wrong tensor types or dtypes.
         ValueError: shape mismatches, bad options, targets out of range (with
-            ``validate=True``), an inconsistent shard layout (on every rank).
+            ``validate=True``), an inconsistent shard layout (on every rank), shard
+            bounds off the ``deterministic_tile`` grid with ``deterministic=True``.
         NotImplementedError: ``deterministic=True`` with ``backend="torch"`` on CUDA.
 
     Example:
@@ -174,6 +183,7 @@ def linear_logprob(
         vocab_size=vocab_size,
         tp_group=tp_group,
     )
+    deterministic_tile = _checks.check_deterministic_tile(deterministic_tile)
     h_dim = hidden.shape[-1]
     if h_dim == 0:
         raise ValueError("hidden must have a non-empty last dimension H")
@@ -190,6 +200,7 @@ def linear_logprob(
         deterministic=deterministic,
         device=hidden.device,
         problem=problem,
+        tile=deterministic_tile if deterministic else DETERMINISTIC_TILE,
     )
     vocab_start, vocab_size = layout.start, layout.vocab_size
     _checks.check_ignore_index(ignore_index, vocab_size)
@@ -214,6 +225,8 @@ def linear_logprob(
         shard_starts=layout.starts,
         shard_sizes=layout.sizes,
         reduce_grad_hidden=bool(reduce_grad_hidden),
+        deterministic=bool(deterministic),
+        deterministic_tile=deterministic_tile,
     )
     lead = targets.shape
     logprob, entropy, lse = function.apply(

@@ -25,7 +25,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from lp_kernels import _checks
-from lp_kernels._dist import gather_stats, resolve_vocab
+from lp_kernels._dist import DETERMINISTIC_TILE, gather_stats, resolve_vocab
 from lp_kernels._matmul import scratch
 from lp_kernels._stats import (
     N_STATS,
@@ -139,6 +139,7 @@ def vocab_parallel_logprob(
     chunk_size: int | None = None,
     validate: bool = True,
     deterministic: bool = False,
+    deterministic_tile: int = DETERMINISTIC_TILE,
 ) -> LogProbOutput:
     """Log-probabilities of ``targets`` from (vocabulary-sharded) logits, in fp32.
 
@@ -168,6 +169,8 @@ def vocab_parallel_logprob(
             bitwise identical for any TP degree and any layout whose shard bounds are
             multiples of 128 (else ``ValueError`` on every rank): partials of each
             global 128-column tile are merged in global tile order.
+        deterministic_tile: the width of those tiles (a multiple of 128; unused
+            otherwise), as in :func:`lp_kernels.linear_logprob`.
 
     Returns:
         ``LogProbOutput(logprob, entropy, lse)``, each ``[*]`` float32.
@@ -193,6 +196,7 @@ def vocab_parallel_logprob(
         vocab_size=vocab_size,
         tp_group=tp_group,
     )
+    deterministic_tile = _checks.check_deterministic_tile(deterministic_tile)
     v_local = logits.shape[-1]
     layout = resolve_vocab(
         tp_group,
@@ -203,6 +207,7 @@ def vocab_parallel_logprob(
         dtype=logits.dtype,
         deterministic=bool(deterministic),
         device=logits.device,
+        tile=deterministic_tile if deterministic else DETERMINISTIC_TILE,
     )
     vocab_start, vocab_size = layout.start, layout.vocab_size
     _checks.check_ignore_index(ignore_index, vocab_size)
@@ -223,6 +228,7 @@ def vocab_parallel_logprob(
         shard_starts=layout.starts,
         shard_sizes=layout.sizes,
         deterministic=bool(deterministic),
+        deterministic_tile=deterministic_tile,
     )
     lead = targets.shape
     logprob, entropy, lse = VocabParallelLogprob.apply(

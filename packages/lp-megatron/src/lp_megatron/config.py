@@ -46,6 +46,12 @@ class LogprobHeadConfig:
     rule). Provided by the triton backend on GPUs and both backends on CPU; the torch
     backend on CUDA raises at the first :meth:`LogprobHead.logprobs` call."""
 
+    deterministic_tile: int = 128
+    """Passed as ``deterministic_tile=`` with ``deterministic=True``: the width of the global
+    vocabulary tiles (a multiple of 128). Wider tiles cost less; every TP degree to compare
+    must shard the vocabulary on multiples of it (e.g. the padded vocabulary / the largest
+    TP degree, with that padding used at every degree)."""
+
     validate: bool = True
     """Check label ids against the vocabulary (one host sync per call). False = no host
     sync at all."""
@@ -91,6 +97,9 @@ class LogprobHeadConfig:
                 f"ignore_index={self.ignore_index} is a real token id (vocab_size="
                 f"{self.vocab_size}); use a negative value such as -100"
             )
+        tile = self.deterministic_tile
+        if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0 or tile % 128:
+            raise ValueError(f"deterministic_tile must be a positive multiple of 128, got {tile!r}")
         for name in ("deterministic", "validate", "allow_fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

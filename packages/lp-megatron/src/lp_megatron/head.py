@@ -321,6 +321,7 @@ class LogprobHead:
             # SP: the gather's reduce-scatter sums grad_hidden over TP; else lp does it.
             reduce_grad_hidden=not self._layer.last_gathered,
             deterministic=cfg.deterministic,
+            deterministic_tile=cfg.deterministic_tile,
             backend=cfg.backend,
             **common,
         )
@@ -345,6 +346,7 @@ class LogprobHead:
             tp_group=group,
             vocab_start=rank * logits.shape[-1],
             deterministic=self.config.deterministic,
+            deterministic_tile=self.config.deterministic_tile,
             **common,
         )
 

@@ -1,7 +1,8 @@
 """lp-testing: test support for lp.
 
 - :mod:`lp_testing.dist`: :func:`run_ranks` / :func:`spawn` start gloo (CPU) or NCCL (GPU)
-  ranks, return their results, re-raise their tracebacks, turn hangs into timeouts.
+  ranks, return their results, re-raise their tracebacks, turn hangs into timeouts;
+  :func:`gloo_cuda_via_host` lets gloo ranks share one GPU (test-only).
 - :mod:`lp_testing.problems`: :func:`make_problem`, :func:`split_vocab`, :func:`shard`,
   :data:`AWKWARD_SHAPES`, :data:`DTYPES` (with tolerances).
 - :mod:`lp_testing.reference`: fp64 truths (outputs and gradients) and the plain
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from lp_testing.dist import (
         InsufficientDevicesError,
         RankError,
+        gloo_cuda_via_host,
         run_ranks,
         set_forkserver_preload,
         spawn,
@@ -66,7 +68,14 @@ _EXPORTS: dict[str, str] = {
         "compare",
     ),
     **dict.fromkeys(
-        ["InsufficientDevicesError", "RankError", "run_ranks", "set_forkserver_preload", "spawn"],
+        [
+            "InsufficientDevicesError",
+            "RankError",
+            "gloo_cuda_via_host",
+            "run_ranks",
+            "set_forkserver_preload",
+            "spawn",
+        ],
         "dist",
     ),
     "MegatronCpuPatches": "megatron_cpu",
@@ -114,6 +123,7 @@ __all__ = [
     "assert_close",
     "assert_zero",
     "error_report",
+    "gloo_cuda_via_host",
     "make_problem",
     "materialized_baseline",
     "materialized_baseline_from_logits",

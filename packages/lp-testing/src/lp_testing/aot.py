@@ -150,7 +150,11 @@ def gpu_launches(tier: str = "large") -> Iterator[list]:
         (api, "_triton_interpreting", lambda: True),
         (tri, "gpu_tier", lambda device: tier),
         (tri, "config_for", lambda device, dtype=torch.bfloat16: tri_config(fake, dtype)),
-        (tdet, "config_for", lambda device, dtype=torch.bfloat16: det_config(fake, dtype)),
+        (
+            tdet,
+            "config_for",
+            lambda device, dtype=torch.bfloat16, tile=tdet.TILE: det_config(fake, dtype, tile),
+        ),
         (tri, "_launch_opts", lambda cfg, device, **kw: opts(cfg, fake, **kw)),
         (tri, "_compile_opts", lambda device: compile_opts(fake)),
         (tdet, "_full_stages", lambda a: a.element_size() <= 2 and tier == "large"),
@@ -168,15 +172,20 @@ def _patched(*settings) -> Iterator[None]:
 
 
 def _problems():
-    """(dtype, deterministic, entropy, H) of the linear_logprob calls whose launches get
-    compiled: both input dtype classes, both modes, with and without entropy, H a multiple
-    of the tile or not, and rows whose stride rules out tensor descriptors (H = 100 in bf16:
-    200 bytes), which takes the pointer path of every kernel."""
+    """(dtype, deterministic, entropy, H, deterministic_tile, V) of the linear_logprob calls
+    whose launches get compiled: both input dtype classes, both modes, with and without
+    entropy, H a multiple of the tile or not, rows whose stride rules out tensor
+    descriptors (H = 100 in bf16: 200 bytes), which takes the pointer path of every kernel,
+    and deterministic tiles of every kind (several per backward piece, one per piece, cut
+    into pieces: see triton_deterministic.vocab_pieces)."""
     for det in (False, True):
         for dtype in (torch.bfloat16, torch.float32):
             for entropy, h in ((True, 256), (False, 200)):
-                yield dtype, det, entropy, h
-        yield torch.bfloat16, det, True, 100
+                yield dtype, det, entropy, h, 128, 1000
+        yield torch.bfloat16, det, True, 100, 128, 1000
+    for dtype in (torch.bfloat16, torch.float32):
+        for tile, v in ((384, 1000), (4224, 9000), (8320, 17000)):
+            yield dtype, True, True, 256, tile, v
 
 
 def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Launch, object]:
@@ -192,16 +201,16 @@ def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Laun
             mod = importlib.import_module(module)
             changes.append((mod, attr, value(getattr(mod, attr)) if callable(value) else value))
         with _patched(*changes):
-            for dtype, det, entropy, h in _problems():
+            for dtype, det, entropy, h, tile, v in _problems():
                 gen = torch.Generator().manual_seed(0)
-                n, v = 300, 1000
+                n = 300
                 hidden = torch.randn(n, h, generator=gen).to(dtype).requires_grad_()
                 weight = torch.randn(v, h, generator=gen).to(dtype).requires_grad_()
                 targets = torch.randint(0, v, (n,), generator=gen)
                 with gpu_launches(tier) as launches:
                     out = linear_logprob(
                         hidden, weight, targets, backend="triton", deterministic=det,
-                        return_entropy=entropy, validate=False,
+                        deterministic_tile=tile, return_entropy=entropy, validate=False,
                     )  # fmt: skip
                     loss = out.logprob.sum() + (out.entropy.sum() if entropy else 0)
                     loss.backward()

@@ -52,7 +52,7 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -65,6 +65,7 @@ __all__ = [
     "FAILURE_GRACE_S",
     "InsufficientDevicesError",
     "RankError",
+    "gloo_cuda_via_host",
     "run_ranks",
     "set_forkserver_preload",
     "spawn",
@@ -538,3 +539,38 @@ def run_ranks(
 
 spawn = run_ranks
 """Alias of :func:`run_ranks`."""
+
+
+@contextlib.contextmanager
+def gloo_cuda_via_host() -> Iterator[None]:
+    """Test-only: gloo collectives on CUDA tensors go through host copies.
+
+    Lets several gloo ranks share one GPU (a TP layout on a machine with fewer GPUs than
+    ranks): inside, ``dist.all_gather_into_tensor`` and ``dist.all_reduce`` (synchronous
+    calls, what lp makes) copy CUDA arguments to the host, run the collective there and
+    copy the result back. Copies move bytes, so every result is the one the collective
+    would give on host tensors. Apply inside each rank.
+    """
+    gather, reduce = dist.all_gather_into_tensor, dist.all_reduce
+
+    def all_gather_into_tensor(output, input, group=None, async_op=False):
+        if not output.is_cuda or async_op:
+            return gather(output, input, group=group, async_op=async_op)
+        host = output.cpu()
+        gather(host, input.cpu(), group=group)
+        output.copy_(host)
+        return None
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not tensor.is_cuda or async_op:
+            return reduce(tensor, op=op, group=group, async_op=async_op)
+        host = tensor.cpu()
+        reduce(host, op=op, group=group)
+        tensor.copy_(host)
+        return None
+
+    dist.all_gather_into_tensor, dist.all_reduce = all_gather_into_tensor, all_reduce
+    try:
+        yield
+    finally:
+        dist.all_gather_into_tensor, dist.all_reduce = gather, reduce

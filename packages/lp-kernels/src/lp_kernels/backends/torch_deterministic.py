@@ -1,16 +1,17 @@
 """``deterministic=True`` for the torch backend: bitwise tensor-parallel invariance (CPU).
 
 Outputs and both gradients are bitwise identical for any TP degree and any shard
-layout whose bounds are multiples of ``TILE`` (128) columns. Data flow::
+layout whose bounds are multiples of the tile width ``w = deterministic_tile`` (128 by
+default). Data flow::
 
     forward   per chunk of rows, z = (h W_r^T) / T                 [C, V_r] fp32
-              per global 128-column tile: (m, s, a, t)              [C, T_r, 4]
+              per global w-column tile: (m, s, a, t)                [C, T_r, 4]
               all-gather -> keep each rank's real tiles, in rank order
                          =  the global tile sequence             [N, T_global, 4]
               merge over the tile axis (one shape for every layout) -> outputs
     backward  d l as in the default path (rounded to the input dtype for the GEMMs)
               grad_W_r += d l^T h_c                                 (local rows, fp32)
-              grad_h: each 128-column tile's contribution d l[:, tile] @ W[tile] is
+              grad_h: each w-column tile's contribution d l[:, tile] @ W[tile] is
                       computed in fp32 from zero, scaled by 2^e_n and rounded to int64,
                       and summed in int64: exact, so the order (and the TP all-reduce)
                       cannot change the bits; one rounding back at the end.
@@ -28,7 +29,6 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from lp_kernels._dist import DETERMINISTIC_TILE as TILE
 from lp_kernels._dist import all_reduce_sum_, gather_stats
 from lp_kernels._fixed_point import from_fixed_point, row_exponents
 from lp_kernels._matmul import addmm_f32_, mm_f32
@@ -41,23 +41,23 @@ from lp_kernels.backends.torch_linear import (
 )
 
 
-def _tiles(real: int) -> int:
-    return -(-real // TILE)
+def _tiles(real: int, tile: int) -> int:
+    return -(-real // tile)
 
 
-def _tile_stats(z: torch.Tensor, t_local, in_shard, *, entropy: bool) -> torch.Tensor:
-    """``[C, T_r, 4]`` partials of each 128-column tile of ``z [C, V_r]`` (overwritten)."""
+def _tile_stats(z: torch.Tensor, t_local, in_shard, tile: int, *, entropy: bool) -> torch.Tensor:
+    """``[C, T_r, 4]`` partials of each ``tile``-column tile of ``z [C, V_r]`` (overwritten)."""
     rows, v_real = z.shape
-    n_tiles = _tiles(v_real)
+    n_tiles = _tiles(v_real, tile)
     out = torch.zeros((rows, n_tiles, N_STATS), dtype=torch.float32, device=z.device)
     if n_tiles == 0:
         return out
     zt = torch.where(in_shard, z.gather(1, torch.where(in_shard, t_local, 0)[:, None])[:, 0], 0.0)
-    tile_of_t = torch.where(in_shard, t_local // TILE, 0)
+    tile_of_t = torch.where(in_shard, t_local // tile, 0)
     out[torch.arange(rows, device=z.device), tile_of_t, 3] = zt
-    zz = torch.full((rows, n_tiles * TILE), float("-inf"), dtype=torch.float32, device=z.device)
+    zz = torch.full((rows, n_tiles * tile), float("-inf"), dtype=torch.float32, device=z.device)
     zz[:, :v_real] = z
-    zz = zz.view(rows, n_tiles, TILE)
+    zz = zz.view(rows, n_tiles, tile)
     m = zz.amax(dim=2)
     d = zz - m[..., None]  # -inf on padding columns of the last tile
     e = torch.exp(d)
@@ -89,7 +89,7 @@ def _global_tiles(gathered: torch.Tensor, p: LogprobParams) -> torch.Tensor:
     parts = []
     for r, (start, size) in enumerate(zip(p.shard_starts, p.shard_sizes, strict=True)):
         real = max(0, min(size, p.vocab_size - start))
-        parts.append(gathered[r, :, : _tiles(real)])
+        parts.append(gathered[r, :, : _tiles(real, p.deterministic_tile)])
     return torch.cat(parts, dim=1)
 
 
@@ -99,13 +99,14 @@ def merged_tile_stats(z_chunks, t_local, in_shard, n: int, p: LogprobParams, dev
     Returns ``(lse, E or None, target logit, entropy or None)``, each ``[N]`` fp32. Shared
     with ``vocab_parallel_logprob(deterministic=True)``.
     """
-    t_max = _tiles(max(p.shard_sizes))
+    t_max = _tiles(max(p.shard_sizes), p.deterministic_tile)
     stats = torch.zeros((n, t_max, N_STATS), dtype=torch.float32, device=device)
     for r0, r1, rows, z in z_chunks:
         part = _tile_stats(
             z,
             padded_rows(t_local, r0, r1, rows),
             padded_rows(in_shard, r0, r1, rows, False),
+            p.deterministic_tile,
             entropy=p.return_entropy,
         )
         stats[r0:r1, : part.shape[1]] = part[: r1 - r0]
@@ -150,8 +151,9 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         ):
             if need_h:
                 exp2 = torch.exp2(padded_rows(scale, r0, r1, dl.shape[0]))[:, None]
-                for c0 in range(0, v_real, TILE):
-                    leaf = mm_f32(dl[:, c0 : c0 + TILE], w_real[c0 : c0 + TILE]).double()
+                tile = p.deterministic_tile
+                for c0 in range(0, v_real, tile):
+                    leaf = mm_f32(dl[:, c0 : c0 + tile], w_real[c0 : c0 + tile]).double()
                     acc_h[r0:r1] += torch.round(leaf * exp2)[: r1 - r0].to(torch.int64)
             if need_w and v_real > 0:
                 addmm_f32_(acc_w[:v_real], dl.T, h_c)

@@ -44,6 +44,7 @@ from triton.language.extra import libdevice
 from lp_kernels._dist import DETERMINISTIC_TILE as TILE
 from lp_kernels._dist import all_reduce_sum_, gather_stats
 from lp_kernels._fixed_point import from_fixed_point, row_exponents
+from lp_kernels._matmul import addmm_f32_
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends import triton_linear as tri
@@ -65,12 +66,14 @@ _STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
 
 
 def config_for(
-    device: torch.device, dtype: torch.dtype = torch.bfloat16
+    device: torch.device, dtype: torch.dtype = torch.bfloat16, tile: int = TILE
 ) -> tuple[TileConfig, tuple[int, int, int]]:
-    """The default path's pinned config (read at call time) with one 128-column tile per
-    forward partial and per d_logits program, and the fixed-point GEMM's tiles."""
+    """The default path's pinned config (read at call time) with one ``tile``-column tile
+    per forward partial (128-column logit tiles for 128, else the default path's), and the
+    fixed-point GEMM's tiles."""
     base = tri.config_for(device, dtype)
-    cfg = dataclasses.replace(base, block_v=TILE, v_split=TILE)
+    block_v = TILE if tile < base.block_v else base.block_v
+    cfg = dataclasses.replace(base, block_v=block_v, v_split=tile)
     if device.type == "cpu":
         return cfg, FIXED_INTERPRET
     # A pipeline stage holds a whole 128-column leaf of A and B: (BLOCK_M + BLOCK_N) x 128
@@ -98,6 +101,7 @@ def _round_to_int64(x, INTERPRET: tl.constexpr):
         return libdevice.llrint(x)
 
 
+STATIC_LEAF = tl.constexpr(TILE)  # leaves up to this width run unrolled K steps
 _MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + _MAGIC rounds x to an integer (|x| < 2^22)
 _MAGIC_BITS = tl.constexpr(0x4B400000)  # its fp32 bit pattern
 
@@ -131,32 +135,44 @@ def _split_rint(y):
 
 @triton.jit
 def _leaf_product(
-    a_src, b_src, p_a, p_b, l0, i_m, i_n, m_m, m_n, o_k, K_A, K_B, stride_ak, stride_bk,
-    LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    b_leaf, a_src, b_src, p_a, p_b, l0, l1, i_m, i_n, m_m, m_n, o_k, K_A, K_B, stride_ak,
+    stride_bk, LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """fp32 ``A[:, l0 : l0 + LEAF] @ B[l0 : l0 + LEAF]`` from zero, in BLOCK_K steps."""
-    b_leaf = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kk in tl.static_range(0, LEAF, BLOCK_K):
-        b_leaf = _gemm_step(
-            b_leaf, a_src, b_src, p_a, p_b, l0 + kk, i_m, i_n, m_m, m_n, o_k, K_A, K_B,
-            stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, False,
-        )  # fmt: skip
+    """fp32 ``b_leaf + A[:, l0 : l1] @ B[l0 : l1]`` in BLOCK_K steps.
+
+    Leaves up to STATIC_LEAF columns are unrolled (``l1 = l0 + LEAF``); wider ones run a
+    loop to ``l1`` (their last leaf may be cut by the call's end). The same steps in the
+    same order either way."""
+    if LEAF <= STATIC_LEAF:
+        for kk in tl.static_range(0, LEAF, BLOCK_K):
+            b_leaf = _gemm_step(
+                b_leaf, a_src, b_src, p_a, p_b, l0 + kk, i_m, i_n, m_m, m_n, o_k, K_A, K_B,
+                stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, False,
+            )  # fmt: skip
+    else:
+        for k0 in range(l0, l1, BLOCK_K):
+            b_leaf = _gemm_step(
+                b_leaf, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_m, m_n, o_k, K_A, K_B,
+                stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, False,
+            )  # fmt: skip
     return b_leaf
 
 
 @triton.jit(do_not_specialize=["M", "K", "K_B", "group"])
 def _matmul_fixed_kernel(
-    a_src, b_src, c_ptr, s_ptr, M, N, K, K_A, K_B, group,
+    a_src, b_src, c_ptr, s_ptr, f_ptr, M, N, K, K_A, K_B, group,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PIPE: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, LEAF_IN: tl.constexpr,
 ):  # fmt: skip
     """C (int64) += sum over LEAF-wide K tiles of round(s_m * (A[:, tile] @ B[tile])).
 
     Each tile's product is an fp32 dot from zero (fixed BLOCK_K order); ``s_m`` is a
     power of two per row, so the scaling is exact; rounding is to nearest, ties to even.
+    ``LEAF_IN``: the call is the last piece of one leaf (K <= LEAF) whose earlier columns'
+    fp32 product is in ``f_ptr`` (C's shape and strides); the dot continues from it.
     A (d_logits) is read up to K_A columns (padded to 128 with zeros, so its loads
     vectorize alike on every shard), B up to its K_B real rows; with TMA ``a_src`` /
     ``b_src`` are tensor descriptors with those bounds. ``PIPE`` (experimental) computes
@@ -181,15 +197,25 @@ def _matmul_fixed_kernel(
     p_a, p_b = _operand_ptrs(
         a_src, b_src, o_m, o_n, o_k, stride_am, stride_ak, stride_bk, stride_bn, TMA
     )
-    if PIPE:
+    b_zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if LEAF_IN:
+        p_f = f_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
+        b_leaf = _leaf_product(
+            tl.load(p_f, mask=m_c, other=0.0), a_src, b_src, p_a, p_b, 0, K, i_m, i_n, m_m,
+            m_n, o_k, K_A, K_B, stride_ak, stride_bk, LEAF, BLOCK_M, BLOCK_N, BLOCK_K,
+            INTERPRET, PRECISION, TMA,
+        )  # fmt: skip
+        b_acc += _round_to_int64(b_leaf * b_scale[:, None], INTERPRET)
+    elif PIPE:
         b_prev = _leaf_product(
-            a_src, b_src, p_a, p_b, 0, i_m, i_n, m_m, m_n, o_k, K_A, K_B, stride_ak, stride_bk,
-            LEAF, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, PRECISION, TMA,
+            b_zero, a_src, b_src, p_a, p_b, 0, LEAF, i_m, i_n, m_m, m_n, o_k, K_A, K_B,
+            stride_ak, stride_bk, LEAF, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, PRECISION, TMA,
         )  # fmt: skip
         for l0 in range(LEAF, K, LEAF):
             b_cur = _leaf_product(
-                a_src, b_src, p_a, p_b, l0, i_m, i_n, m_m, m_n, o_k, K_A, K_B, stride_ak,
-                stride_bk, LEAF, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, PRECISION, TMA,
+                b_zero, a_src, b_src, p_a, p_b, l0, tl.minimum(l0 + LEAF, K), i_m, i_n, m_m,
+                m_n, o_k, K_A, K_B, stride_ak, stride_bk, LEAF, BLOCK_M, BLOCK_N, BLOCK_K,
+                INTERPRET, PRECISION, TMA,
             )  # fmt: skip
             b_acc += _round_to_int64(b_prev * b_scale[:, None], INTERPRET)
             b_prev = b_cur
@@ -200,8 +226,9 @@ def _matmul_fixed_kernel(
         b_q3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         for l0 in range(0, K, LEAF):
             b_leaf = _leaf_product(
-                a_src, b_src, p_a, p_b, l0, i_m, i_n, m_m, m_n, o_k, K_A, K_B, stride_ak,
-                stride_bk, LEAF, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, PRECISION, TMA,
+                b_zero, a_src, b_src, p_a, p_b, l0, tl.minimum(l0 + LEAF, K), i_m, i_n, m_m,
+                m_n, o_k, K_A, K_B, stride_ak, stride_bk, LEAF, BLOCK_M, BLOCK_N, BLOCK_K,
+                INTERPRET, PRECISION, TMA,
             )  # fmt: skip
             q1, q2, q3 = _split_rint(b_leaf * b_scale[:, None])
             b_q1 += q1
@@ -211,8 +238,9 @@ def _matmul_fixed_kernel(
     else:
         for l0 in range(0, K, LEAF):
             b_leaf = _leaf_product(
-                a_src, b_src, p_a, p_b, l0, i_m, i_n, m_m, m_n, o_k, K_A, K_B, stride_ak,
-                stride_bk, LEAF, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, PRECISION, TMA,
+                b_zero, a_src, b_src, p_a, p_b, l0, tl.minimum(l0 + LEAF, K), i_m, i_n, m_m,
+                m_n, o_k, K_A, K_B, stride_ak, stride_bk, LEAF, BLOCK_M, BLOCK_N, BLOCK_K,
+                INTERPRET, PRECISION, TMA,
             )  # fmt: skip
             b_acc += _round_to_int64(b_leaf * b_scale[:, None], INTERPRET)
     tl.store(p_c, b_acc, mask=m_c)
@@ -224,8 +252,13 @@ def _full_stages(a: torch.Tensor) -> bool:
     return a.device.type == "cuda" and a.element_size() <= 2 and tri.gpu_tier(a.device) == "large"
 
 
-def _matmul_fixed_(c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: TileConfig):
-    """``c (int64) += fixed-point(a @ b)`` per 128-column tile; ``a`` has zeros up to k_a."""
+def _matmul_fixed_(
+    c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: TileConfig, *,
+    leaf: int = TILE, leaf_in: torch.Tensor | None = None,
+):  # fmt: skip
+    """``c (int64) += fixed-point(a @ b)`` per ``leaf``-column tile; ``a`` has zeros up to
+    k_a. ``leaf_in``: ``a @ b`` ends one leaf whose earlier columns' fp32 product it holds
+    (``c``'s shape and strides)."""
     m, k = a.shape
     n = b.shape[1]
     block_m, block_n, block_k = fixed
@@ -237,22 +270,49 @@ def _matmul_fixed_(c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: T
         num_stages=cfg.num_stages if _full_stages(a) else min(cfg.num_stages, 2),
     )
     a_src, b_src, tma = tri.gemm_sources(a, b, m, k_a, False, mm_cfg, block_m, block_n)
-    split = FIXED_CONVERT == "split" and not FIXED_PIPELINE
+    # the experimental switches apply to 128-column leaves
+    pipe = FIXED_PIPELINE and leaf == TILE and leaf_in is None
+    split = FIXED_CONVERT == "split" and not pipe and leaf == TILE and leaf_in is None
     if split and k_a > TILE << 10:
         raise ValueError(f"FIXED_CONVERT='split' takes at most 1024 leaves per call, got {k_a}")
+    if leaf_in is not None and (k_a > leaf or leaf_in.stride() != c.stride()):
+        raise ValueError("leaf_in: one leaf's last piece, in c's layout")
     _matmul_fixed_kernel[(blocks_m * triton.cdiv(n, block_n),)](
-        a_src, b_src, c, scale, m, n, k_a, k_a, k, tri._group(cfg, blocks_m),
+        a_src, b_src, c, scale, c if leaf_in is None else leaf_in, m, n, k_a, k_a, k,
+        tri._group(cfg, blocks_m),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        LEAF=TILE, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, PIPE=FIXED_PIPELINE,
-        SPLIT=split,
+        LEAF=leaf, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, PIPE=pipe,
+        SPLIT=split, LEAF_IN=leaf_in is not None,
         **tri._launch_opts(mm_cfg, a.device),
     )  # fmt: skip
 
 
+def vocab_pieces(v_real: int, tile: int, chunk: int) -> tuple[list[tuple[int, int]], int]:
+    """The backward's vocabulary pieces ``(v_begin, v_count)`` of a shard and the widest.
+
+    Tiles up to ``chunk`` columns: pieces of as many whole tiles as fit in ``chunk``,
+    from the shard's start (a tile edge). Wider tiles: each tile cut into the same number
+    of equal pieces (multiples of 128) from its start; the cuts depend only on the tile,
+    so every layout cuts a global tile alike. The width is a multiple of 128; with one
+    tile per piece (tiles wider than half a chunk) it is set by ``tile`` and ``chunk``
+    alone, never by the shard."""
+    if tile <= chunk:
+        step = chunk // tile * tile
+        spans = [(b, min(step, v_real - b)) for b in range(0, v_real, step)]
+        # one tile per piece: the width must not follow the shard (see the backward)
+        return spans, step if 2 * tile > chunk else min(step, tri.pad128(v_real))
+    width = tri.pad128(triton.cdiv(tile, triton.cdiv(tile, chunk)))
+    pieces = []
+    for l0 in range(0, v_real, tile):
+        end = min(l0 + tile, v_real)
+        pieces += [(b, min(width, end - b)) for b in range(l0, end, width)]
+    return pieces, width
+
+
 def _stats_rows(p: LogprobParams, cfg: TileConfig) -> int:
     """Token rows per forward chunk: the gathered partials stay within _STATS_BYTES."""
-    tiles = triton.cdiv(max(p.max_v_local, 1), TILE) * max(p.tp_size, 1)
+    tiles = triton.cdiv(max(p.max_v_local, 1), cfg.v_split) * max(p.tp_size, 1)
     rows = _STATS_BYTES // (tiles * N_STATS * 4)
     return max(cfg.block_n, rows // cfg.block_n * cfg.block_n)
 
@@ -263,7 +323,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, p: LogprobParams):
         ctx.set_materialize_grads(False)
-        cfg, _ = config_for(hidden.device, hidden.dtype)
+        cfg, _ = config_for(hidden.device, hidden.dtype, p.deterministic_tile)
         hidden, w_real, t_col, ignored = tri.kernel_inputs(hidden, weight, targets, p)
         n = hidden.shape[0]
         parts = []
@@ -285,35 +345,58 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent, g_lse):
         hidden, weight, t_col, ignored, lse, mean_z = ctx.saved_tensors
         p: LogprobParams = ctx.params
-        cfg, fixed = config_for(hidden.device, hidden.dtype)
+        tile = p.deterministic_tile
+        cfg, fixed = config_for(hidden.device, hidden.dtype, tile)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n, h_dim = hidden.shape
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
         grads = masked_upstream(ignored, g_lp, g_ent, g_lse)
         dev = hidden.device
+        pieces, width = vocab_pieces(v_real, tile, cfg.vocab_chunk)
+        # Pieces within one tile each (tiles wider than half a chunk) are cut alike on every
+        # layout, and so are the d_logits buffer's shape and strides: then cuBLAS may
+        # compute grad_W (the same call on every layout). Else a piece holds several tiles
+        # from the shard's start, its width varies with the layout, and grad_W takes lp's
+        # fixed-tile GEMM, whose rows never depend on the width.
+        per_tile = 2 * tile > cfg.vocab_chunk
+        rows = min(cfg.token_chunk, n)
+        leaf32 = None  # fp32 product of a wide tile's pieces before its last one
         if need_h:
             e, bad = row_exponents(hidden, w_real, lse, ignored, *grads, p)
             scale = torch.exp2(e).float()
             acc_h = torch.zeros((n, h_dim), dtype=torch.int64, device=dev)
+            if tile > cfg.vocab_chunk and v_real > width:
+                leaf32 = torch.empty((n, h_dim), dtype=torch.float32, device=dev)
         grad_w = tri.grad_weight_buffer(weight, v_real, n) if need_w else None
         acc_w = None  # fp32 accumulator of a grad_W slice (fp32 weights use grad_w itself)
-        if need_w and n > 0 and weight.dtype != torch.float32:
-            width = tri.buffer_width(v_real, cfg)
+        if need_w and n > 0 and weight.dtype != torch.float32 and (rows < n or not per_tile):
             acc_w = torch.empty((width, h_dim), dtype=torch.float32, device=dev)
         for v_begin, v_count, blocks in tri.dlogits_blocks(
-            hidden, w_real, t_col, lse, mean_z, grads, p, cfg
+            hidden, w_real, t_col, lse, mean_z, grads, p, cfg, pieces=(pieces, width)
         ):
             w_chunk = w_real[v_begin : v_begin + v_count]
+            first = v_begin % tile == 0  # the piece starts a tile
+            last = (v_begin + v_count) % tile == 0 or v_begin + v_count == v_real
             if need_w:
                 gw_slice = grad_w[v_begin : v_begin + v_count]
                 acc = gw_slice if acc_w is None else acc_w[:v_count]
             for r0, r1, dl, cols in blocks:
-                if need_w:  # lp's fixed-tile GEMM: a row's sum never depends on the shard
-                    # width (the first token chunk overwrites acc: as from zeros, bitwise)
+                if need_w and per_tile and rows == n:  # one cuBLAS GEMM, as the default path
+                    tri._grad_weight_slice(dl, hidden, gw_slice)
+                elif need_w and per_tile:  # the first token chunk overwrites acc
+                    addmm_f32_(acc, dl.T, hidden[r0:r1], accumulate=r0 > 0)
+                elif need_w:  # lp's fixed-tile GEMM (the first token chunk overwrites acc)
                     tri._matmul_acc_(acc, dl.T, hidden[r0:r1], cfg, m_a=cols, accumulate=r0 > 0)
-                if need_h:
-                    _matmul_fixed_(acc_h[r0:r1], dl, w_chunk, scale[r0:r1], cols, fixed, cfg)
+                if need_h and not last:  # a wide tile's leading pieces: fp32, from zero
+                    tri._matmul_acc_(
+                        leaf32[r0:r1], dl, w_chunk, cfg, k_a=cols, accumulate=not first
+                    )
+                elif need_h:
+                    _matmul_fixed_(
+                        acc_h[r0:r1], dl, w_chunk, scale[r0:r1], cols, fixed, cfg, leaf=tile,
+                        leaf_in=None if first else leaf32[r0:r1],
+                    )  # fmt: skip
             if need_w and acc_w is not None:
                 gw_slice.copy_(acc)
         grad_h = None

@@ -263,7 +263,10 @@ def _fwd_stats_kernel(
             stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET, PRECISION, TMA,
         )  # fmt: skip
         b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
-        b_zt += tl.sum(tl.where(o_v[None, :] == b_t[:, None], b_z, 0.0), axis=1)
+        # masked: a split that is not a multiple of BLOCK_V (deterministic_tile) ends
+        # inside a tile whose masked columns belong to the next split
+        m_t = (o_v[None, :] == b_t[:, None]) & m_v[None, :]
+        b_zt += tl.sum(tl.where(m_t, b_z, 0.0), axis=1)
         # online update; the first tile turns m from -inf into a finite maximum
         b_mn = tl.maximum(b_m, tl.max(b_z, axis=1))
         b_alpha = tl.exp(b_m - b_mn)
@@ -663,11 +666,15 @@ def target_codes(t_local: torch.Tensor, in_shard: torch.Tensor, ignored: torch.T
     return torch.where(in_shard, t_local, torch.where(ignored, IGNORED, -1))
 
 
-def dlogits_blocks(hidden, w_real, t_col, lse, mean_z, grads, p: LogprobParams, cfg: TileConfig):
+def dlogits_blocks(
+    hidden, w_real, t_col, lse, mean_z, grads, p: LogprobParams, cfg: TileConfig, pieces=None
+):
     """The backward's d_logits, one bounded block at a time (shared by both triton modes).
 
     Yields ``(v_begin, v_count, blocks)`` per vocabulary chunk of ``cfg.vocab_chunk``
-    columns; ``blocks`` yields ``(r0, r1, dl, cols)`` per token chunk of
+    columns (or per piece of ``pieces = (spans, width)``: ``(v_begin, v_count)`` spans in
+    order, each at most ``width`` columns, a multiple of 128 that is then the buffer's
+    width); ``blocks`` yields ``(r0, r1, dl, cols)`` per token chunk of
     ``cfg.token_chunk`` rows: ``dl [r1 - r0, v_count]`` (input dtype) is ``d loss / d
     logits`` of those rows and columns, in one reused buffer that holds exact zeros in
     columns ``[v_count, cols)``. ``grads`` are the masked upstream gradients
@@ -680,9 +687,15 @@ def dlogits_blocks(hidden, w_real, t_col, lse, mean_z, grads, p: LogprobParams, 
     g_lp, g_ent, g_lse = grads
     c0 = lse_coefficient(g_lp, g_lse, n, hidden.device)
     rows = min(cfg.token_chunk, n)
-    dl_buf = scratch.empty(
-        (rows, buffer_width(v_real, cfg)), dtype=hidden.dtype, device=hidden.device
-    )
+    if pieces is None:
+        spans = [
+            (v_begin, min(cfg.vocab_chunk, v_real - v_begin))
+            for v_begin in range(0, v_real, cfg.vocab_chunk)
+        ]
+        width = buffer_width(v_real, cfg)
+    else:
+        spans, width = pieces
+    dl_buf = scratch.empty((rows, width), dtype=hidden.dtype, device=hidden.device)
 
     def blocks(v_begin: int, v_count: int):
         cols = pad_cols(v_count, dl_buf)
@@ -699,8 +712,7 @@ def dlogits_blocks(hidden, w_real, t_col, lse, mean_z, grads, p: LogprobParams, 
             )  # fmt: skip
             yield r0, r1, dl_buf[: r1 - r0, :v_count], cols
 
-    for v_begin in range(0, v_real, cfg.vocab_chunk):
-        v_count = min(cfg.vocab_chunk, v_real - v_begin)
+    for v_begin, v_count in spans:
         yield v_begin, v_count, blocks(v_begin, v_count)
 
 
