@@ -27,14 +27,27 @@ from protocol import SHAPES, make_inputs, time_cuda
 from torch.profiler import ProfilerActivity, profile
 
 from lp_kernels import linear_logprob
-from lp_kernels.bench import time_cpu
+from lp_kernels.bench import time_cpu, tp8_tile
+
+DET_TILE = {"tile": "128"}  # deterministic_tile of --det: an int, or "tp8" (per shape)
+
+
+def _det_kw(det: bool, vocab: int) -> dict:
+    if not det:
+        return {"deterministic": False}
+    tile = DET_TILE["tile"]
+    return {
+        "deterministic": True,
+        "deterministic_tile": tp8_tile(vocab) if tile == "tp8" else int(tile),
+    }
 
 
 def _step(hidden, weight, targets, grad_out, det: bool):
     hidden.grad = weight.grad = None
     out = linear_logprob(
-        hidden, weight, targets, backend="triton", validate=False, deterministic=det
-    )
+        hidden, weight, targets, backend="triton", validate=False,
+        **_det_kw(det, weight.shape[0]),
+    )  # fmt: skip
     out.logprob.backward(grad_out)
 
 
@@ -103,7 +116,10 @@ def profile_shape(
     hidden_wall = _queued_ms(fn, device)
 
     def fwd():
-        linear_logprob(hidden, weight, targets, backend="triton", validate=False, deterministic=det)
+        linear_logprob(
+            hidden, weight, targets, backend="triton", validate=False,
+            **_det_kw(det, weight.shape[0]),
+        )  # fmt: skip
 
     fwd_wall, fwd_queued, fwd_host = (
         _wall_ms(fwd, device),
@@ -152,9 +168,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="S1,S4")
     ap.add_argument("--det", action="store_true", help="also profile deterministic=True")
+    ap.add_argument("--det-tile", default="128", help="deterministic_tile of --det: an int, or tp8")
     ap.add_argument("--out", default=None)
     ap.add_argument("--trace", default=None, help="folder for chrome traces (GPU)")
     args = ap.parse_args()
+    DET_TILE["tile"] = args.det_tile
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = (
         [(s, *SHAPES[s]) for s in args.shapes.split(",")]

@@ -24,7 +24,7 @@ from protocol import SHAPES, make_inputs, time_cuda
 import lp_kernels.backends.triton_deterministic as tdet
 import lp_kernels.backends.triton_linear as tlin
 from lp_kernels import linear_logprob
-from lp_kernels.bench import floor_call, steady_warmup
+from lp_kernels.bench import floor_call, steady_warmup, tp8_tile
 
 # "old": the launch order and loads pinned up to session 2 (no grouping, pointer loads,
 # 128 x 128 tiles). Keys starting with "fixed" set the fixed-point GEMM's tiles of
@@ -53,6 +53,9 @@ VARIANTS = {
     "fx64x128-split": {"fixed": (64, 128, 64), "fixed_convert": "split"},
     "fx64x128-w4": {"fixed": (64, 128, 64), "fixed_warps": 4},
     "fx64x128-pipe-w4": {"fixed": (64, 128, 64), "fixed_pipe": True, "fixed_warps": 4},
+    # deterministic_tile past half a vocabulary chunk (--det-tile): the one-tile calls'
+    # fixed-point GEMM on 256 x 128 tiles (128 x 256 overflows shared memory)
+    "fx1-256x128": {"fixed_one": (256, 128, 64)},
 }
 
 
@@ -63,13 +66,22 @@ def _apply(base, base_fixed, variant: dict) -> None:
     tdet.FIXED_WARPS = variant.get("fixed_warps")
     tdet.FIXED_PIPELINE = variant.get("fixed_pipe", False)
     tdet.FIXED_CONVERT = variant.get("fixed_convert", "cvt")
+    tdet.FIXED_ONE_LEAF = variant.get("fixed_one")
+
+
+DET_TILE = {"tile": "128"}  # deterministic_tile of --det runs: an int, or "tp8" (per shape)
+
+
+def _det_tile(vocab: int) -> int:
+    tile = DET_TILE["tile"]
+    return tp8_tile(vocab) if tile == "tp8" else int(tile)
 
 
 def _run(hl, wl, targets, grad_out, det: bool):
     hl.grad = wl.grad = None
     out = linear_logprob(
         hl, wl, targets, backend="triton", validate=False, return_entropy=True,
-        deterministic=det,
+        deterministic=det, deterministic_tile=_det_tile(wl.shape[0]) if det else 128,
     )  # fmt: skip
     (out.logprob * grad_out + out.entropy * grad_out.flip(0)).sum().backward()
     return out.logprob.detach(), out.entropy.detach(), hl.grad.clone(), wl.grad.clone()
@@ -115,6 +127,11 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--det", action="store_true", help="also time deterministic=True")
     ap.add_argument(
+        "--det-tile", default="128",
+        help="deterministic_tile of --det (and of --bits' deterministic runs): an int, or tp8 "
+        "(V padded to 1024 / 8, lp bench's lp-triton-det8)",
+    )  # fmt: skip
+    ap.add_argument(
         "--bits", action="store_true", help="order-only variants against pinned, bitwise"
     )
     ap.add_argument("--reps", type=int, default=5)
@@ -129,6 +146,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    DET_TILE["tile"] = args.det_tile
     base, base_fixed = tlin.GPU_CONFIG, tdet.FIXED_GPU
     rows = []
     if args.bits:
@@ -157,7 +175,13 @@ def main() -> None:
 
                 def fwd(hl=hl, wl=wl, targets=targets, det=det):
                     return linear_logprob(
-                        hl, wl, targets, backend="triton", validate=False, deterministic=det
+                        hl,
+                        wl,
+                        targets,
+                        backend="triton",
+                        validate=False,
+                        deterministic=det,
+                        deterministic_tile=_det_tile(wl.shape[0]) if det else 128,
                     ).logprob
 
                 def step(hl=hl, wl=wl, grad_out=grad_out, fwd=fwd):

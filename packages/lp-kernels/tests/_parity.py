@@ -7,10 +7,18 @@ import torch
 from lp_kernels import linear_logprob
 from lp_testing import assert_close, assert_zero, materialized_baseline, reference_all
 
+
 def check_against_fp64(
-    problem, tol, *, entropy: bool, lse: bool, chunk_size=None, backend="torch",
-    deterministic=False, deterministic_tile=128,
-):  # fmt: skip
+    problem,
+    tol,
+    *,
+    entropy: bool,
+    lse: bool,
+    chunk_size=None,
+    backend="torch",
+    deterministic=False,
+    deterministic_tile=128,
+):
     """Run linear_logprob with random per-row upstream gradients; compare everything to fp64.
 
     Tolerances are relative to the materialized-logits path in the same dtype.

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lp_kernels import _fixed_point
 from lp_kernels._types import LogprobParams
-from lp_testing import make_problem, reference_all
+from lp_testing import assert_bitwise_equal, make_problem, reference_all
 
 
 def _params(temperature=1.0):
@@ -52,3 +53,22 @@ def test_conversion_in_row_blocks_matches_one_block(monkeypatch):
     assert torch.equal(whole[keep], blocks[keep])
     expected = (acc.double() * torch.exp2(-e)[:, None]).float()
     assert torch.equal(whole[keep], expected[keep])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_triton_conversion_matches_torch_conversion(dtype, device, backend):
+    """The triton backend's one-pass conversion gives the torch backend's bits, NaN rows
+    included, over the whole range of exponents and of int64 values."""
+    if backend != "triton":
+        pytest.skip("the triton backend's conversion kernel")
+    from lp_kernels.backends.triton_deterministic import _from_fixed_point
+
+    gen = torch.Generator().manual_seed(1)
+    n, h = 131, 301  # past one block of rows and of columns, neither a multiple
+    acc = torch.randint(-(2**62), 2**62, (n, h), generator=gen)
+    acc[:, :7] = torch.randint(-1000, 1000, (n, 7), generator=gen)  # small integers too
+    e = torch.randint(-126, 127, (n,), generator=gen).double()
+    bad = torch.rand(n, generator=gen) < 0.1
+    want = _fixed_point.from_fixed_point(acc, e, bad, dtype)
+    got = _from_fixed_point(acc.to(device), e.to(device), bad.to(device), dtype).cpu()
+    assert_bitwise_equal(got, want, f"conversion to {dtype}")

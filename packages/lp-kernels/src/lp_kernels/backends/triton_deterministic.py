@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 from lp_kernels._dist import DETERMINISTIC_TILE as TILE
 from lp_kernels._dist import all_reduce_sum_, gather_stats
-from lp_kernels._fixed_point import from_fixed_point, row_exponents
+from lp_kernels._fixed_point import row_exponents
 from lp_kernels._matmul import addmm_f32_
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream
 from lp_kernels._types import LogprobParams
@@ -57,6 +57,9 @@ FIXED_GPU_4BYTE = (64, 128, 64)  # the same for fp32 inputs (with two pipeline s
 FIXED_SMALL, FIXED_SMALL_4BYTE = (64, 128, 64), (32, 64, 32)  # less shared memory
 FIXED_WARPS: int | None = None  # num_warps of _matmul_fixed_kernel (None: the config's)
 FIXED_PIPELINE = False  # experimental: round a leaf while the next one's MMAs run
+# experimental: the fixed-point GEMM's tiles for calls within one wide tile (tiles wider
+# than half a vocabulary chunk), which read C only after the dot; None: FIXED_GPU's
+FIXED_ONE_LEAF: tuple[int, int, int] | None = None
 # experimental: "split" rounds each scaled leaf into three int32 parts with fp32 adds of a
 # magic constant (no 64-bit conversion per element; see _split_rint); "cvt" converts
 # each element with one cvt.rni.s64.f32. The same integers, so the same bits.
@@ -165,7 +168,7 @@ def _matmul_fixed_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PIPE: tl.constexpr,
-    SPLIT: tl.constexpr, LEAF_IN: tl.constexpr,
+    SPLIT: tl.constexpr, LEAF_IN: tl.constexpr, ACC: tl.constexpr, LATE: tl.constexpr,
 ):  # fmt: skip
     """C (int64) += sum over LEAF-wide K tiles of round(s_m * (A[:, tile] @ B[tile])).
 
@@ -173,6 +176,8 @@ def _matmul_fixed_kernel(
     power of two per row, so the scaling is exact; rounding is to nearest, ties to even.
     ``LEAF_IN``: the call is the last piece of one leaf (K <= LEAF) whose earlier columns'
     fp32 product is in ``f_ptr`` (C's shape and strides); the dot continues from it.
+    ``ACC=False``: C = the sum (C is not read: as into a zeroed C). ``LATE``: C is read
+    after the dot (calls of one leaf: fewer registers live through its loop).
     A (d_logits) is read up to K_A columns (padded to 128 with zeros, so its loads
     vectorize alike on every shard), B up to its K_B real rows; with TMA ``a_src`` /
     ``b_src`` are tensor descriptors with those bounds. ``PIPE`` (experimental) computes
@@ -192,7 +197,10 @@ def _matmul_fixed_kernel(
     m_c = m_m[:, None] & m_n[None, :]
     p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
     # [BLOCK_M, BLOCK_N] int64
-    b_acc = tl.load(p_c, mask=m_c, other=0)
+    if ACC and not LATE:
+        b_acc = tl.load(p_c, mask=m_c, other=0)
+    else:
+        b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int64)
     b_scale = tl.load(s_ptr + o_m, mask=m_m, other=1.0)
     p_a, p_b = _operand_ptrs(
         a_src, b_src, o_m, o_n, o_k, stride_am, stride_ak, stride_bk, stride_bn, TMA
@@ -243,7 +251,50 @@ def _matmul_fixed_kernel(
                 INTERPRET, PRECISION, TMA,
             )  # fmt: skip
             b_acc += _round_to_int64(b_leaf * b_scale[:, None], INTERPRET)
+    if ACC and LATE:
+        b_acc += tl.load(p_c, mask=m_c, other=0)
     tl.store(p_c, b_acc, mask=m_c)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _from_fixed_kernel(
+    acc_ptr, s_ptr, bad_ptr, out_ptr, N, H, stride_an, stride_on,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """out = acc * s_n (s_n = 2^-e_n, float64; NaN on bad rows): int64 -> float64 (as
+    torch's ``.double()``), the exact power-of-two scaling, then float32 and the output
+    dtype (as torch converts float64 to a half type)."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_n = o_n < N
+    m = m_n[:, None] & (o_h < H)[None, :]
+    b_x = tl.load(acc_ptr + o_n[:, None].to(tl.int64) * stride_an + o_h[None, :], mask=m, other=0)
+    b_s = tl.load(s_ptr + o_n, mask=m_n, other=1.0)
+    b_bad = tl.load(bad_ptr + o_n, mask=m_n, other=0) != 0
+    b_y = b_x.to(tl.float64) * b_s[:, None]
+    b_y = tl.where(b_bad[:, None], float("nan"), b_y).to(tl.float32)
+    p_o = out_ptr + o_n[:, None].to(tl.int64) * stride_on + o_h[None, :]
+    tl.store(p_o, b_y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _from_fixed_point(acc, e, bad, dtype):
+    """``acc [N, H]`` int64 in units of ``2^-e_n`` -> ``dtype`` in one pass (the triton
+    backend's :func:`lp_kernels._fixed_point.from_fixed_point`)."""
+    n, h_dim = acc.shape
+    # The interpreter rounds float32 to bfloat16 toward zero (the GPU to nearest even, as
+    # torch): there the kernel stops at float32 and torch rounds.
+    interpret = acc.device.type == "cpu"
+    out = torch.empty((n, h_dim), dtype=torch.float32 if interpret else dtype, device=acc.device)
+    if out.numel() == 0:
+        return out.to(dtype)
+    block_n, block_h = (64, 256) if acc.device.type != "cpu" else (64, 64)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(h_dim, block_h))
+    _from_fixed_kernel[grid](
+        acc, torch.exp2(-e.to(torch.float64)), bad.to(torch.int8), out, n, h_dim,
+        acc.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_H=block_h,
+        **tri._compile_opts(acc.device),
+    )  # fmt: skip
+    return out.to(dtype)
 
 
 def _full_stages(a: torch.Tensor) -> bool:
@@ -254,11 +305,11 @@ def _full_stages(a: torch.Tensor) -> bool:
 
 def _matmul_fixed_(
     c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: TileConfig, *,
-    leaf: int = TILE, leaf_in: torch.Tensor | None = None,
+    leaf: int = TILE, leaf_in: torch.Tensor | None = None, accumulate: bool = True,
 ):  # fmt: skip
     """``c (int64) += fixed-point(a @ b)`` per ``leaf``-column tile; ``a`` has zeros up to
     k_a. ``leaf_in``: ``a @ b`` ends one leaf whose earlier columns' fp32 product it holds
-    (``c``'s shape and strides)."""
+    (``c``'s shape and strides). ``accumulate=False``: ``c = ...`` (``c`` is not read)."""
     m, k = a.shape
     n = b.shape[1]
     block_m, block_n, block_k = fixed
@@ -283,7 +334,8 @@ def _matmul_fixed_(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         LEAF=leaf, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, PIPE=pipe,
-        SPLIT=split, LEAF_IN=leaf_in is not None,
+        SPLIT=split, LEAF_IN=leaf_in is not None, ACC=accumulate,
+        LATE=leaf > TILE and (leaf_in is not None or k_a <= leaf),
         **tri._launch_opts(mm_cfg, a.device),
     )  # fmt: skip
 
@@ -360,12 +412,17 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         # from the shard's start, its width varies with the layout, and grad_W takes lp's
         # fixed-tile GEMM, whose rows never depend on the width.
         per_tile = 2 * tile > cfg.vocab_chunk
+        if per_tile and FIXED_ONE_LEAF and fixed == FIXED_GPU:
+            fixed = FIXED_ONE_LEAF
         rows = min(cfg.token_chunk, n)
         leaf32 = None  # fp32 product of a wide tile's pieces before its last one
         if need_h:
             e, bad = row_exponents(hidden, w_real, lse, ignored, *grads, p)
             scale = torch.exp2(e).float()
-            acc_h = torch.zeros((n, h_dim), dtype=torch.int64, device=dev)
+            # the first tile's end overwrites it (ACC=False), unless no tile is here
+            alloc = torch.empty if v_real > 0 else torch.zeros
+            acc_h = alloc((n, h_dim), dtype=torch.int64, device=dev)
+            written = False  # whether a tile has ended (acc_h holds sums)
             if tile > cfg.vocab_chunk and v_real > width:
                 leaf32 = torch.empty((n, h_dim), dtype=torch.float32, device=dev)
         grad_w = tri.grad_weight_buffer(weight, v_real, n) if need_w else None
@@ -395,13 +452,15 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                 elif need_h:
                     _matmul_fixed_(
                         acc_h[r0:r1], dl, w_chunk, scale[r0:r1], cols, fixed, cfg, leaf=tile,
-                        leaf_in=None if first else leaf32[r0:r1],
+                        leaf_in=None if first else leaf32[r0:r1], accumulate=written,
                     )  # fmt: skip
+            if need_h and last:
+                written = True
             if need_w and acc_w is not None:
                 gw_slice.copy_(acc)
         grad_h = None
         if need_h:
             if p.tp_size > 1 and p.reduce_grad_hidden:
                 all_reduce_sum_(acc_h, p.tp_group, p.tp_size)
-            grad_h = from_fixed_point(acc_h, e, bad, hidden.dtype)
+            grad_h = _from_fixed_point(acc_h, e, bad, hidden.dtype)
         return grad_h, grad_w, None, None
