@@ -53,9 +53,6 @@ VARIANTS = {
     "fx64x128-split": {"fixed": (64, 128, 64), "fixed_convert": "split"},
     "fx64x128-w4": {"fixed": (64, 128, 64), "fixed_warps": 4},
     "fx64x128-pipe-w4": {"fixed": (64, 128, 64), "fixed_pipe": True, "fixed_warps": 4},
-    # deterministic_tile past half a vocabulary chunk (--det-tile): the one-tile calls'
-    # fixed-point GEMM on 256 x 128 tiles (128 x 256 overflows shared memory)
-    "fx1-256x128": {"fixed_one": (256, 128, 64)},
 }
 
 
@@ -66,7 +63,6 @@ def _apply(base, base_fixed, variant: dict) -> None:
     tdet.FIXED_WARPS = variant.get("fixed_warps")
     tdet.FIXED_PIPELINE = variant.get("fixed_pipe", False)
     tdet.FIXED_CONVERT = variant.get("fixed_convert", "cvt")
-    tdet.FIXED_ONE_LEAF = variant.get("fixed_one")
 
 
 DET_TILE = {"tile": "128"}  # deterministic_tile of --det runs: an int, or "tp8" (per shape)

@@ -41,8 +41,9 @@ _CONVERT_ELEMENTS = 1 << 24  # float64 elements per block of the final conversio
 
 def global_abs_max(w_real: torch.Tensor, p: LogprobParams) -> torch.Tensor:
     """``max |W|`` over every rank's real rows (float64 scalar; exact in any order)."""
-    if w_real.numel() > 0:
-        local = w_real.abs().amax().double().reshape(1)
+    if w_real.numel() > 0:  # one read of W (abs() would write a copy of it first)
+        lo, hi = torch.aminmax(w_real)
+        local = torch.maximum(-lo.double(), hi.double()).reshape(1)
     else:
         local = torch.zeros(1, dtype=torch.float64, device=w_real.device)
     if p.tp_size > 1:
@@ -72,7 +73,11 @@ def row_exponents(
     g_lse64 = zero if g_lse is None else g_lse.double()
     g_ent64 = zero if g_ent is None else g_ent.double()
     inv_t = p.inv_temperature
-    h_abs = hidden.abs().amax(dim=1).double() if h_dim > 0 else zero
+    if h_dim > 0:
+        h_lo, h_hi = torch.aminmax(hidden, dim=1)
+        h_abs = torch.maximum(-h_lo.double(), h_hi.double())
+    else:
+        h_abs = zero
     zmax = h_dim * h_abs * w_abs * inv_t
     ent_term = torch.where(g_ent64 != 0, 2 * g_ent64.abs() * zmax, 0.0)
     bound = (g_lse64 - g_lp64).abs() + g_lp64.abs() + ent_term

@@ -61,7 +61,6 @@ _LIN = "lp_kernels.backends.triton_linear"
 EXPERIMENTS = {
     "split": [(_DET, "FIXED_CONVERT", "split")],
     "pipe": [(_DET, "FIXED_PIPELINE", True)],
-    "one-leaf-256x128": [(_DET, "FIXED_ONE_LEAF", (256, 128, 64))],
 }
 
 

@@ -1,34 +1,49 @@
 """``deterministic=True`` for the triton backend: bitwise tensor-parallel invariance.
 
 Outputs and both gradients are bitwise identical for any TP degree and any shard
-layout whose bounds are multiples of ``TILE`` (128) columns, and stay batch-invariant
-and reproducible run to run. Data flow for one rank::
+layout whose bounds are multiples of the tile width ``w = deterministic_tile`` (128 by
+default, any multiple of 128), and stay batch-invariant and reproducible run to run.
+Data flow for one rank::
 
     forward   per token chunk (rows fixed by the global tile count, never by N):
-                _fwd_stats_kernel with V_SPLIT = BLOCK_V = 128: one partial (m, s, a, t)
-                    per row and global 128-column tile        [T_max, rows, 4]
+                _fwd_stats_kernel with V_SPLIT = w: one partial (m, s, a, t) per row
+                    and global w-column tile                  [T_max, rows, 4]
                 all-gather -> [P, T_max, rows, 4]; _merge_kernel visits the partials in
                     (rank, tile) order = the global tile order, with empty partials
                     (m = -inf, s = a = t = 0) in the gaps of uneven layouts; adding an
                     exact zero leaves an fp32 sum unchanged, so every layout merges alike
-    backward  per vocabulary chunk, per token chunk:
-                _dlogits_kernel (as in the default path; 128-aligned tiles)
-                grad_W[chunk] += d l^T @ h     lp's fixed-tile GEMM (_matmul_acc_kernel):
-                                              a row's result never depends on the shard
-                                              width, unlike cuBLAS' shape-picked kernels
-                grad_h (int64) += round(2^e_n * (d l[:, tile] @ W[tile])) per 128-column
-                                              tile (_matmul_fixed_kernel); exact, so the
-                                              tile order and the TP all-reduce (int64)
-                                              cannot change the bits
-              grad_h = acc * 2^-e_n, one rounding (lp_kernels._fixed_point)
+    backward  per vocabulary piece (vocab_pieces), per token chunk:
+                _dlogits_kernel (as in the default path)
+                w <= half a vocabulary chunk (128 by default): a piece holds several
+                tiles from the shard's start, so its width follows the layout
+                  grad_W[piece] += d l^T @ h   lp's fixed-tile GEMM (_matmul_acc_kernel):
+                                              a row's result never depends on the width,
+                                              unlike cuBLAS' shape-picked kernels
+                  grad_h (int64) += round(2^e_n * (d l[:, tile] @ W[tile])) per tile
+                                              (_matmul_fixed_kernel, which rounds each
+                                              tile's fp32 dot in registers)
+                wider tiles: a piece lies within one tile, cut from the tile's start by
+                the tile's width alone, so every layout makes the same calls
+                  grad_W[piece] = d l^T @ h   cuBLAS, as the default path (the same
+                                              shapes, strides and alignment everywhere)
+                  F (fp32) += d l @ W[piece]  the default path's GEMM; at the tile's end
+                  grad_h (int64) += round(2^e_n * F)   (_round_into_kernel)
+              the int64 sums are exact, so neither the tile order nor the TP all-reduce
+              (int64) can change the bits; grad_h = acc * 2^-e_n, one rounding
+              (_from_fixed_kernel; the scale from lp_kernels._fixed_point)
 
-The forward logit tiles and the backward's d_logits tiles cover the same global
-128-column tiles on every layout (shard bounds are multiples of 128, the kernels' column
-tiles start at multiples of 128 of the shard), and every element of a tile is computed
-by the same instruction sequence whatever its position, so each tile's numbers are the
-same on every layout. That also needs every layout to run the same compiled variant of
-each kernel: see "Determinism" in ``triton_linear`` on Triton's integer specialization.
-``benchmarks/profile_deterministic.py`` times each phase against the default mode.
+Cost: each tile's partial statistics and each tile's rounding of an [N, H] product are
+the price of invariance, so wider tiles cost less: with w = V_pad / 8 the mode runs
+within a few percent of the default path (docs/benchmarks.md).
+
+The forward logit tiles and the backward's d_logits tiles start on the same global
+column grid on every layout (shard bounds are multiples of w, the kernels' column tiles
+start at multiples of 128 of the shard), and every element of a tile is computed by the
+same instruction sequence whatever its position, so each tile's numbers are the same on
+every layout. That also needs every layout to run the same compiled variant of each
+kernel: see "Determinism" in ``triton_linear`` on Triton's integer specialization.
+``benchmarks/profile_deterministic.py`` times each phase against the default mode (at
+w = 128); ``benchmarks/profile_step.py --det --det-tile`` a whole step at any w.
 """
 
 from __future__ import annotations
@@ -57,9 +72,6 @@ FIXED_GPU_4BYTE = (64, 128, 64)  # the same for fp32 inputs (with two pipeline s
 FIXED_SMALL, FIXED_SMALL_4BYTE = (64, 128, 64), (32, 64, 32)  # less shared memory
 FIXED_WARPS: int | None = None  # num_warps of _matmul_fixed_kernel (None: the config's)
 FIXED_PIPELINE = False  # experimental: round a leaf while the next one's MMAs run
-# experimental: the fixed-point GEMM's tiles for calls within one wide tile (tiles wider
-# than half a vocabulary chunk), which read C only after the dot; None: FIXED_GPU's
-FIXED_ONE_LEAF: tuple[int, int, int] | None = None
 # experimental: "split" rounds each scaled leaf into three int32 parts with fp32 adds of a
 # magic constant (no 64-bit conversion per element; see _split_rint); "cvt" converts
 # each element with one cvt.rni.s64.f32. The same integers, so the same bits.
@@ -164,20 +176,18 @@ def _leaf_product(
 
 @triton.jit(do_not_specialize=["M", "K", "K_B", "group"])
 def _matmul_fixed_kernel(
-    a_src, b_src, c_ptr, s_ptr, f_ptr, M, N, K, K_A, K_B, group,
+    a_src, b_src, c_ptr, s_ptr, M, N, K, K_A, K_B, group,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PIPE: tl.constexpr,
-    SPLIT: tl.constexpr, LEAF_IN: tl.constexpr, ACC: tl.constexpr, LATE: tl.constexpr,
+    SPLIT: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """C (int64) += sum over LEAF-wide K tiles of round(s_m * (A[:, tile] @ B[tile])).
 
     Each tile's product is an fp32 dot from zero (fixed BLOCK_K order); ``s_m`` is a
     power of two per row, so the scaling is exact; rounding is to nearest, ties to even.
-    ``LEAF_IN``: the call is the last piece of one leaf (K <= LEAF) whose earlier columns'
-    fp32 product is in ``f_ptr`` (C's shape and strides); the dot continues from it.
-    ``ACC=False``: C = the sum (C is not read: as into a zeroed C). ``LATE``: C is read
-    after the dot (calls of one leaf: fewer registers live through its loop).
+    The last leaf may be cut by K (the end of a shard's real columns).
+    ``ACC=False``: C = the sum (C is not read: as into a zeroed C).
     A (d_logits) is read up to K_A columns (padded to 128 with zeros, so its loads
     vectorize alike on every shard), B up to its K_B real rows; with TMA ``a_src`` /
     ``b_src`` are tensor descriptors with those bounds. ``PIPE`` (experimental) computes
@@ -197,7 +207,7 @@ def _matmul_fixed_kernel(
     m_c = m_m[:, None] & m_n[None, :]
     p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
     # [BLOCK_M, BLOCK_N] int64
-    if ACC and not LATE:
+    if ACC:  # noqa: SIM108  (a constexpr branch: only one side is compiled)
         b_acc = tl.load(p_c, mask=m_c, other=0)
     else:
         b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int64)
@@ -206,15 +216,7 @@ def _matmul_fixed_kernel(
         a_src, b_src, o_m, o_n, o_k, stride_am, stride_ak, stride_bk, stride_bn, TMA
     )
     b_zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if LEAF_IN:
-        p_f = f_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
-        b_leaf = _leaf_product(
-            tl.load(p_f, mask=m_c, other=0.0), a_src, b_src, p_a, p_b, 0, K, i_m, i_n, m_m,
-            m_n, o_k, K_A, K_B, stride_ak, stride_bk, LEAF, BLOCK_M, BLOCK_N, BLOCK_K,
-            INTERPRET, PRECISION, TMA,
-        )  # fmt: skip
-        b_acc += _round_to_int64(b_leaf * b_scale[:, None], INTERPRET)
-    elif PIPE:
+    if PIPE:
         b_prev = _leaf_product(
             b_zero, a_src, b_src, p_a, p_b, 0, LEAF, i_m, i_n, m_m, m_n, o_k, K_A, K_B,
             stride_ak, stride_bk, LEAF, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, PRECISION, TMA,
@@ -251,9 +253,44 @@ def _matmul_fixed_kernel(
                 INTERPRET, PRECISION, TMA,
             )  # fmt: skip
             b_acc += _round_to_int64(b_leaf * b_scale[:, None], INTERPRET)
-    if ACC and LATE:
-        b_acc += tl.load(p_c, mask=m_c, other=0)
     tl.store(p_c, b_acc, mask=m_c)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _round_into_kernel(
+    f_ptr, c_ptr, s_ptr, N, H, stride_fn, stride_cn,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """C (int64) += round(s_n * F) for one tile's fp32 product F (``ACC=False``: C = ...)."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_n = o_n < N
+    m = m_n[:, None] & (o_h < H)[None, :]
+    b_f = tl.load(f_ptr + o_n[:, None].to(tl.int64) * stride_fn + o_h[None, :], mask=m, other=0.0)
+    b_s = tl.load(s_ptr + o_n, mask=m_n, other=1.0)
+    b_q = _round_to_int64(b_f * b_s[:, None], INTERPRET)
+    p_c = c_ptr + o_n[:, None].to(tl.int64) * stride_cn + o_h[None, :]
+    if ACC:
+        b_q += tl.load(p_c, mask=m, other=0)
+    tl.store(p_c, b_q, mask=m)
+
+
+def _elementwise_grid(n: int, h_dim: int, device: torch.device) -> tuple[int, int, tuple]:
+    block_n, block_h = (64, 256) if device.type != "cpu" else (64, 64)
+    return block_n, block_h, (triton.cdiv(n, block_n), triton.cdiv(h_dim, block_h))
+
+
+def _round_into_(c, f, scale, *, accumulate: bool) -> None:
+    """``c (int64) += round(scale_n * f)`` (fp32 ``f``, c's shape; ``accumulate=False``:
+    ``c = ...``): one wide tile's product, summed by lp's fp32 GEMM, joins the sum."""
+    n, h_dim = c.shape
+    if c.numel() == 0:
+        return
+    block_n, block_h, grid = _elementwise_grid(n, h_dim, c.device)
+    _round_into_kernel[grid](
+        f, c, scale, n, h_dim, f.stride(0), c.stride(0), BLOCK_N=block_n, BLOCK_H=block_h,
+        INTERPRET=c.device.type == "cpu", ACC=accumulate, **tri._compile_opts(c.device),
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -261,9 +298,8 @@ def _from_fixed_kernel(
     acc_ptr, s_ptr, bad_ptr, out_ptr, N, H, stride_an, stride_on,
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """out = acc * s_n (s_n = 2^-e_n, float64; NaN on bad rows): int64 -> float64 (as
-    torch's ``.double()``), the exact power-of-two scaling, then float32 and the output
-    dtype (as torch converts float64 to a half type)."""
+    """out (float32) = acc * s_n (s_n = 2^-e_n, float64; NaN on bad rows): int64 ->
+    float64 (as torch's ``.double()``), the exact power-of-two scaling, one rounding."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_n = o_n < N
@@ -281,14 +317,13 @@ def _from_fixed_point(acc, e, bad, dtype):
     """``acc [N, H]`` int64 in units of ``2^-e_n`` -> ``dtype`` in one pass (the triton
     backend's :func:`lp_kernels._fixed_point.from_fixed_point`)."""
     n, h_dim = acc.shape
-    # The interpreter rounds float32 to bfloat16 toward zero (the GPU to nearest even, as
-    # torch): there the kernel stops at float32 and torch rounds.
-    interpret = acc.device.type == "cpu"
-    out = torch.empty((n, h_dim), dtype=torch.float32 if interpret else dtype, device=acc.device)
+    # The kernel stops at float32 and torch rounds to the input dtype: Triton may fold the
+    # two conversions into one from float64 (another rounding than torch's), and its
+    # interpreter rounds float32 to bfloat16 toward zero.
+    out = torch.empty((n, h_dim), dtype=torch.float32, device=acc.device)
     if out.numel() == 0:
         return out.to(dtype)
-    block_n, block_h = (64, 256) if acc.device.type != "cpu" else (64, 64)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(h_dim, block_h))
+    block_n, block_h, grid = _elementwise_grid(n, h_dim, acc.device)
     _from_fixed_kernel[grid](
         acc, torch.exp2(-e.to(torch.float64)), bad.to(torch.int8), out, n, h_dim,
         acc.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_H=block_h,
@@ -305,11 +340,10 @@ def _full_stages(a: torch.Tensor) -> bool:
 
 def _matmul_fixed_(
     c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: TileConfig, *,
-    leaf: int = TILE, leaf_in: torch.Tensor | None = None, accumulate: bool = True,
+    leaf: int = TILE, accumulate: bool = True,
 ):  # fmt: skip
     """``c (int64) += fixed-point(a @ b)`` per ``leaf``-column tile; ``a`` has zeros up to
-    k_a. ``leaf_in``: ``a @ b`` ends one leaf whose earlier columns' fp32 product it holds
-    (``c``'s shape and strides). ``accumulate=False``: ``c = ...`` (``c`` is not read)."""
+    k_a. ``accumulate=False``: ``c = ...`` (``c`` is not read)."""
     m, k = a.shape
     n = b.shape[1]
     block_m, block_n, block_k = fixed
@@ -322,20 +356,17 @@ def _matmul_fixed_(
     )
     a_src, b_src, tma = tri.gemm_sources(a, b, m, k_a, False, mm_cfg, block_m, block_n)
     # the experimental switches apply to 128-column leaves
-    pipe = FIXED_PIPELINE and leaf == TILE and leaf_in is None
-    split = FIXED_CONVERT == "split" and not pipe and leaf == TILE and leaf_in is None
+    pipe = FIXED_PIPELINE and leaf == TILE
+    split = FIXED_CONVERT == "split" and not pipe and leaf == TILE
     if split and k_a > TILE << 10:
         raise ValueError(f"FIXED_CONVERT='split' takes at most 1024 leaves per call, got {k_a}")
-    if leaf_in is not None and (k_a > leaf or leaf_in.stride() != c.stride()):
-        raise ValueError("leaf_in: one leaf's last piece, in c's layout")
     _matmul_fixed_kernel[(blocks_m * triton.cdiv(n, block_n),)](
-        a_src, b_src, c, scale, c if leaf_in is None else leaf_in, m, n, k_a, k_a, k,
+        a_src, b_src, c, scale, m, n, k_a, k_a, k,
         tri._group(cfg, blocks_m),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         LEAF=leaf, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, PIPE=pipe,
-        SPLIT=split, LEAF_IN=leaf_in is not None, ACC=accumulate,
-        LATE=leaf > TILE and (leaf_in is not None or k_a <= leaf),
+        SPLIT=split, ACC=accumulate,
         **tri._launch_opts(mm_cfg, a.device),
     )  # fmt: skip
 
@@ -345,10 +376,10 @@ def vocab_pieces(v_real: int, tile: int, chunk: int) -> tuple[list[tuple[int, in
 
     Tiles up to ``chunk`` columns: pieces of as many whole tiles as fit in ``chunk``,
     from the shard's start (a tile edge). Wider tiles: each tile cut into the same number
-    of equal pieces (multiples of 128) from its start; the cuts depend only on the tile,
-    so every layout cuts a global tile alike. The width is a multiple of 128; with one
-    tile per piece (tiles wider than half a chunk) it is set by ``tile`` and ``chunk``
-    alone, never by the shard."""
+    of near-equal pieces (multiples of 128) from its start. With one tile per piece
+    (tiles wider than half a chunk) the cuts and the width (a multiple of 128) depend only
+    on ``tile`` and ``chunk``, never on the shard, so every layout cuts a global tile
+    alike."""
     if tile <= chunk:
         step = chunk // tile * tile
         spans = [(b, min(step, v_real - b)) for b in range(0, v_real, step)]
@@ -412,10 +443,8 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         # from the shard's start, its width varies with the layout, and grad_W takes lp's
         # fixed-tile GEMM, whose rows never depend on the width.
         per_tile = 2 * tile > cfg.vocab_chunk
-        if per_tile and FIXED_ONE_LEAF and fixed == FIXED_GPU:
-            fixed = FIXED_ONE_LEAF
         rows = min(cfg.token_chunk, n)
-        leaf32 = None  # fp32 product of a wide tile's pieces before its last one
+        leaf32 = None  # fp32 product of a wide tile (per_tile), from its pieces
         if need_h:
             e, bad = row_exponents(hidden, w_real, lse, ignored, *grads, p)
             scale = torch.exp2(e).float()
@@ -423,7 +452,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             alloc = torch.empty if v_real > 0 else torch.zeros
             acc_h = alloc((n, h_dim), dtype=torch.int64, device=dev)
             written = False  # whether a tile has ended (acc_h holds sums)
-            if tile > cfg.vocab_chunk and v_real > width:
+            if per_tile and v_real > 0:
                 leaf32 = torch.empty((n, h_dim), dtype=torch.float32, device=dev)
         grad_w = tri.grad_weight_buffer(weight, v_real, n) if need_w else None
         acc_w = None  # fp32 accumulator of a grad_W slice (fp32 weights use grad_w itself)
@@ -445,14 +474,15 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                     addmm_f32_(acc, dl.T, hidden[r0:r1], accumulate=r0 > 0)
                 elif need_w:  # lp's fixed-tile GEMM (the first token chunk overwrites acc)
                     tri._matmul_acc_(acc, dl.T, hidden[r0:r1], cfg, m_a=cols, accumulate=r0 > 0)
-                if need_h and not last:  # a wide tile's leading pieces: fp32, from zero
-                    tri._matmul_acc_(
-                        leaf32[r0:r1], dl, w_chunk, cfg, k_a=cols, accumulate=not first
-                    )
+                if need_h and per_tile:  # the default path's fp32 GEMM, then one rounding
+                    f = leaf32[r0:r1]
+                    tri._matmul_acc_(f, dl, w_chunk, cfg, k_a=cols, accumulate=not first)
+                    if last:
+                        _round_into_(acc_h[r0:r1], f, scale[r0:r1], accumulate=written)
                 elif need_h:
                     _matmul_fixed_(
                         acc_h[r0:r1], dl, w_chunk, scale[r0:r1], cols, fixed, cfg, leaf=tile,
-                        leaf_in=None if first else leaf32[r0:r1], accumulate=written,
+                        accumulate=written,
                     )  # fmt: skip
             if need_h and last:
                 written = True
