@@ -256,78 +256,68 @@ def _matmul_fixed_kernel(
     tl.store(p_c, b_acc, mask=m_c)
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["numel"])
 def _round_into_kernel(
-    f_ptr, c_ptr, s_ptr, N, H, stride_fn, stride_cn,
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, ACC: tl.constexpr,
+    f_ptr, c_ptr, s_ptr, numel, H,
+    BLOCK: tl.constexpr, INTERPRET: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """C (int64) += round(s_n * F) for one tile's fp32 product F (``ACC=False``: C = ...)."""
-    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    m_n = o_n < N
-    m = m_n[:, None] & (o_h < H)[None, :]
-    b_f = tl.load(f_ptr + o_n[:, None].to(tl.int64) * stride_fn + o_h[None, :], mask=m, other=0.0)
-    b_s = tl.load(s_ptr + o_n, mask=m_n, other=1.0)
-    b_q = _round_to_int64(b_f * b_s[:, None], INTERPRET)
-    p_c = c_ptr + o_n[:, None].to(tl.int64) * stride_cn + o_h[None, :]
+    """C (int64) += round(s_row * F) for one tile's fp32 product F (``ACC=False``: C = ...);
+    C and F contiguous [rows, H], flattened."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    b_f = tl.load(f_ptr + offs, mask=m, other=0.0)
+    b_s = tl.load(s_ptr + offs // H, mask=m, other=1.0)
+    b_q = _round_to_int64(b_f * b_s, INTERPRET)
     if ACC:
-        b_q += tl.load(p_c, mask=m, other=0)
-    tl.store(p_c, b_q, mask=m)
+        b_q += tl.load(c_ptr + offs, mask=m, other=0)
+    tl.store(c_ptr + offs, b_q, mask=m)
 
 
-def _elementwise_grid(n: int, h_dim: int, device: torch.device) -> tuple[int, int, tuple]:
-    block_n, block_h = (64, 256) if device.type != "cpu" else (64, 64)
-    return block_n, block_h, (triton.cdiv(n, block_n), triton.cdiv(h_dim, block_h))
+_ELEMENTWISE_BLOCK = 1024  # elements per program of the two elementwise kernels (4 warps)
 
 
 def _round_into_(c, f, scale, *, accumulate: bool) -> None:
     """``c (int64) += round(scale_n * f)`` (fp32 ``f``, c's shape; ``accumulate=False``:
     ``c = ...``): one wide tile's product, summed by lp's fp32 GEMM, joins the sum."""
-    n, h_dim = c.shape
+    if not (c.is_contiguous() and f.is_contiguous() and c.shape == f.shape):
+        raise ValueError("_round_into_: contiguous c and f of one shape")
     if c.numel() == 0:
         return
-    block_n, block_h, grid = _elementwise_grid(n, h_dim, c.device)
-    _round_into_kernel[grid](
-        f, c, scale, n, h_dim, f.stride(0), c.stride(0), BLOCK_N=block_n, BLOCK_H=block_h,
+    _round_into_kernel[(triton.cdiv(c.numel(), _ELEMENTWISE_BLOCK),)](
+        f, c, scale, c.numel(), c.shape[1], BLOCK=_ELEMENTWISE_BLOCK,
         INTERPRET=c.device.type == "cpu", ACC=accumulate, **tri._compile_opts(c.device),
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["N"])
-def _from_fixed_kernel(
-    acc_ptr, s_ptr, bad_ptr, out_ptr, N, H, stride_an, stride_on,
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
-    """out (float32) = acc * s_n (s_n = 2^-e_n, float64; NaN on bad rows): int64 ->
-    float64 (as torch's ``.double()``), the exact power-of-two scaling, one rounding."""
-    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    m_n = o_n < N
-    m = m_n[:, None] & (o_h < H)[None, :]
-    b_x = tl.load(acc_ptr + o_n[:, None].to(tl.int64) * stride_an + o_h[None, :], mask=m, other=0)
-    b_s = tl.load(s_ptr + o_n, mask=m_n, other=1.0)
-    b_bad = tl.load(bad_ptr + o_n, mask=m_n, other=0) != 0
-    b_y = b_x.to(tl.float64) * b_s[:, None]
-    b_y = tl.where(b_bad[:, None], float("nan"), b_y).to(tl.float32)
-    p_o = out_ptr + o_n[:, None].to(tl.int64) * stride_on + o_h[None, :]
-    tl.store(p_o, b_y.to(out_ptr.dtype.element_ty), mask=m)
+@triton.jit(do_not_specialize=["numel"])
+def _from_fixed_kernel(acc_ptr, s_ptr, bad_ptr, out_ptr, numel, H, BLOCK: tl.constexpr):
+    """out (float32) = acc * s_row (s = 2^-e, float64; NaN on bad rows): int64 -> float64
+    (as torch's ``.double()``), the exact power-of-two scaling, one rounding. Contiguous
+    [N, H], flattened."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    row = offs // H
+    b_x = tl.load(acc_ptr + offs, mask=m, other=0)
+    b_s = tl.load(s_ptr + row, mask=m, other=1.0)
+    b_bad = tl.load(bad_ptr + row, mask=m, other=0) != 0
+    b_y = tl.where(b_bad, float("nan"), b_x.to(tl.float64) * b_s)
+    tl.store(out_ptr + offs, b_y.to(tl.float32), mask=m)
 
 
 def _from_fixed_point(acc, e, bad, dtype):
-    """``acc [N, H]`` int64 in units of ``2^-e_n`` -> ``dtype`` in one pass (the triton
-    backend's :func:`lp_kernels._fixed_point.from_fixed_point`)."""
-    n, h_dim = acc.shape
-    # The kernel stops at float32 and torch rounds to the input dtype: Triton may fold the
-    # two conversions into one from float64 (another rounding than torch's), and its
-    # interpreter rounds float32 to bfloat16 toward zero.
-    out = torch.empty((n, h_dim), dtype=torch.float32, device=acc.device)
+    """``acc [N, H]`` int64 in units of ``2^-e_n`` -> ``dtype`` (the triton backend's
+    :func:`lp_kernels._fixed_point.from_fixed_point`, without float64 temporaries).
+
+    The kernel stops at float32 and torch rounds to the input dtype: Triton may fold the
+    two conversions into one from float64 (another rounding than torch's), and its
+    interpreter rounds float32 to bfloat16 toward zero."""
+    acc = acc.contiguous()
+    out = torch.empty(acc.shape, dtype=torch.float32, device=acc.device)
     if out.numel() == 0:
         return out.to(dtype)
-    block_n, block_h, grid = _elementwise_grid(n, h_dim, acc.device)
-    _from_fixed_kernel[grid](
-        acc, torch.exp2(-e.to(torch.float64)), bad.to(torch.int8), out, n, h_dim,
-        acc.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_H=block_h,
-        **tri._compile_opts(acc.device),
+    _from_fixed_kernel[(triton.cdiv(acc.numel(), _ELEMENTWISE_BLOCK),)](
+        acc, torch.exp2(-e.to(torch.float64)), bad.to(torch.int8), out, acc.numel(),
+        acc.shape[1], BLOCK=_ELEMENTWISE_BLOCK, **tri._compile_opts(acc.device),
     )  # fmt: skip
     return out.to(dtype)
 
