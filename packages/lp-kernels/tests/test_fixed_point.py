@@ -71,4 +71,7 @@ def test_triton_conversion_matches_torch_conversion(dtype, device, backend):
     bad = torch.rand(n, generator=gen) < 0.1
     want = _fixed_point.from_fixed_point(acc, e, bad, dtype)
     got = _from_fixed_point(acc.to(device), e.to(device), bad.to(device), dtype).cpu()
-    assert_bitwise_equal(got, want, f"conversion to {dtype}")
+    # NaN rows: NaN, whatever its payload (CUDA and CPU round a float32 NaN to different
+    # half-precision NaN bits); every other element: the same bits
+    assert bool(bad.any()) and torch.isnan(got[bad]).all() and torch.isnan(want[bad]).all()
+    assert_bitwise_equal(got[~bad], want[~bad], f"conversion to {dtype}")
