@@ -238,3 +238,27 @@ def test_nccl_all_reduce(rank_runner) -> None:  # type: ignore[no-untyped-def]
     results = rank_runner(nccl_all_reduce, 2, backend="nccl", timeout=120)
     for t in results:
         assert t.device.type == "cpu" and torch.equal(t, torch.full((4,), 3.0))
+
+
+def _host_hop_rank(rank: int, world_size: int) -> tuple:
+    from lp_testing import gloo_cuda_via_host
+
+    before = (dist.all_gather_into_tensor, dist.all_reduce)
+    with gloo_cuda_via_host():
+        patched = (dist.all_gather_into_tensor, dist.all_reduce) != before
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t)  # host tensors pass straight through
+        out = torch.empty(world_size, dtype=torch.int64)
+        dist.all_gather_into_tensor(out, torch.tensor([rank * 10]))
+    restored = (dist.all_gather_into_tensor, dist.all_reduce) == before
+    return patched, restored, t, out
+
+
+def test_gloo_cuda_via_host_passes_host_tensors_and_restores() -> None:
+    """The test-only host hop patches the two collectives inside, leaves host tensors'
+    results as they were and restores the originals on exit (its CUDA path runs in the
+    GPU suite: test_deterministic_tp_layouts_sharing_one_gpu)."""
+    for patched, restored, t, out in run_ranks(_host_hop_rank, 2, timeout=60):
+        assert patched and restored
+        assert torch.equal(t, torch.tensor([3.0]))
+        assert torch.equal(out, torch.tensor([0, 10]))
