@@ -48,22 +48,21 @@ def _upstream(n):
     return g, g.flip(0), torch.full((n,), 0.3)
 
 
-def _rank(rank, world, problem, bounds, backend):
+def _rank(rank, world, problem, bounds, backend, tile=128, chunk=None):
+    if chunk is not None:  # a smaller vocabulary chunk: the same code paths as large tiles
+        import dataclasses
+
+        from lp_kernels.backends import triton_linear as tri
+
+        tri.INTERPRET_CONFIG = dataclasses.replace(tri.INTERPRET_CONFIG, vocab_chunk=chunk)
     start, size = bounds[rank]
     h = problem.hidden.clone().requires_grad_()
     w = problem.weight[start : start + size].clone().requires_grad_()
     out = linear_logprob(
-        h,
-        w,
-        problem.targets,
-        tp_group=dist.group.WORLD,
-        vocab_start=start,
-        deterministic=True,
-        return_entropy=True,
-        return_lse=True,
-        backend=backend,
-        **problem.op_kwargs(),
-    )
+        h, w, problem.targets, tp_group=dist.group.WORLD, vocab_start=start,
+        deterministic=True, deterministic_tile=tile, return_entropy=True, return_lse=True,
+        backend=backend, **problem.op_kwargs(),
+    )  # fmt: skip
     g_lp, g_ent, g_lse = _upstream(problem.n)
     (out.logprob * g_lp + out.entropy * g_ent + out.lse * g_lse).sum().backward()
     return out.logprob, out.entropy, out.lse, h.grad, w.grad
@@ -160,26 +159,6 @@ WIDE_LAYOUTS = {
 }
 
 
-def _wide_rank(rank, world, problem, bounds, backend, tile, chunk):
-    if chunk is not None:  # a smaller vocabulary chunk: the same code paths as large tiles
-        import dataclasses
-
-        from lp_kernels.backends import triton_linear as tri
-
-        tri.INTERPRET_CONFIG = dataclasses.replace(tri.INTERPRET_CONFIG, vocab_chunk=chunk)
-    start, size = bounds[rank]
-    h = problem.hidden.clone().requires_grad_()
-    w = problem.weight[start : start + size].clone().requires_grad_()
-    out = linear_logprob(
-        h, w, problem.targets, tp_group=dist.group.WORLD, vocab_start=start,
-        deterministic=True, deterministic_tile=tile, return_entropy=True, return_lse=True,
-        backend=backend, **problem.op_kwargs(),
-    )  # fmt: skip
-    g_lp, g_ent, g_lse = _upstream(problem.n)
-    (out.logprob * g_lp + out.entropy * g_ent + out.lse * g_lse).sum().backward()
-    return out.logprob, out.entropy, out.lse, h.grad, w.grad
-
-
 @pytest.mark.parametrize("case", list(WIDE_CASES))
 def test_wider_tiles_bitwise_identical_across_layouts(case, backend):
     """deterministic_tile > 128: the same bits on every layout on that tile's grid (uneven
@@ -193,9 +172,7 @@ def test_wider_tiles_bitwise_identical_across_layouts(case, backend):
     results = {}
     for layout in layouts:
         bounds = WIDE_LAYOUTS[layout](v_pad)
-        per_rank = run_ranks(
-            _wide_rank, len(bounds), problem, bounds, backend, tile, chunk, timeout=180
-        )
+        per_rank = run_ranks(_rank, len(bounds), problem, bounds, backend, tile, chunk, timeout=180)
         for rank in range(1, len(bounds)):
             for k in range(4):
                 assert_bitwise_equal(per_rank[rank][k], per_rank[0][k], f"{layout} rank {rank}")
