@@ -56,3 +56,24 @@ def test_deterministic_vocab_pieces(v_real, tile, chunk, spans, width):
     assert (got, got_width) == (spans, width)
     assert got[0][0] == 0 and sum(c for _, c in got) == v_real
     assert all(b + c == nb for (b, c), (nb, _) in itertools.pairwise(got))
+
+
+@pytest.mark.parametrize("vocab, max_tp", [(151936, 8), (248320, 8), (1000, 4), (50, 1)])
+def test_deterministic_tile_for_serves_every_degree(vocab, max_tp):
+    """The tile divides every even shard of the vocabulary padded to 128 x max_tp, at every
+    degree dividing max_tp, and is the widest that divides the max_tp-way shard."""
+    from lp_kernels import deterministic_tile_for
+
+    tile = deterministic_tile_for(vocab, max_tp)
+    v_pad = -(-vocab // (128 * max_tp)) * 128 * max_tp
+    assert tile % 128 == 0 and tile * max_tp == v_pad
+    for tp in (d for d in range(1, max_tp + 1) if max_tp % d == 0):
+        assert (v_pad // tp) % tile == 0
+
+
+def test_deterministic_tile_for_rejects_bad_arguments():
+    from lp_kernels import deterministic_tile_for
+
+    for args in ((0, 8), (1000, 0), (1000, 2.0), (True, 8)):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            deterministic_tile_for(*args)

@@ -43,6 +43,26 @@ _FIELDS = (
 )
 
 
+def deterministic_tile_for(vocab_size: int, max_tp: int) -> int:
+    """The widest ``deterministic_tile`` that serves every TP degree dividing ``max_tp``.
+
+    Pad the vocabulary to ``V_pad``, a multiple of ``128 * max_tp``, and keep that padding
+    at every degree (Megatron: ``make_vocab_size_divisible_by = 128 * max_tp // TP``). Then
+    every degree's even shards fall on multiples of ``V_pad / max_tp``, which this returns,
+    so ``deterministic=True`` gives the same bits at each of those degrees, at far less
+    cost than 128-column tiles (docs/design.md).
+
+    Example:
+        >>> deterministic_tile_for(151936, 8)  # V_pad = 152576 = 8 x 19072
+        19072
+    """
+    for name, val in (("vocab_size", vocab_size), ("max_tp", max_tp)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    unit = DETERMINISTIC_TILE * max_tp
+    return -(-vocab_size // unit) * DETERMINISTIC_TILE
+
+
 @dataclass(frozen=True)
 class ShardLayout:
     """The validated global layout, identical on every rank."""

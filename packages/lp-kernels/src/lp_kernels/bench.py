@@ -61,6 +61,7 @@ from pathlib import Path
 
 import torch
 
+from lp_kernels._dist import deterministic_tile_for
 from lp_kernels.linear_logprob import _triton_interpreting
 
 SHAPES: dict[str, tuple[int, int, int]] = {
@@ -89,7 +90,7 @@ def tp8_tile(vocab: int) -> int:
     """``deterministic_tile`` of ``lp-triton-det8``: ``V_pad / 8`` with the vocabulary padded
     to a multiple of 1024 (as Megatron pads it for TP = 8, to be used at every TP degree),
     so that the shards of TP = 1, 2, 4 and 8 all fall on the tile grid."""
-    return -(-vocab // 1024) * 128
+    return deterministic_tile_for(vocab, 8)
 
 
 PEERS = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}  # provider -> module

@@ -137,7 +137,8 @@ def linear_logprob(
             depend on the tile, so compare runs made with the same one. Wider tiles
             cost less (fewer partials to merge, fewer fixed-point roundings; see
             docs/design.md): with Megatron's vocabulary padded for the largest TP
-            degree P, ``V_pad / P`` serves TP = 1, 2, ..., P.
+            degree P, ``V_pad / P`` serves every degree dividing P
+            (:func:`lp_kernels.deterministic_tile_for`).
         backend: ``"torch"`` (chunked torch ops, CPU and GPU), ``"triton"`` (the
             fused kernel; CUDA, or CPU under ``TRITON_INTERPRET=1``), or ``"auto"``:
             triton on CUDA devices of compute capability >= 8.0, else torch.

@@ -49,8 +49,9 @@ class LogprobHeadConfig:
     deterministic_tile: int = 128
     """Passed as ``deterministic_tile=`` with ``deterministic=True``: the width of the global
     vocabulary tiles (a multiple of 128). Wider tiles cost less; every TP degree to compare
-    must shard the vocabulary on multiples of it (e.g. the padded vocabulary / the largest
-    TP degree, with that padding used at every degree)."""
+    must shard the vocabulary on multiples of it: ``lp_kernels.deterministic_tile_for(
+    vocab_size, max_tp)`` with the vocabulary padded to a multiple of ``128 * max_tp`` at
+    every degree (``make_vocab_size_divisible_by = 128 * max_tp // TP``)."""
 
     validate: bool = True
     """Check label ids against the vocabulary (one host sync per call). False = no host
