@@ -43,6 +43,11 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
     fixed = [line for line in lines if " _matmul_fixed_kernel[" in line]
     assert any("SPLIT=True" in line for line in fixed)
     assert any("PIPE=True" in line for line in fixed)
+    # deterministic_tile wider than 128: the looped per-tile K loop and the two
+    # elementwise kernels of the wide-tile plan (triton_deterministic.vocab_pieces)
+    assert any("LEAF=384" in line for line in fixed)
+    assert any(" _round_into_kernel[" in line for line in lines)
+    assert any(" _from_fixed_kernel[" in line for line in lines)
     # Every launch pins FMA contraction (triton_linear.FP_FUSION), the merge's included.
     assert all("enable_fp_fusion=True" in line for line in lines)
     assert any(" _merge_kernel[" in line for line in lines)
