@@ -27,19 +27,15 @@ from protocol import SHAPES, make_inputs, time_cuda
 from torch.profiler import ProfilerActivity, profile
 
 from lp_kernels import linear_logprob
-from lp_kernels.bench import time_cpu, tp8_tile
+from lp_kernels.bench import tile_arg, time_cpu
 
-DET_TILE = {"tile": "128"}  # deterministic_tile of --det: an int, or "tp8" (per shape)
+DET_TILE = {"tile": "128"}  # --det-tile: an int, or tpN (bench.tile_arg, per shape)
 
 
 def _det_kw(det: bool, vocab: int) -> dict:
     if not det:
         return {"deterministic": False}
-    tile = DET_TILE["tile"]
-    return {
-        "deterministic": True,
-        "deterministic_tile": tp8_tile(vocab) if tile == "tp8" else int(tile),
-    }
+    return {"deterministic": True, "deterministic_tile": tile_arg(DET_TILE["tile"], vocab)}
 
 
 def _step(hidden, weight, targets, grad_out, det: bool):
@@ -168,7 +164,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="S1,S4")
     ap.add_argument("--det", action="store_true", help="also profile deterministic=True")
-    ap.add_argument("--det-tile", default="128", help="deterministic_tile of --det: an int, or tp8")
+    ap.add_argument(
+        "--det-tile", default="128", help="deterministic_tile of --det: an int, or tpN (e.g. tp8)"
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--trace", default=None, help="folder for chrome traces (GPU)")
     args = ap.parse_args()

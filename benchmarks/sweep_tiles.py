@@ -24,7 +24,7 @@ from protocol import SHAPES, make_inputs, time_cuda
 import lp_kernels.backends.triton_deterministic as tdet
 import lp_kernels.backends.triton_linear as tlin
 from lp_kernels import linear_logprob
-from lp_kernels.bench import floor_call, steady_warmup, tp8_tile
+from lp_kernels.bench import floor_call, steady_warmup, tile_arg
 
 # "old": the launch order and loads pinned up to session 2 (no grouping, pointer loads,
 # 128 x 128 tiles). Keys starting with "fixed" set the fixed-point GEMM's tiles of
@@ -65,12 +65,11 @@ def _apply(base, base_fixed, variant: dict) -> None:
     tdet.FIXED_CONVERT = variant.get("fixed_convert", "cvt")
 
 
-DET_TILE = {"tile": "128"}  # deterministic_tile of --det runs: an int, or "tp8" (per shape)
+DET_TILE = {"tile": "128"}  # --det-tile: an int, or tpN (bench.tile_arg, per shape)
 
 
 def _det_tile(vocab: int) -> int:
-    tile = DET_TILE["tile"]
-    return tp8_tile(vocab) if tile == "tp8" else int(tile)
+    return tile_arg(DET_TILE["tile"], vocab)
 
 
 def _run(hl, wl, targets, grad_out, det: bool):
@@ -124,8 +123,8 @@ def main() -> None:
     ap.add_argument("--det", action="store_true", help="also time deterministic=True")
     ap.add_argument(
         "--det-tile", default="128",
-        help="deterministic_tile of --det (and of --bits' deterministic runs): an int, or tp8 "
-        "(V padded to 1024 / 8, lp bench's lp-triton-det8)",
+        help="deterministic_tile of --det (and of --bits' deterministic runs): an int, or tpN "
+        "(tp8: V padded to 1024 / 8, lp bench's lp-triton-det8)",
     )  # fmt: skip
     ap.add_argument(
         "--bits", action="store_true", help="order-only variants against pinned, bitwise"

@@ -93,6 +93,14 @@ def tp8_tile(vocab: int) -> int:
     return deterministic_tile_for(vocab, 8)
 
 
+def tile_arg(spec: str, vocab: int) -> int:
+    """A ``--det-tile`` of the benchmark scripts: an int, or ``tpN`` for the widest tile of
+    TP degrees dividing N (``tp8``: :func:`tp8_tile`)."""
+    if spec.startswith("tp"):
+        return deterministic_tile_for(vocab, int(spec[2:]))
+    return int(spec)
+
+
 PEERS = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}  # provider -> module
 PEER_DISTS = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}  # provider -> distribution
 ALL_PROVIDERS = (*LP_PROVIDERS, "materialized", *PEERS)

@@ -351,8 +351,7 @@ def _matmul_fixed_(
     if split and k_a > TILE << 10:
         raise ValueError(f"FIXED_CONVERT='split' takes at most 1024 leaves per call, got {k_a}")
     _matmul_fixed_kernel[(blocks_m * triton.cdiv(n, block_n),)](
-        a_src, b_src, c, scale, m, n, k_a, k_a, k,
-        tri._group(cfg, blocks_m),
+        a_src, b_src, c, scale, m, n, k_a, k_a, k, tri._group(cfg, blocks_m),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         LEAF=leaf, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, PIPE=pipe,
