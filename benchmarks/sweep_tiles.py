@@ -53,16 +53,18 @@ VARIANTS = {
     "fx64x128-split": {"fixed": (64, 128, 64), "fixed_convert": "split"},
     "fx64x128-w4": {"fixed": (64, 128, 64), "fixed_warps": 4},
     "fx64x128-pipe-w4": {"fixed": (64, 128, 64), "fixed_pipe": True, "fixed_warps": 4},
+    "cptr": {"c_tma": False},
 }
 
 
 def _apply(base, base_fixed, variant: dict) -> None:
-    fields = {k: v for k, v in variant.items() if not k.startswith("fixed")}
+    fields = {k: v for k, v in variant.items() if not k.startswith("fixed") and k != "c_tma"}
     tlin.GPU_CONFIG = dataclasses.replace(base, **fields)
     tdet.FIXED_GPU = variant.get("fixed", base_fixed)
     tdet.FIXED_WARPS = variant.get("fixed_warps")
     tdet.FIXED_PIPELINE = variant.get("fixed_pipe", False)
     tdet.FIXED_CONVERT = variant.get("fixed_convert", "cvt")
+    tlin.C_TMA = variant.get("c_tma", True)
 
 
 DET_TILE = {"tile": "128"}  # --det-tile: an int, or tpN (bench.tile_arg, per shape)

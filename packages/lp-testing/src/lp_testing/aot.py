@@ -14,6 +14,12 @@ Each distinct launch is then compiled ahead of time for ``sm_90`` (ptxas include
 ``triton.compile``. The kernels' outputs are never computed, so nothing numeric is checked
 here; the interpreter and the GPU suites do that.
 
+Each line also gives the compiled kernel's registers per thread and its stack frame, read
+from the cubin with the ``cuobjdump`` that Triton bundles: a stack frame in these kernels
+means registers spilled to local memory (session 8 found the grad_hidden GEMM spilling
+about 1 KB per thread that way). The numbers are those of the installed Triton, which
+need not be the GPU machine's.
+
 It must run in a process without ``TRITON_INTERPRET=1`` (``triton.jit`` then returns
 interpreter objects that cannot be compiled). ``lp_kernels``'s interpreter check is
 patched instead, so the triton backend accepts CPU tensors. Usage::
@@ -227,9 +233,32 @@ def smem_limit(tier: str) -> int:
     return {"large": 227 << 10, "mid": 163 << 10, "small": 99 << 10}[tier]
 
 
-def _compile(fn, launch: Launch, arch: int, limit: int) -> tuple[str | None, int | None]:
-    """(error or None, shared memory bytes) of compiling ``launch``; a kernel that needs
-    more shared memory than ``limit`` is an error (it would fail at launch)."""
+def resources(cubin: bytes) -> tuple[int, int] | None:
+    """(registers per thread, stack frame bytes) of a compiled kernel, from ``cuobjdump
+    -res-usage`` (Triton's bundled copy); None if the tool is missing or says nothing."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out.stdout)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def _compile(
+    fn, launch: Launch, arch: int, limit: int
+) -> tuple[str | None, int | None, tuple[int, int] | None]:
+    """(error or None, shared memory bytes, :func:`resources`) of compiling ``launch``; a
+    kernel that needs more shared memory than ``limit`` is an error (it would fail at
+    launch)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -242,14 +271,16 @@ def _compile(fn, launch: Launch, arch: int, limit: int) -> tuple[str | None, int
             src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options)
         )
     except Exception as exc:  # reported per launch
-        return f"{type(exc).__name__}: {exc}", None
+        return f"{type(exc).__name__}: {exc}", None, None
     shared = kernel.metadata.shared
+    res = resources(kernel.asm["cubin"])
     if shared > limit:
         return (
             f"needs {shared / 1024:.1f} KiB of shared memory; its tier offers {limit >> 10}",
             shared,
+            res,
         )
-    return None, shared
+    return None, shared, res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,10 +314,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # Threads: most of a compile is spent in MLIR passes and ptxas, outside the GIL.
     with concurrent.futures.ThreadPoolExecutor(max(args.jobs, 1)) as pool:
-        for launch, error, shared in pool.map(work, found.items()):
+        for launch, error, shared, res in pool.map(work, found.items()):
             status = "ok" if error is None else "FAILED"
             smem = "-" if shared is None else f"{shared / 1024:.1f} KiB"
-            print(f"{status:6} {smem:>10}  {launch.describe()}")
+            regs = "-" if res is None else f"{res[0]:3d} regs {res[1]:5d} B stack"
+            print(f"{status:6} {smem:>10}  {regs:>20}  {launch.describe()}")
             if error is not None:
                 failed += 1
                 print("       " + error.replace("\n", "\n       "))

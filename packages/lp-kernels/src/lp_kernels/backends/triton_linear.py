@@ -427,16 +427,19 @@ def _matmul_acc_body(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC: tl.constexpr, C_TMA: tl.constexpr,
 ):  # fmt: skip
-    """C[:M] (fp32) += A @ B over K (``ACC``; else C = A @ B: the sum starts from +0.0, as
-    from a zeroed C, without reading it). One program per C tile, fixed K order: no atomics.
+    """C[:M] (fp32) = C + A @ B (``ACC``; else C = A @ B, without reading C). One program
+    per C tile: A @ B summed over K in a fixed order from +0.0, then C added once. No
+    atomics. (Before session 8 the sum started from C; the bits of a multi-chunk
+    grad_hidden differ from then in the last place.)
 
     A's rows are bounded by M_A and its columns by K_A, B's rows by K_B; the loop runs to
     K, which may pass K_B over columns where A holds exact zeros. The bound of A's
     contiguous dimension comes padded to a multiple of 128 so that every call vectorizes
     alike; see the module docstring. With TMA, ``a_src`` / ``b_src`` are tensor
-    descriptors with those bounds (``A_T``: ``a_src`` describes A^T, contiguous along M).
+    descriptors with those bounds (``A_T``: ``a_src`` describes A^T, contiguous along M);
+    with C_TMA (only with ACC), ``c_ptr`` is one over C's ``M x N`` elements.
     """
     i_m, i_n = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), group)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -445,12 +448,7 @@ def _matmul_acc_body(
     m_m = o_m < M
     m_am = o_m < M_A
     m_n = o_n < N
-    p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
-    # [BLOCK_M, BLOCK_N]
-    if ACC:
-        b_acc = tl.load(p_c, mask=m_m[:, None] & m_n[None, :], other=0.0)
-    else:
-        b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     p_a, p_b = _operand_ptrs(
         a_src, b_src, o_m, o_n, o_k, stride_am, stride_ak, stride_bk, stride_bn, TMA
     )
@@ -459,7 +457,19 @@ def _matmul_acc_body(
             b_acc, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B,
             stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, A_T,
         )  # fmt: skip
-    tl.store(p_c, b_acc, mask=m_m[:, None] & m_n[None, :])
+    # With ACC, C is read and written after the K loop through a tensor descriptor where
+    # allowed (C_TMA): no [BLOCK_M, BLOCK_N] pointer block is then held in registers next
+    # to the accumulator and the loaded tile (with one, the kernel spilled about 1 KB per
+    # thread on sm_90). Without ACC a pointer store spills nothing, and a descriptor store
+    # would need its own shared memory under Triton 3.6 (over Hopper's 227 KiB).
+    if C_TMA:
+        b_acc += c_ptr.load([i_m * BLOCK_M, i_n * BLOCK_N])
+        c_ptr.store([i_m * BLOCK_M, i_n * BLOCK_N], b_acc)
+    else:
+        p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
+        if ACC:
+            b_acc += tl.load(p_c, mask=m_m[:, None] & m_n[None, :], other=0.0)
+        tl.store(p_c, b_acc, mask=m_m[:, None] & m_n[None, :])
 
 
 # One body, two specializations. Sizes that vary with N or with the shard are not
@@ -490,6 +500,10 @@ def _flags(hidden: torch.Tensor, cfg: TileConfig) -> dict:
 # default; pinned because Triton 3.9 warns that 3.10 turns that default off, which would
 # change the bits (and the speed) of every kernel with a Triton upgrade.
 FP_FUSION = True
+
+# The GEMMs' C tile through a tensor descriptor where it allows one (see _matmul_acc_body);
+# False: pointer loads and stores (the same arithmetic). A switch for benchmarks.
+C_TMA = True
 
 
 def _compile_opts(device: torch.device) -> dict:
@@ -616,11 +630,14 @@ def _matmul_acc_(
     k_a = k if k_a is None else k_a
     blocks_m = triton.cdiv(m, cfg.mm_block_m)
     a_src, b_src, tma = gemm_sources(a, b, m_a, k_a, a_t, cfg, cfg.mm_block_m, cfg.mm_block_n)
+    c_tma = tma and C_TMA and accumulate and tma_ok(c)
+    c_arg = _desc(c, m, n, (cfg.mm_block_m, cfg.mm_block_n)) if c_tma else c
     kernel[(blocks_m * triton.cdiv(n, cfg.mm_block_n),)](
-        a_src, b_src, c, m, m_a, n, max(k, k_a), k_a, k, _group(cfg, blocks_m),
+        a_src, b_src, c_arg, m, m_a, n, max(k, k_a), k_a, k, _group(cfg, blocks_m),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         BLOCK_M=cfg.mm_block_m, BLOCK_N=cfg.mm_block_n, BLOCK_K=cfg.mm_block_k,
         INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, A_T=a_t, ACC=accumulate,
+        C_TMA=c_tma,
         **_launch_opts(cfg, a.device),
     )  # fmt: skip
 
