@@ -23,7 +23,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 pk=$PWD/packages
-export PYTHONPATH=$pk/lp-kernels/src:$pk/lp-testing/src:$pk/lp-megatron/src:$PYTHONPATH
+export PYTHONPATH=$pk/lp-kernels/src:$pk/lp-testing/src:$pk/lp-megatron/src${PYTHONPATH:+:$PYTHONPATH}
 stages=${*:-tests megatron bench sweep}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
