@@ -2,11 +2,12 @@
 # The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
 #   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [bench] [sweep] [profile-det]
-#       [profile-step] [clock] [anatomy] [tp]
+#       [profile-step] [clock] [anatomy] [ncu] [tp]
 #   (default: tests megatron bench sweep)
 # SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help);
 # STEP_SHAPES (default S1,S4) and STEP_TRACE=1 (chrome traces, large) to profile-step;
-# STEP_SHAPES also to clock (default S1,S4) and to anatomy (default S1,S2,S3,S4);
+# STEP_SHAPES also to clock (default S1,S4), to anatomy (default S1,S2,S3,S4) and to ncu
+# (default S2,S1; Nsight Compute's counters, on hosts where ncu can read them);
 # BENCH_BACKENDS to bench (lp bench --backends).
 # Writes logs, JUnit XML and bench.json/bench.png under $OUT (default ./gpu-out).
 # megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
@@ -72,6 +73,17 @@ for stage in $stages; do
     anatomy)  # issue 3: each kernel on one chunk against cuBLAS (benchmarks/anatomy.py)
       (cd benchmarks && python3 anatomy.py --shapes ${STEP_SHAPES:-S1,S2,S3,S4} \
         --out "$OUT/anatomy.json") 2>&1 | tee "$OUT/anatomy.log" | tail -n 12 || status=1 ;;
+    ncu)  # issue 3: hardware counters of each chunk kernel against cuBLAS's (ncu_chunk.py)
+      for s in $(echo "${STEP_SHAPES:-S2,S1}" | tr , ' '); do
+        (cd benchmarks && ncu --clock-control none --nvtx --nvtx-include "measured/" \
+          --section SpeedOfLight --section WarpStateStats --section LaunchStats \
+          --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+          --section Occupancy -f -o "$OUT/ncu-$s" python3 ncu_chunk.py --shape "$s" --forward \
+          > "$OUT/ncu-$s.log" 2>&1) || status=1
+        ncu --import "$OUT/ncu-$s.ncu-rep" --page raw --csv > "$OUT/ncu-$s.csv" || status=1
+        python3 benchmarks/ncu_summary.py "$OUT/ncu-$s.csv" --out "$OUT/ncu-$s.json" \
+          --calls "$(grep '^ran ' "$OUT/ncu-$s.log" | sed 's/^ran //; s/ //g')" || status=1
+      done ;;
     profile-step)  # issue 3: kernel-by-kernel busy time of one step against its wall time
       (cd benchmarks && python3 profile_step.py --shapes ${STEP_SHAPES:-S1,S4} --det ${STEP_TRACE:+--trace "$OUT"} \
         --out "$OUT/step.json") 2>&1 | tee "$OUT/step.log" | tail -n 60 || status=1 ;;
