@@ -71,20 +71,35 @@ def plain_logits(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg) -> No
     )  # fmt: skip
 
 
-def anatomy(shape: str, reps: int, warm_s: float, device: str = "cuda") -> dict:
+def chunk_problem(shape: str, device: str = "cuda") -> types.SimpleNamespace:
+    """The inputs of one backward chunk of ``shape`` (``token_chunk`` x ``vocab_chunk`` of the
+    pinned config; the first rows and columns), as lp's d_logits and GEMM kernels take
+    them, with a logprob-only upstream gradient (as ``lp bench``). Shared by this script,
+    ``gluon_anatomy.py`` and ``ncu_chunk.py``."""
     n, h_dim, v = SHAPES[shape]
-    hidden, weight, targets, _ = make_inputs(n, h_dim, v)
+    hidden, weight, targets, _ = make_inputs(n, h_dim, v, device=device)
     cfg = tri.config_for(hidden.device, hidden.dtype)
     rows, cols = min(cfg.token_chunk, n), min(cfg.vocab_chunk, v)
     h_c, w_c = hidden[:rows], weight[:cols]
-    t_col = torch.where(targets[:rows] < cols, targets[:rows], -1)
     with torch.no_grad():
         lse = torch.logsumexp((h_c @ weight.T).float(), dim=1)
     c0 = -torch.rand(rows, device=device)  # d logprob / d lse = -g_lp
-    g_lp = -c0
+    return types.SimpleNamespace(
+        hidden=hidden, weight=weight, targets=targets, cfg=cfg, rows=rows, cols=cols,
+        h_dim=h_dim, h_c=h_c, w_c=w_c, lse=lse, c0=c0, g_lp=-c0,
+        t_col=torch.where(targets[:rows] < cols, targets[:rows], -1),
+        p=types.SimpleNamespace(inv_temperature=1.0, max_v_local=v, return_entropy=False),
+    )  # fmt: skip
+
+
+def anatomy(shape: str, reps: int, warm_s: float, device: str = "cuda") -> dict:
+    c = chunk_problem(shape, device)
+    hidden, weight, targets, cfg, p = c.hidden, c.weight, c.targets, c.cfg, c.p
+    rows, cols, h_c, w_c, t_col, lse, c0, g_lp = (
+        c.rows, c.cols, c.h_c, c.w_c, c.t_col, c.lse, c.c0, c.g_lp
+    )  # fmt: skip
     out = torch.empty(rows, cols, dtype=hidden.dtype, device=device)
-    acc = torch.zeros(rows, h_dim, dtype=torch.float32, device=device)
-    p = types.SimpleNamespace(inv_temperature=1.0, max_v_local=v, return_entropy=False)
+    acc = torch.zeros(rows, c.h_dim, dtype=torch.float32, device=device)
     calls = {
         "cublas_logits": lambda: torch.mm(h_c, w_c.T, out=out),
         "triton_logits": lambda: plain_logits(h_c, w_c, out, cfg),

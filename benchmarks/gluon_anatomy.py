@@ -25,12 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import types
 
 import gluon_kernels as gm
 import torch
 import triton
-from protocol import SHAPES, make_inputs, time_cuda
+from anatomy import chunk_problem
+from protocol import time_cuda
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDesc
 
@@ -93,17 +93,12 @@ def _triton_acc(acc, out, w_c, cfg, cols, c_tma: bool, accumulate: bool = True):
 
 
 def run(shape: str, reps: int, warm_s: float) -> dict:
-    n, h_dim, v = SHAPES[shape]
-    hidden, weight, targets, _ = make_inputs(n, h_dim, v)
-    cfg = tri.config_for(hidden.device, hidden.dtype)
-    rows, cols = min(cfg.token_chunk, n), min(cfg.vocab_chunk, v)
-    h_c, w_c = hidden[:rows], weight[:cols]
-    t_col = torch.where(targets[:rows] < cols, targets[:rows], -1)
-    with torch.no_grad():
-        lse = torch.logsumexp((h_c @ weight.T).float(), dim=1)
-    c0 = -torch.rand(rows, device="cuda")
-    g_lp = -c0
-    p = types.SimpleNamespace(inv_temperature=1.0, max_v_local=v, return_entropy=False)
+    c = chunk_problem(shape)
+    cfg, p = c.cfg, c.p
+    rows, cols, h_dim, h_c, w_c, t_col, lse, c0, g_lp = (
+        c.rows, c.cols, c.h_dim, c.h_c, c.w_c, c.t_col, c.lse, c.c0, c.g_lp
+    )  # fmt: skip
+    hidden = c.hidden
     out_t = torch.empty(rows, cols, dtype=hidden.dtype, device="cuda")
     out_g = torch.empty_like(out_t)
     logits = torch.empty_like(out_t)

@@ -18,10 +18,9 @@ ncu it just runs. ``ncu_summary.py`` turns the report's raw CSV into one line pe
 from __future__ import annotations
 
 import argparse
-import types
 
 import torch
-from protocol import SHAPES, make_inputs
+from anatomy import chunk_problem
 
 import lp_kernels.backends.triton_linear as tri
 
@@ -36,17 +35,12 @@ def main() -> None:
         "experiment's persistent and warp-specialized kernels (gluon_kernels.py)",
     )  # fmt: skip
     args = ap.parse_args()
-    n, h_dim, v = SHAPES[args.shape]
-    hidden, weight, targets, _ = make_inputs(n, h_dim, v)
-    cfg = tri.config_for(hidden.device, hidden.dtype)
-    rows, cols = min(cfg.token_chunk, n), min(cfg.vocab_chunk, v)
-    h_c, w_c = hidden[:rows], weight[:cols]
-    t_col = torch.where(targets[:rows] < cols, targets[:rows], -1)
-    with torch.no_grad():
-        lse = torch.logsumexp((h_c @ weight.T).float(), dim=1)
-    c0 = -torch.rand(rows, device="cuda")
-    g_lp = -c0
-    p = types.SimpleNamespace(inv_temperature=1.0, max_v_local=v, return_entropy=False)
+    c = chunk_problem(args.shape)
+    hidden, weight, targets, cfg, p = c.hidden, c.weight, c.targets, c.cfg, c.p
+    rows, cols, h_c, w_c, t_col, lse, c0, g_lp = (
+        c.rows, c.cols, c.h_c, c.w_c, c.t_col, c.lse, c.c0, c.g_lp
+    )  # fmt: skip
+    h_dim = c.h_dim
     out = torch.empty(rows, cols, dtype=hidden.dtype, device="cuda")
     acc = torch.zeros(rows, h_dim, dtype=torch.float32, device="cuda")
     calls = {
