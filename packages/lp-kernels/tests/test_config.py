@@ -15,7 +15,7 @@ import torch
 def test_triton_config_by_shared_memory(smem_kib, tier, monkeypatch):
     """The pinned tiles follow the GPU's shared memory and the dtype, never a size: Hopper
     gets the 128 x 256 tiles with tensor descriptors, smaller GPUs 128 x 128 tiles without
-    (fewer stages below 160 KiB), 4-byte inputs half the K depth per stage."""
+    (fewer stages below 160 KiB), 4-byte inputs (FMA dots) 64 x 128 tiles, K steps of 16."""
     import lp_kernels.backends.triton_deterministic as tdet
     import lp_kernels.backends.triton_linear as tri
 
@@ -28,8 +28,8 @@ def test_triton_config_by_shared_memory(smem_kib, tier, monkeypatch):
     else:
         assert not bf16.tma and (bf16.block_v, bf16.mm_block_n) == (128, 128)
         assert bf16.num_stages == (3 if tier == "mid" else 2)
-    assert (fp32.block_h, fp32.mm_block_k) == (32, 32)
-    assert dataclasses.replace(fp32, block_h=bf16.block_h, mm_block_k=bf16.mm_block_k) == bf16
+    assert fp32 == dataclasses.replace(bf16, **tri.FP32_TILES)
+    assert (fp32.block_n, fp32.block_v, fp32.block_h) == (64, 128, 16)
     det_cfg, fixed = tdet.config_for(dev, torch.bfloat16)
     assert (det_cfg.block_v, det_cfg.v_split) == (128, 128)
     assert fixed == (tdet.FIXED_GPU if tier == "large" else tdet.FIXED_SMALL)

@@ -68,7 +68,7 @@ from lp_kernels.backends.triton_linear import TileConfig, _gemm_step, _grouped, 
 # Every column tile is one global vocabulary tile. The fixed-point GEMM keeps an int64
 # and an fp32 accumulator per output element (chosen by benchmarks/sweep_tiles.py).
 FIXED_GPU = (128, 128, 64)  # BLOCK_M, BLOCK_N, BLOCK_K of _matmul_fixed_kernel (2-byte)
-FIXED_GPU_4BYTE = (64, 128, 64)  # the same for fp32 inputs (with two pipeline stages)
+FIXED_GPU_4BYTE = (64, 128, 16)  # fp32 inputs (FMA dots; see triton_linear.FP32_TILES)
 FIXED_SMALL, FIXED_SMALL_4BYTE = (64, 128, 64), (32, 64, 32)  # less shared memory
 FIXED_WARPS: int | None = None  # num_warps of _matmul_fixed_kernel (None: the config's)
 FIXED_PIPELINE = False  # experimental: round a leaf while the next one's MMAs run

@@ -149,8 +149,8 @@ def gpu_tier(device: torch.device) -> str:
 
 def config_for(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
     """The pinned config for a device and input dtype: chosen by the device's shared
-    memory and the dtype, never by a size. 4-byte inputs take half the K depth per stage
-    (their 128 x 256 x 64 stages would not fit in shared memory)."""
+    memory and the dtype, never by a size. 4-byte inputs (exact fp32 dots: FMAs, not
+    tensor cores) take :data:`FP32_TILES`."""
     if device.type == "cpu":
         return INTERPRET_CONFIG
     cfg = GPU_CONFIG
@@ -160,8 +160,19 @@ def config_for(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Til
             cfg, block_v=128, mm_block_n=128, tma=False, num_stages=3 if tier == "mid" else 2
         )
     if dtype.itemsize > 2:
-        cfg = dataclasses.replace(cfg, block_h=32, mm_block_k=32)
+        cfg = dataclasses.replace(cfg, **FP32_TILES)
     return cfg
+
+
+# 4-byte inputs. ``input_precision="ieee"`` makes Triton compile their dots to FMAs, where a
+# 128 x 256 fp32 tile with K steps of 32 needs far more than 255 registers: ptxas then
+# settles on 32 registers and a 12 KB stack frame per thread (session 8, `lp_testing.aot`,
+# Triton 3.6 and 3.9). 64 x 128 tiles with K steps of 16 compile to 195-248 registers and
+# no stack frame.
+FP32_TILES = {
+    "block_n": 64, "block_v": 128, "block_h": 16,
+    "mm_block_m": 64, "mm_block_n": 128, "mm_block_k": 16,
+}  # fmt: skip
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
