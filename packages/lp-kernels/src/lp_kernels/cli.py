@@ -462,11 +462,16 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if args.tp == 1:
         return _bench(args, parser, device, rank=0)
     rank = _init_tp(args.tp, device, parser)
-    try:
-        return _bench(args, parser, device, rank=rank)
-    finally:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    try:
+        code = _bench(args, parser, device, rank=rank)
+        # Every rank reaches teardown together: a gloo rank that tears its connections
+        # down while a peer is still finishing was seen to abort that peer at exit
+        # ("terminate called without an active exception", once in CI under load).
+        dist.barrier()
+        return code
+    finally:
         dist.destroy_process_group()
 
 
