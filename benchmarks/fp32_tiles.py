@@ -21,6 +21,7 @@ from protocol import make_inputs, time_cuda
 
 import lp_kernels.backends.triton_linear as tri
 from lp_kernels import linear_logprob
+from lp_testing import reference_all
 
 OLD_TILES = {"block_h": 32, "mm_block_k": 32}  # on top of the bf16 GPU_CONFIG, as before
 
@@ -31,14 +32,6 @@ def _step(hidden, weight, targets, grad):
     out = linear_logprob(h, w, targets, backend="triton", validate=False)
     out.logprob.backward(grad)
     return out.logprob.detach(), h.grad, w.grad
-
-
-def _reference(hidden, weight, targets, grad):
-    h = hidden.double().requires_grad_()
-    w = weight.double().requires_grad_()
-    lp = torch.log_softmax(h @ w.T, dim=-1).gather(1, targets[:, None])[:, 0]
-    lp.backward(grad.double())
-    return lp.detach(), h.grad, w.grad
 
 
 def _rel(a, b) -> float:
@@ -55,7 +48,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     hidden, weight, targets, grad = make_inputs(args.n, args.h, args.v, dtype=torch.float32)
-    ref = _reference(hidden, weight, targets, grad)
+    truth = reference_all(hidden, weight, targets, grad_logprob=grad)
+    ref = (truth["logprob"], truth["grad_hidden"], truth["grad_weight"])
     floor = 4 * statistics.median(time_cuda(lambda: hidden @ weight.T, warmup=2, reps=args.reps))
     rows = {}
     new_tiles = dict(tri.FP32_TILES)

@@ -61,26 +61,21 @@ def gluon_dlogits(h, w, t_col, lse, c0, g_lp, out, v_count, *, persistent=True, 
     )  # fmt: skip
 
 
-def gluon_mm(c, a, b, k_a, *, accumulate, persistent=True, stages=4):
+def gluon_mm(c, a, b, k_a, *, accumulate, persistent=True, stages=4, ws=False):
+    """The Gluon GEMM: persistent and pipelined, or (``ws``) warp-specialized."""
     m = a.shape[0]
     n = b.shape[1]
     tiles = triton.cdiv(m, 128) * triton.cdiv(n, 256)
-    gm._matmul_acc_kernel[(_programs(tiles, persistent),)](
+    kernel, opts = (gm._matmul_ws_kernel, {"maxnreg": 168}) if ws else (gm._matmul_acc_kernel, {})
+    kernel[(_programs(tiles, persistent or ws),)](
         _gdesc(a, m, k_a, [128, 64]), _gdesc(b, b.shape[0], n, [64, 256]), c,
         m, n, max(a.shape[1], k_a), c.stride(0), 8,
-        ACC=accumulate, STAGES=stages, num_warps=8,
+        ACC=accumulate, STAGES=stages, num_warps=8, **opts,
     )  # fmt: skip
 
 
 def gluon_ws_mm(c, a, b, k_a, *, accumulate, stages=4):
-    m = a.shape[0]
-    n = b.shape[1]
-    tiles = triton.cdiv(m, 128) * triton.cdiv(n, 256)
-    gm._matmul_ws_kernel[(_programs(tiles, True),)](
-        _gdesc(a, m, k_a, [128, 64]), _gdesc(b, b.shape[0], n, [64, 256]), c,
-        m, n, max(a.shape[1], k_a), c.stride(0), 8,
-        ACC=accumulate, STAGES=stages, num_warps=8, maxnreg=168,
-    )  # fmt: skip
+    return gluon_mm(c, a, b, k_a, accumulate=accumulate, stages=stages, ws=True)
 
 
 def _triton_acc(acc, out, w_c, cfg, cols, c_tma: bool, accumulate: bool = True):
