@@ -50,7 +50,7 @@ for stage in $stages; do
       run_pytest megatron packages/lp-megatron/tests || status=1 ;;
     bench)
       python3 -m lp_kernels.cli bench --shapes S1,S2,S3,S4 \
-        --backends ${BENCH_BACKENDS:-lp-triton,lp-triton-det,lp-triton-det8,lp-torch,materialized,liger,cce} \
+        --backends ${BENCH_BACKENDS:-lp-triton,lp-triton-det,lp-triton-det128,lp-torch,materialized,liger,cce} \
         --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 30 || status=1 ;;
     sweep)
       python3 benchmarks/sweep_tiles.py ${SWEEP_ARGS:-} --out "$OUT/sweep${SWEEP_TAG:-}.json" 2>&1 \

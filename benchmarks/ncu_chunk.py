@@ -34,6 +34,10 @@ def main() -> None:
         help="also the non-accumulating GEMM: cuBLAS, lp's Triton kernel and the Gluon "
         "experiment's persistent and warp-specialized kernels (gluon_kernels.py)",
     )  # fmt: skip
+    ap.add_argument(
+        "--fixed", action="store_true",
+        help="also deterministic=True's fixed-point grad_hidden GEMM (fixed_gemm.py)",
+    )  # fmt: skip
     args = ap.parse_args()
     c = chunk_problem(args.shape)
     hidden, weight, targets, cfg, p = c.hidden, c.weight, c.targets, c.cfg, c.p
@@ -60,6 +64,12 @@ def main() -> None:
         calls["lp_mm0"] = lambda: tri._matmul_acc_(acc, out, w_c, cfg, k_a=cols, accumulate=False)
         calls["gluon_mm0"] = lambda: gluon_mm(acc, out, w_c, cols, accumulate=False)
         calls["gluon_ws_mm0"] = lambda: gluon_ws_mm(acc, out, w_c, cols, accumulate=False)
+    if args.fixed:  # deterministic=True's fixed-point GEMM, 1024-column leaves
+        from fixed_gemm import chunk_operands, fixed_call
+
+        a, acc_h, scale = chunk_operands(c)
+        calls["lp_fixed_leaf1024"] = fixed_call(c, a, acc_h, scale, 1024, "pinned")
+        calls["lp_fixed_leaf1024_nested"] = fixed_call(c, a, acc_h, scale, 1024, "nested")
     if args.forward:
         calls["cublas_full"] = lambda: hidden @ weight.T
         calls["lp_forward"] = lambda: tri.forward_stats(hidden, weight, targets, p, cfg)

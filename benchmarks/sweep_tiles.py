@@ -54,6 +54,7 @@ VARIANTS = {
     "fx64x128-w4": {"fixed": (64, 128, 64), "fixed_warps": 4},
     "fx64x128-pipe-w4": {"fixed": (64, 128, 64), "fixed_pipe": True, "fixed_warps": 4},
     "cptr": {"c_tma": False},
+    "fxnested": {"fixed_loop": "nested"},
 }
 
 
@@ -64,14 +65,16 @@ def _apply(base, base_fixed, variant: dict) -> None:
     tdet.FIXED_WARPS = variant.get("fixed_warps")
     tdet.FIXED_PIPELINE = variant.get("fixed_pipe", False)
     tdet.FIXED_CONVERT = variant.get("fixed_convert", "cvt")
+    tdet.FIXED_LOOP = variant.get("fixed_loop", "flat")
     tlin.C_TMA = variant.get("c_tma", True)
 
 
-DET_TILE = {"tile": "128"}  # --det-tile: an int, or tpN (bench.tile_arg, per shape)
+DET_TILE = {"tile": "128"}  # --det-tile: ints or tpN (bench.tile_arg, per shape), comma-separated
 
 
-def _det_tile(vocab: int) -> int:
-    return tile_arg(DET_TILE["tile"], vocab)
+def _det_tile(vocab: int, spec: str | None = None) -> int:
+    """The tile of ``spec`` (default: the first of --det-tile) at this vocabulary."""
+    return tile_arg(spec or DET_TILE["tile"].split(",")[0], vocab)
 
 
 def _run(hl, wl, targets, grad_out, det: bool):
@@ -90,6 +93,7 @@ ORDER_ONLY = {
     "pointer": {"tma": False},
     "ungrouped": {"group": 1},
     "fxsplit": {"fixed_convert": "split"},  # the same integers (deterministic mode)
+    "fxnested": {"fixed_loop": "nested"},  # the same leaf products (deterministic mode)
     # another fixed-point tile, pipelined: the same leaf products if the MMAs keep their
     # K order (equal on H200, docs/benchmarks.md; not needed for TP invariance)
     "fx64x128-pipe": {"fixed": (64, 128, 64), "fixed_pipe": True},
@@ -125,8 +129,9 @@ def main() -> None:
     ap.add_argument("--det", action="store_true", help="also time deterministic=True")
     ap.add_argument(
         "--det-tile", default="128",
-        help="deterministic_tile of --det (and of --bits' deterministic runs): an int, or tpN "
-        "(tp8: V padded to 1024 / 8, lp bench's lp-triton-det8)",
+        help="deterministic_tile of --det, comma-separated (each is timed; the first is "
+        "--bits' deterministic run's): an int, or tpN (tp8: V padded to 1024 / 8, "
+        "linear_logprob's default)",
     )  # fmt: skip
     ap.add_argument(
         "--bits", action="store_true", help="order-only variants against pinned, bitwise"
@@ -157,15 +162,15 @@ def main() -> None:
             return statistics.median(time_cuda(fn, warmup=warm, reps=args.reps))
 
         hl, wl = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        det_tiles = args.det_tile.split(",") if args.det else []
         labels = [
-            (name, det) for name in args.variants.split(",")
-            for det in ((False, True) if args.det else (False,))
+            (name, det) for name in args.variants.split(",") for det in (None, *det_tiles)
         ]  # fmt: skip
         times: dict = {"floor": []}  # label -> [(fwd ms, total ms) per round] or error
         for _ in range(args.rounds):
             times["floor"].append(timed(floor_call(hidden, weight)))
             for name, det in labels:
-                label = name + ("/det" if det else "")
+                label = name + (f"/det{det}" if det else "")
                 if isinstance(times.get(label), str):
                     continue  # failed in an earlier round
                 _apply(base, base_fixed, VARIANTS[name])
@@ -177,8 +182,8 @@ def main() -> None:
                         targets,
                         backend="triton",
                         validate=False,
-                        deterministic=det,
-                        deterministic_tile=_det_tile(wl.shape[0]) if det else 128,
+                        deterministic=det is not None,
+                        deterministic_tile=_det_tile(wl.shape[0], det) if det else 128,
                     ).logprob
 
                 def step(hl=hl, wl=wl, grad_out=grad_out, fwd=fwd):

@@ -132,16 +132,19 @@ def test_vocab_parallel_logprob_batch_and_chunk_invariance(device):
             assert_bitwise_equal(b, a, f"{name} chunk_size={chunk}")
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+@pytest.mark.parametrize(
+    "deterministic", [None, 128, 384], ids=["default", "det", "det-tile384"]
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_load_path_and_launch_order_do_not_change_bits(
     dtype, deterministic, device, monkeypatch
 ):
     """Tensor-descriptor loads against pointer loads, the grouped launch order against
-    another grouping, and (deterministic) the pipelined fixed-point leaves and the split
-    rounding of the fixed-point GEMM: the same products in the same order (and the same
-    integers), so the same bits (the load path is chosen by H, dtype and alignment; see
-    triton_linear.tma_ok)."""
+    another grouping, and (deterministic, tile 128 or 384 with a cut last tile) the
+    fixed-point GEMM's nested loop (leaves around K steps) against its flat one, its
+    pipelined leaves and its split rounding: the same products in the same order (and the
+    same integers), so the same bits (the load path is chosen by H, dtype and alignment;
+    see triton_linear.tma_ok)."""
     import dataclasses
 
     import lp_kernels.backends.triton_deterministic as tdet
@@ -154,9 +157,10 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
     )
     results = []
     changes = [{}, {"tma": False}, {"group": 1}, {"group": 0, "tma": False}]
-    if deterministic:  # and the fixed-point GEMM's leaf pipelining and split rounding
-        changes += [{"pipe": True}, {"convert": "split"}]
+    if deterministic:  # and the fixed-point GEMM's loops, leaf pipelining, split rounding
+        changes += [{"loop": "nested"}, {"pipe": True}, {"convert": "split"}]
     for change in changes:
+        monkeypatch.setattr(tdet, "FIXED_LOOP", change.pop("loop", "flat"))
         monkeypatch.setattr(tdet, "FIXED_PIPELINE", change.pop("pipe", False))
         monkeypatch.setattr(tdet, "FIXED_CONVERT", change.pop("convert", "cvt"))
         monkeypatch.setattr(tri, name, dataclasses.replace(base, **change))
@@ -164,7 +168,8 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
         w = p.weight.detach().clone().requires_grad_()
         out = linear_logprob(
             h, w, p.targets, return_entropy=True, return_lse=True, temperature=0.9,
-            vocab_size=1031, backend="triton", deterministic=deterministic,
+            vocab_size=1031, backend="triton", deterministic=deterministic is not None,
+            deterministic_tile=deterministic or 128,
         )  # fmt: skip
         g = torch.linspace(-1, 1, p.n, device=device)
         (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.25).sum().backward()

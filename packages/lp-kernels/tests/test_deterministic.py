@@ -2,8 +2,9 @@
 
 For one global problem, outputs and both gradients must be bitwise identical for
 TP = 1, 2, 3, 4, 8 and any shard layout whose bounds are multiples of 128 (uneven ones
-included), or of a wider ``deterministic_tile``, on the torch backend and on the triton
-backend (under Triton's interpreter); and still match fp64 like the default path.
+included), with 128-column tiles or wider ones that cross shard bounds, on the torch
+backend and on the triton backend (under Triton's interpreter); and still match fp64
+like the default path.
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ def _rank(rank, world, problem, bounds, backend, tile=128, chunk=None):
 
         from lp_kernels.backends import triton_linear as tri
 
-        tri.INTERPRET_CONFIG = dataclasses.replace(tri.INTERPRET_CONFIG, vocab_chunk=chunk)
+        vocab_chunk, token_chunk = chunk if isinstance(chunk, tuple) else (chunk, None)
+        tri.INTERPRET_CONFIG = dataclasses.replace(
+            tri.INTERPRET_CONFIG, vocab_chunk=vocab_chunk,
+            token_chunk=token_chunk or tri.INTERPRET_CONFIG.token_chunk,
+        )  # fmt: skip
     start, size = bounds[rank]
     h = problem.hidden.clone().requires_grad_()
     w = problem.weight[start : start + size].clone().requires_grad_()
@@ -144,11 +149,17 @@ def test_deterministic_single_process_batch_invariant_and_reproducible(backend):
 # deterministic_tile wider than 128, on the three backward plans of the triton backend
 # (lp_kernels.backends.triton_deterministic.vocab_pieces), chosen under the interpreter by
 # its vocabulary chunk: several tiles per piece; one tile per piece; a tile cut into pieces.
-WIDE_CASES = {  # name -> (tile, vocab chunk of the interpreter config, V_pad, layouts)
-    "tile256-multi": (256, None, 1024, ["tp1", "tp2", "tp4", "tp3-w256"]),
-    "tile256-per-tile": (256, 256, 1024, ["tp1", "tp2", "tp4", "tp3-w256"]),
-    "tile384-cut": (384, 256, 1152, ["tp1", "tp3-w384", "tp2-w384"]),
+WIDE_CASES = {  # name -> (tile, vocab chunk [, token chunk] of the interpreter config, V_pad,
+    # layouts)
+    "tile256-multi": (256, None, 1024, ["tp1", "tp2", "tp4", "tp3-w256", "tp2-x", "tp3-x"]),
+    "tile256-per-tile": (256, 256, 1024, ["tp1", "tp2", "tp4", "tp3-w256", "tp2-x"]),
+    "tile384-cut": (384, 256, 1152, ["tp1", "tp3-w384", "tp2-w384", "tp4-x", "tp3-x384"]),
+    # and token chunks of 16 rows: grad_W summed over them, pieces cut across shards
+    "tile384-cut-rows": (384, (256, 16), 1152, ["tp1", "tp4-x", "tp3-x384"]),
 }
+# "-x": bounds on multiples of 128 but not of the tile: tiles cross shard bounds and are
+# computed whole by the rank where they start, with the next shards' rows sent to it
+# (tp4-x: rank 0's tile takes rows from ranks 1 and 2; tp3-x: rank 1 starts no tile).
 WIDE_LAYOUTS = {
     "tp1": lambda v_pad: [(0, v_pad)],
     "tp2": lambda v_pad: [(0, v_pad // 2), (v_pad // 2, v_pad // 2)],
@@ -156,13 +167,18 @@ WIDE_LAYOUTS = {
     "tp3-w256": lambda v_pad: [(0, 256), (256, 512), (768, v_pad - 768)],
     "tp3-w384": lambda v_pad: [(0, 384), (384, 384), (768, v_pad - 768)],
     "tp2-w384": lambda v_pad: [(0, 768), (768, v_pad - 768)],
+    "tp2-x": lambda v_pad: [(0, 640), (640, v_pad - 640)],
+    "tp3-x": lambda v_pad: [(0, 384), (384, 128), (512, v_pad - 512)],
+    "tp4-x": lambda v_pad: [(0, 128), (128, 128), (256, 512), (768, v_pad - 768)],
+    "tp3-x384": lambda v_pad: [(0, 512), (512, 512), (1024, v_pad - 1024)],
 }
 
 
 @pytest.mark.parametrize("case", list(WIDE_CASES))
 def test_wider_tiles_bitwise_identical_across_layouts(case, backend):
-    """deterministic_tile > 128: the same bits on every layout on that tile's grid (uneven
-    ones included), on each backward plan, and still as accurate as the default path."""
+    """deterministic_tile > 128: the same bits on every 128-aligned layout, on the tile's
+    grid or not (uneven ones included), on each backward plan, and still as accurate as
+    the default path."""
     tile, chunk, v_pad, layouts = WIDE_CASES[case]
     problem = make_problem(
         37, 24, 1000, dtype=torch.bfloat16, seed=5, ignore_frac=0.1, padded_vocab=v_pad,
@@ -218,7 +234,7 @@ def _tile_rank(rank, world, tiles, bounds):
 @pytest.mark.parametrize(
     "tiles, bounds, message",
     [
-        ((256, 256), [(0, 384), (384, 640)], "multiples of 256"),  # 384 is off the grid
+        ((256, 256), [(0, 320), (320, 704)], "multiples of 128"),  # 320 is off the grid
         ((128, 256), [(0, 512), (512, 512)], "disagree on the tile size"),
     ],
     ids=["off-grid", "disagree"],
@@ -228,6 +244,26 @@ def test_tile_layout_errors_raise_on_every_rank(tiles, bounds, message):
         run_ranks(_tile_rank, 2, tiles, bounds, timeout=60)
     text = str(info.value)
     assert text.count("ValueError") >= 2 and message in text
+
+
+def _logits_off_grid_rank(rank, world):
+    from lp_kernels import vocab_parallel_logprob
+
+    start, size = [(0, 384), (384, 640)][rank]
+    x = torch.zeros(3, size)
+    vocab_parallel_logprob(
+        x, torch.zeros(3, dtype=torch.long), tp_group=dist.group.WORLD, vocab_start=start,
+        deterministic=True, deterministic_tile=256,
+    )  # fmt: skip
+
+
+def test_vocab_parallel_logprob_needs_bounds_on_the_tile_grid():
+    """On logits, tiles never cross shard bounds: 384 is off a 256 grid (linear_logprob
+    would take it), and every rank raises."""
+    with pytest.raises(RankError) as info:
+        run_ranks(_logits_off_grid_rank, 2, timeout=60)
+    text = str(info.value)
+    assert text.count("ValueError") >= 2 and "multiples of 256" in text
 
 
 def _logits_rank(rank, world, logits, targets, bounds, tile):
@@ -277,3 +313,34 @@ def test_vocab_parallel_logprob_bitwise_identical_across_tp(tile, layouts):
         tol = 1e-5 if name != "grad_logits" else 1e-2  # the gradient is stored in bf16
         scale = float(truth[name].abs().max())
         assert_close(got, truth[name], rtol=tol, atol=tol * scale, name=name)
+
+
+def _default_tile_rank(rank, world, problem, bounds, tile):
+    start, size = bounds[rank]
+    out = linear_logprob(
+        problem.hidden, problem.weight[start : start + size], problem.targets,
+        tp_group=dist.group.WORLD, vocab_start=start, deterministic=True,
+        deterministic_tile=tile, return_lse=True, **problem.op_kwargs(),
+    )  # fmt: skip
+    return out.logprob, out.lse
+
+
+def test_default_tile_is_an_eighth_of_the_padded_vocabulary_on_any_layout():
+    """``deterministic_tile=None`` (the default) is ``default_deterministic_tile(V)``: for
+    V = 3000, 3072 / 8 = 384 columns; the same bits as that tile given explicitly, on one
+    process and on a 128-aligned layout off its grid (tiles cross shard bounds)."""
+    from lp_kernels import default_deterministic_tile, deterministic_tile_for
+
+    assert default_deterministic_tile(3000) == deterministic_tile_for(3000, 8) == 384
+    assert default_deterministic_tile(151936) == 19072
+    p = make_problem(9, 16, 3000, seed=2, padded_vocab=3072)
+    one = [(0, 3072)]
+    given = run_ranks(_default_tile_rank, 1, p, one, 384, timeout=60)[0]
+    default = run_ranks(_default_tile_rank, 1, p, one, None, timeout=60)[0]
+    off_grid = [(0, 640), (640, 1280), (1920, 1152)]  # 640 and 1920 are off the 384 grid
+    tp3 = run_ranks(_default_tile_rank, 3, p, off_grid, None, timeout=60)
+    for a, b in zip(given, default, strict=True):
+        assert_bitwise_equal(b, a, "default tile vs 384")
+    for rank in range(3):
+        for a, b in zip(given, tp3[rank], strict=True):
+            assert_bitwise_equal(b, a, f"TP 3 off the grid, rank {rank}, vs one process")

@@ -7,11 +7,16 @@ Public API:
 - :func:`vocab_parallel_logprob` — the same contract for callers that already hold
   ``[*, V_local]`` logits.
 - :class:`LogProbOutput` — the ``(logprob, entropy, lse)`` result.
-- :func:`deterministic_tile_for` — the widest ``deterministic_tile`` for TP degrees up to
-  a maximum (``deterministic=True``).
+- :func:`default_deterministic_tile` and :func:`deterministic_tile_for` — the tile
+  width of ``deterministic=True``: ``linear_logprob``'s default, and the widest tile
+  whose grid holds the shards of TP degrees up to a maximum.
 """
 
-from lp_kernels._dist import clear_layout_cache, deterministic_tile_for
+from lp_kernels._dist import (
+    clear_layout_cache,
+    default_deterministic_tile,
+    deterministic_tile_for,
+)
 from lp_kernels._types import LogProbOutput
 from lp_kernels.linear_logprob import linear_logprob
 from lp_kernels.vocab_parallel_logprob import vocab_parallel_logprob
@@ -19,6 +24,7 @@ from lp_kernels.vocab_parallel_logprob import vocab_parallel_logprob
 __all__ = [
     "LogProbOutput",
     "clear_layout_cache",
+    "default_deterministic_tile",
     "deterministic_tile_for",
     "linear_logprob",
     "vocab_parallel_logprob",

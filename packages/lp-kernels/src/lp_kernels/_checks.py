@@ -87,12 +87,16 @@ def check_options(
     return temperature
 
 
-def check_deterministic_tile(tile: Any) -> int:
-    """``deterministic_tile``: a positive multiple of 128 (the kernels' column tiles)."""
+def check_deterministic_tile(tile: Any, *, allow_none: bool = False) -> int | None:
+    """``deterministic_tile``: a positive multiple of 128 (the kernels' column tiles), or
+    None where the function picks one (``allow_none``)."""
     from lp_kernels._dist import DETERMINISTIC_TILE
 
+    if tile is None and allow_none:
+        return None
     if isinstance(tile, bool) or not isinstance(tile, int):
-        raise TypeError(f"deterministic_tile must be an int, got {type(tile).__name__}")
+        what = "an int or None" if allow_none else "an int"
+        raise TypeError(f"deterministic_tile must be {what}, got {type(tile).__name__}")
     if tile < DETERMINISTIC_TILE or tile % DETERMINISTIC_TILE:
         raise ValueError(
             f"deterministic_tile must be a positive multiple of {DETERMINISTIC_TILE}, got {tile}"

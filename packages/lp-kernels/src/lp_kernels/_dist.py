@@ -39,6 +39,7 @@ _FIELDS = (
     "dtype",
     "deterministic",
     "tile",
+    "align",
     "problem",
 )
 
@@ -61,6 +62,16 @@ def deterministic_tile_for(vocab_size: int, max_tp: int) -> int:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
     unit = DETERMINISTIC_TILE * max_tp
     return -(-vocab_size // unit) * DETERMINISTIC_TILE
+
+
+def default_deterministic_tile(vocab_size: int) -> int:
+    """``linear_logprob``'s ``deterministic_tile`` when none is given:
+    ``deterministic_tile_for(vocab_size, 8)``, the vocabulary padded to a multiple of 1024
+    and cut in eight (19072 for 151936 ids). A function of the global vocabulary alone, so
+    every layout and TP degree of one model computes the same tiles; layouts whose bounds
+    are off its grid lend rows across bounds (:func:`tile_ownership`). Megatron's shards at
+    TP 8 (and at any degree when the vocabulary is padded for TP 8) lie on its grid."""
+    return deterministic_tile_for(vocab_size, 8)
 
 
 @dataclass(frozen=True)
@@ -132,8 +143,13 @@ def resolve_layout(
     tile: int,
     device: torch.device,
     problem: int = 0,
+    align: int | None = None,
 ) -> ShardLayout:
     """Return the validated layout of ``group``, checking it across ranks on first use.
+
+    With ``deterministic``, shard bounds must be multiples of ``align`` (default: the
+    tile; ``linear_logprob`` passes 128, its ranks lend each other the rows of tiles that
+    cross a bound, see :func:`tile_ownership`).
 
     Raises:
         ValueError: on every rank, naming the offending rank and field, when shards
@@ -148,6 +164,7 @@ def resolve_layout(
         _DTYPE_CODES.get(dtype, 0),
         int(deterministic),
         tile,
+        tile if align is None else align,
         problem,
     )
     cached = _CACHE.get(group, key)
@@ -176,6 +193,7 @@ def resolve_vocab(
     device: torch.device,
     problem: int = 0,
     tile: int = DETERMINISTIC_TILE,
+    align: int | None = None,
 ) -> ShardLayout:
     """This rank's view of the validated layout (checked across ranks under a group).
 
@@ -193,6 +211,7 @@ def resolve_vocab(
             tile=tile,
             device=device,
             problem=problem,
+            align=align,
         )
     if v_local == 0:
         raise ValueError("the vocabulary dimension is empty (V_local = 0)")
@@ -237,6 +256,7 @@ def _check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:
         ("dtype", "dtype"),
         ("deterministic", "deterministic flag"),
         ("tile", "tile size"),
+        ("align", "shard alignment (linear_logprob against vocab_parallel_logprob)"),
         ("vocab_size", "vocab_size"),
     ):
         diff = first_disagreement(field)
@@ -281,18 +301,18 @@ def _check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:
             f"vocab_size must be in [1, {total}] (the shards cover {total} ids), got {vocab_size}"
         )
     if recs[0]["deterministic"]:
-        tile = recs[0]["tile"]
+        tile, align = recs[0]["tile"], recs[0]["align"]
         for i, (st, sz) in enumerate(zip(starts, sizes, strict=True)):
-            end_ok = i == world - 1 or (st + sz) % tile == 0
-            if st % tile or not end_ok:
+            end_ok = i == world - 1 or (st + sz) % align == 0
+            if st % align or not end_ok:
                 hint = (
                     "Megatron pads the vocabulary so"
-                    if tile == DETERMINISTIC_TILE
-                    else f"deterministic_tile={tile}; the default {DETERMINISTIC_TILE} "
-                    "takes any layout Megatron pads"
+                    if align == DETERMINISTIC_TILE
+                    else f"deterministic_tile={tile} here; linear_logprob takes any "
+                    f"multiple of {DETERMINISTIC_TILE}"
                 )
                 raise ValueError(
-                    f"deterministic=True needs shard bounds on multiples of {tile} "
+                    f"deterministic=True needs shard bounds on multiples of {align} "
                     f"({hint}): rank {i} holds [{st}, {st + sz})"
                 )
     return ShardLayout(starts=starts, sizes=sizes, vocab_size=vocab_size, rank=rank)
@@ -313,3 +333,93 @@ def all_reduce_sum_(t: torch.Tensor, group: Any, world: int) -> torch.Tensor:
     if world > 1 and t.numel() > 0:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+@dataclass(frozen=True)
+class TileOwnership:
+    """Which global ``deterministic_tile``-column tiles one rank computes, and what it
+    needs from the ranks after it (``deterministic=True`` of ``linear_logprob``).
+
+    Tiles lie on a global grid from column 0 (the last one cut by ``vocab_size``). A rank
+    computes every tile that *starts* in its shard, whole: the tiles partition the
+    vocabulary in rank order, whatever the layout, and each tile's numbers come from one
+    computation over all of its columns. A tile that runs past the shard's end needs the
+    weight rows of the next shard(s) up to its end: the *halo*, sent by their owners
+    (:func:`exchange_halo`). The shard's first ``skip`` columns belong to a tile that
+    starts on an earlier rank: this rank computes them only for its own grad_weight rows.
+    """
+
+    skip: int
+    """Columns at the shard's start that belong to an earlier rank's tile."""
+    ext: int
+    """Columns of the owned tiles, from column ``skip`` of the shard (halo included)."""
+    halo: int
+    """Weight rows past this shard's real rows that the owned tiles need."""
+    tiles: int
+    """Owned tiles."""
+    max_tiles: int
+    """The most tiles any rank of the layout owns (sizes the exchange of tile partials)."""
+
+
+def _owned(start: int, real: int, vocab_size: int, tile: int) -> tuple[int, int, int, int]:
+    first = -(-start // tile) * tile  # the first tile edge at or after the shard's start
+    if real <= 0 or first >= start + real:
+        return max(real, 0), 0, 0, 0
+    last_end = min(((start + real - 1) // tile + 1) * tile, vocab_size)
+    ext = last_end - first
+    return first - start, ext, max(0, last_end - start - real), -(-ext // tile)
+
+
+def tile_ownership(starts, sizes, vocab_size: int, tile: int, rank: int) -> TileOwnership:
+    """:class:`TileOwnership` of ``rank`` in the layout ``(starts, sizes)``."""
+    owned = [
+        _owned(st, min(sz, vocab_size - st), vocab_size, tile)
+        for st, sz in zip(starts, sizes, strict=True)
+    ]
+    skip, ext, halo, tiles = owned[rank]
+    return TileOwnership(skip, ext, halo, tiles, max(o[3] for o in owned))
+
+
+def exchange_halo(
+    w_real: torch.Tensor, starts, sizes, vocab_size: int, tile: int, rank: int, group: Any
+) -> torch.Tensor:
+    """This rank's halo (``[halo, H]`` weight rows, see :class:`TileOwnership`), received
+    from the ranks after it, while sending theirs the rows of ``w_real`` (this shard's real
+    rows) that their halos need. Every rank derives the same plan from the layout, so
+    ranks without a halo to send or receive take no part; point-to-point sends only."""
+    reals = [max(0, min(sz, vocab_size - st)) for st, sz in zip(starts, sizes, strict=True)]
+    need = []  # per rank: the global rows [lo, hi) of its halo
+    for r, st in enumerate(starts):
+        halo = _owned(st, reals[r], vocab_size, tile)[2]
+        need.append((st + reals[r], st + reals[r] + halo))
+    lo, hi = need[rank]
+    out = torch.empty((hi - lo, w_real.shape[1]), dtype=w_real.dtype, device=w_real.device)
+    ops = []
+    mine = starts[rank]
+    for r, (r_lo, r_hi) in enumerate(need):  # what this rank sends to r
+        a, b = max(r_lo, mine), min(r_hi, mine + reals[rank])
+        if r != rank and a < b:
+            send = w_real[a - mine : b - mine].contiguous()
+            ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=r))
+    for q, st in enumerate(starts):  # what this rank receives from q
+        a, b = max(lo, st), min(hi, st + reals[q])
+        if q != rank and a < b:
+            ops.append(dist.P2POp(dist.irecv, out[a - lo : b - lo], group=group, group_peer=q))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return out
+
+
+def owned_weight(w_real: torch.Tensor, p) -> tuple[TileOwnership, torch.Tensor]:
+    """``(ownership, w_all)`` of ``linear_logprob(deterministic=True)``: this rank's
+    :class:`TileOwnership` and its real weight rows followed by its halo, exchanged with
+    the other ranks of ``p.tp_group`` (every rank calls this in the same step)."""
+    own = p.tile_ownership()
+    if p.tp_size == 1:
+        return own, w_real
+    halo = exchange_halo(
+        w_real, p.shard_starts, p.shard_sizes, p.vocab_size, p.deterministic_tile,
+        p.tp_rank, p.tp_group,
+    )  # fmt: skip
+    return own, torch.cat([w_real, halo]) if halo.shape[0] else w_real

@@ -58,6 +58,8 @@ class LogprobParams:
     """Global start of every rank's shard, in rank order."""
     shard_sizes: tuple[int, ...] = ()
     """Rows of every rank's shard, in rank order."""
+    tp_rank: int = 0
+    """This rank's index in ``tp_group``."""
     deterministic: bool = False
     """Tensor-parallel invariant mode (see lp_kernels.backends.torch_deterministic)."""
     deterministic_tile: int = 128
@@ -67,6 +69,15 @@ class LogprobParams:
     @property
     def inv_temperature(self) -> float:
         return 1.0 / self.temperature
+
+    def tile_ownership(self):
+        """This rank's :class:`lp_kernels._dist.TileOwnership` (``deterministic=True``)."""
+        from lp_kernels._dist import tile_ownership
+
+        sizes = self.shard_sizes or (self.vocab_size,)
+        return tile_ownership(
+            self.shard_starts, sizes, self.vocab_size, self.deterministic_tile, self.tp_rank
+        )
 
     def local_real_columns(self, v_local: int) -> int:
         """How many of this rank's ``v_local`` weight rows are real (below ``vocab_size``)."""

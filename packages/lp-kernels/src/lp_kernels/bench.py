@@ -21,8 +21,8 @@ Performance protocol (DESIGN.md), one run per shape (N tokens, H hidden, V vocab
   and the closed-form gradient, independent of lp.
 
 Providers: ``lp-triton``, ``lp-torch``, ``lp-auto`` (lp's backends; ``lp-triton-det`` and
-``lp-torch-det`` run them with ``deterministic=True``, ``lp-triton-det8`` with
-``deterministic_tile`` set by :func:`tp8_tile`), ``materialized``
+``lp-torch-det`` run them with ``deterministic=True`` and its default tile,
+``lp-triton-det128`` with 128-column tiles), ``materialized``
 (logits in the input dtype, fp32 ``log_softmax``, gather), and peers when importable
 (never dependencies): ``liger`` (liger-kernel's fused linear cross entropy; a scalar
 loss, so timing and memory only, no error figures) and ``cce`` (Apple's
@@ -80,22 +80,16 @@ LP_PROVIDERS = (
     "lp-auto",
     "lp-triton-det",
     "lp-torch-det",
-    "lp-triton-det8",
+    "lp-triton-det128",
 )
-"""lp's backends; ``-det`` runs ``deterministic=True`` (bitwise TP-invariant mode), ``-det8``
-the same with the widest tile that serves TP = 1, 2, 4 and 8 (:func:`tp8_tile`)."""
-
-
-def tp8_tile(vocab: int) -> int:
-    """``deterministic_tile`` of ``lp-triton-det8``: ``V_pad / 8`` with the vocabulary padded
-    to a multiple of 1024 (as Megatron pads it for TP = 8, to be used at every TP degree),
-    so that the shards of TP = 1, 2, 4 and 8 all fall on the tile grid."""
-    return deterministic_tile_for(vocab, 8)
+"""lp's backends; ``-det`` runs ``deterministic=True`` (bitwise TP-invariant mode) with its
+default tile (``default_deterministic_tile``: about an eighth of the vocabulary),
+``-det128`` the same with 128-column tiles."""
 
 
 def tile_arg(spec: str, vocab: int) -> int:
     """A ``--det-tile`` of the benchmark scripts: an int, or ``tpN`` for the widest tile of
-    TP degrees dividing N (``tp8``: :func:`tp8_tile`)."""
+    TP degrees dividing N (``tp8``: ``linear_logprob``'s default)."""
     if spec.startswith("tp"):
         return deterministic_tile_for(vocab, int(spec[2:]))
     return int(spec)
@@ -303,15 +297,14 @@ def provider_lp(
     temperature: float = 1.0,
     entropy: bool = False,
     deterministic: bool = False,
-    wide_tile: bool = False,
+    tile: int | None = None,
     tp: dict | None = None,
 ) -> Step:
     """lp's ``linear_logprob``; ``tp``: ``tp_group``, ``vocab_start``, ``vocab_size`` kwargs;
-    ``wide_tile``: ``deterministic_tile = tp8_tile(V)``."""
+    ``tile``: ``deterministic_tile`` (None: the default)."""
     from lp_kernels import linear_logprob
 
     def run(hidden, weight, targets, grad_out, grad_entropy=None):
-        vocab = (tp or {}).get("vocab_size") or weight.shape[0]
         out = linear_logprob(
             hidden,
             weight,
@@ -321,7 +314,7 @@ def provider_lp(
             backend=backend,
             validate=False,
             deterministic=deterministic,
-            deterministic_tile=tp8_tile(vocab) if wide_tile else 128,
+            deterministic_tile=tile,
             **(tp or {}),
         )
         if entropy:
@@ -390,13 +383,13 @@ def make_provider(
     name: str, *, temperature: float = 1.0, entropy: bool = False, tp: dict | None = None
 ) -> Step:
     if name in LP_PROVIDERS:
-        backend = name.removeprefix("lp-").removesuffix("8").removesuffix("-det")
+        backend = name.removeprefix("lp-").removesuffix("128").removesuffix("-det")
         return provider_lp(
             backend,
             temperature=temperature,
             entropy=entropy,
             deterministic="-det" in name,
-            wide_tile=name.endswith("-det8"),
+            tile=128 if name.endswith("-det128") else None,
             tp=tp,
         )
     if tp is not None:
@@ -423,7 +416,7 @@ def provider_available(name: str, device: str) -> str | None:
             return "peers run on CUDA only"
     if name == "lp-torch-det" and device == "cuda":
         return "deterministic=True with the torch backend runs on CPU only"
-    if name in ("lp-triton", "lp-triton-det", "lp-triton-det8"):
+    if name in ("lp-triton", "lp-triton-det", "lp-triton-det128"):
         if importlib.util.find_spec("triton") is None:
             return "triton is not importable"
         if device != "cuda" and not _triton_interpreting():

@@ -690,8 +690,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_backends_arg,
         default=None,
         help="comma-separated: lp-triton, lp-torch, lp-auto, lp-triton-det, lp-torch-det "
-        "(deterministic=True), lp-triton-det8 (the same, deterministic_tile = V padded to "
-        "1024 / 8), materialized, liger, cce; default: all available except -det",
+        "(deterministic=True, its default tile), lp-triton-det128 (the same with "
+        "deterministic_tile=128), materialized, liger, cce; default: all available except -det",
     )
     bench.add_argument(
         "--dtype",

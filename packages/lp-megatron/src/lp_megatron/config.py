@@ -46,12 +46,12 @@ class LogprobHeadConfig:
     rule). Provided by the triton backend on GPUs and both backends on CPU; the torch
     backend on CUDA raises at the first :meth:`LogprobHead.logprobs` call."""
 
-    deterministic_tile: int = 128
+    deterministic_tile: int | None = None
     """Passed as ``deterministic_tile=`` with ``deterministic=True``: the width of the global
-    vocabulary tiles (a multiple of 128). Wider tiles cost less; every TP degree to compare
-    must shard the vocabulary on multiples of it: ``lp_kernels.deterministic_tile_for(
-    vocab_size, max_tp)`` with the vocabulary padded to a multiple of ``128 * max_tp`` at
-    every degree (``make_vocab_size_divisible_by = 128 * max_tp // TP``)."""
+    vocabulary tiles (a multiple of 128), or None for ``linear_logprob``'s default (about an
+    eighth of the vocabulary, ``lp_kernels.default_deterministic_tile``). The bits depend
+    on it and are the same for every TP degree with one tile; wider tiles cost less. The
+    fallback path (``vocab_parallel_logprob``) takes 128 for None."""
 
     validate: bool = True
     """Check label ids against the vocabulary (one host sync per call). False = no host
@@ -99,8 +99,11 @@ class LogprobHeadConfig:
                 f"{self.vocab_size}); use a negative value such as -100"
             )
         tile = self.deterministic_tile
-        if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0 or tile % 128:
-            raise ValueError(f"deterministic_tile must be a positive multiple of 128, got {tile!r}")
+        bad_tile = isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0 or tile % 128
+        if tile is not None and bad_tile:
+            raise ValueError(
+                f"deterministic_tile must be None or a positive multiple of 128, got {tile!r}"
+            )
         for name in ("deterministic", "validate", "allow_fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -346,7 +346,7 @@ class LogprobHead:
             tp_group=group,
             vocab_start=rank * logits.shape[-1],
             deterministic=self.config.deterministic,
-            deterministic_tile=self.config.deterministic_tile,
+            deterministic_tile=self.config.deterministic_tile or 128,  # logits: 128 columns
             **common,
         )
 

@@ -548,8 +548,10 @@ def gloo_cuda_via_host() -> Iterator[None]:
     Lets several gloo ranks share one GPU (a TP layout on a machine with fewer GPUs than
     ranks): inside, ``dist.all_gather_into_tensor`` and ``dist.all_reduce`` (synchronous
     calls, what lp makes) copy CUDA arguments to the host, run the collective there and
-    copy the result back. Copies move bytes, so every result is the one the collective
-    would give on host tensors. Apply inside each rank.
+    copy the result back; ``dist.batch_isend_irecv`` (deterministic=True's halo rows) runs
+    its sends and receives on host copies and returns when they are done. Copies move
+    bytes, so every result is the one the collective would give on host tensors. Apply
+    inside each rank.
     """
     gather, reduce = dist.all_gather_into_tensor, dist.all_reduce
 
@@ -569,8 +571,26 @@ def gloo_cuda_via_host() -> Iterator[None]:
         tensor.copy_(host)
         return None
 
+    batch = dist.batch_isend_irecv
+
+    def batch_isend_irecv(p2p_op_list):
+        """Runs the batch on host copies and waits for it: returns no pending work."""
+        host_ops, back = [], []
+        for op in p2p_op_list:
+            t = op.tensor.cpu() if op.tensor.is_cuda else op.tensor
+            if op.tensor.is_cuda and op.op is dist.irecv:
+                back.append((op.tensor, t))
+            host_ops.append(dist.P2POp(op.op, t, group=op.group, group_peer=op.group_peer))
+        for work in batch(host_ops):
+            work.wait()
+        for dst, host in back:
+            dst.copy_(host)
+        return []
+
     dist.all_gather_into_tensor, dist.all_reduce = all_gather_into_tensor, all_reduce
+    dist.batch_isend_irecv = batch_isend_irecv
     try:
         yield
     finally:
         dist.all_gather_into_tensor, dist.all_reduce = gather, reduce
+        dist.batch_isend_irecv = batch

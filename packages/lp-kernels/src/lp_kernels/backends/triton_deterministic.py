@@ -57,10 +57,10 @@ from torch.autograd.function import once_differentiable
 from triton.language.extra import libdevice
 
 from lp_kernels._dist import DETERMINISTIC_TILE as TILE
-from lp_kernels._dist import all_reduce_sum_, gather_stats
+from lp_kernels._dist import all_reduce_sum_, gather_stats, owned_weight
 from lp_kernels._fixed_point import row_exponents
 from lp_kernels._matmul import addmm_f32_
-from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream
+from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream, target_columns
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends import triton_linear as tri
 from lp_kernels.backends.triton_linear import TileConfig, _gemm_step, _grouped, _operand_ptrs
@@ -76,6 +76,10 @@ FIXED_PIPELINE = False  # experimental: round a leaf while the next one's MMAs r
 # magic constant (no 64-bit conversion per element; see _split_rint); "cvt" converts
 # each element with one cvt.rni.s64.f32. The same integers, so the same bits.
 FIXED_CONVERT = "cvt"
+# "flat": one software-pipelined loop over K steps that rounds at each leaf's end;
+# "nested": a loop over leaves around a loop over a leaf's K steps (drains the pipeline at
+# every leaf). The same leaf products, so the same bits.
+FIXED_LOOP = "flat"
 FIXED_INTERPRET = (64, 64, TILE)
 _STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
 
@@ -180,7 +184,7 @@ def _matmul_fixed_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PIPE: tl.constexpr,
-    SPLIT: tl.constexpr, ACC: tl.constexpr,
+    SPLIT: tl.constexpr, ACC: tl.constexpr, FLAT: tl.constexpr,
 ):  # fmt: skip
     """C (int64) += sum over LEAF-wide K tiles of round(s_m * (A[:, tile] @ B[tile])).
 
@@ -245,6 +249,19 @@ def _matmul_fixed_kernel(
             b_q2 += q2
             b_q3 += q3
         b_acc += (b_q1.to(tl.int64) << 42) + (b_q2.to(tl.int64) << 21) + b_q3.to(tl.int64)
+    elif FLAT:
+        # One loop over K steps (software-pipelined across leaf ends: the loads of the
+        # next leaf are in flight while a leaf is rounded); the same steps in the same
+        # order as the nested loop below, so the same leaf products.
+        b_leaf = b_zero
+        for k0 in range(0, K, BLOCK_K):
+            b_leaf = _gemm_step(
+                b_leaf, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_m, m_n, o_k, K_A, K_B,
+                stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, False,
+            )  # fmt: skip
+            if ((k0 + BLOCK_K) % LEAF == 0) | (k0 + BLOCK_K >= K):
+                b_acc += _round_to_int64(b_leaf * b_scale[:, None], INTERPRET)
+                b_leaf = b_zero
     else:
         for l0 in range(0, K, LEAF):
             b_leaf = _leaf_product(
@@ -355,7 +372,7 @@ def _matmul_fixed_(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         LEAF=leaf, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, PIPE=pipe,
-        SPLIT=split, ACC=accumulate,
+        SPLIT=split, ACC=accumulate, FLAT=FIXED_LOOP == "flat" and not (pipe or split),
         **tri._launch_opts(mm_cfg, a.device),
     )  # fmt: skip
 
@@ -382,11 +399,41 @@ def vocab_pieces(v_real: int, tile: int, chunk: int) -> tuple[list[tuple[int, in
     return pieces, width
 
 
-def _stats_rows(p: LogprobParams, cfg: TileConfig) -> int:
+def _stats_rows(p: LogprobParams, cfg: TileConfig, max_tiles: int) -> int:
     """Token rows per forward chunk: the gathered partials stay within _STATS_BYTES."""
-    tiles = triton.cdiv(max(p.max_v_local, 1), cfg.v_split) * max(p.tp_size, 1)
+    tiles = max(max_tiles, 1) * max(p.tp_size, 1)
     rows = _STATS_BYTES // (tiles * N_STATS * 4)
     return max(cfg.block_n, rows // cfg.block_n * cfg.block_n)
+
+
+def _spans(own, tile: int, chunk: int, need_w: bool):
+    """The backward's vocabulary spans ``(v_begin, v_count, off)`` over this shard's real
+    rows followed by its halo, the number of leading head-fragment spans (grad_W only),
+    and the d_logits buffer's width.
+
+    Owned tiles are cut by :func:`vocab_pieces` from the first one's start (column
+    ``own.skip``). The head fragment (the shard's first ``skip`` columns, the end of a
+    tile that starts on an earlier rank) is one span when tiles share a piece; with one
+    tile per piece it is cut where that tile's pieces are cut, each part placed at its
+    piece's offset (``off``) so that the grad_W GEMM sees the piece it sees on a layout
+    where the tile is whole."""
+    pieces, width = vocab_pieces(own.ext, tile, chunk)
+    per_tile = 2 * tile > chunk
+    spans = []
+    if need_w and own.skip:
+        if per_tile:
+            whole, width = vocab_pieces(tile, tile, chunk)  # the tile before, cut alike
+            for b, c in whole:
+                pb = own.skip - tile + b  # the piece's first column (negative: earlier rank)
+                if pb + c > 0:
+                    lo = max(pb, 0)
+                    spans.append((lo, pb + c - lo, lo - pb))
+        else:
+            spans.append((0, own.skip, 0))
+            width = max(width, tri.pad128(own.skip))
+    n_frag = len(spans)
+    spans += [(own.skip + b, c, 0) for b, c in pieces]
+    return spans, n_frag, width
 
 
 class LinearLogprobTritonDeterministic(torch.autograd.Function):
@@ -396,26 +443,39 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, p: LogprobParams):
         ctx.set_materialize_grads(False)
         cfg, _ = config_for(hidden.device, hidden.dtype, p.deterministic_tile)
-        hidden, w_real, t_col, ignored = tri.kernel_inputs(hidden, weight, targets, p)
+        hidden, w_real, _, ignored = tri.kernel_inputs(hidden, weight, targets, p)
+        v_real = w_real.shape[0]
+        own, w_all = owned_weight(w_real, p)
+        # target codes over the shard's real rows and the halo (backward), and over the
+        # owned tiles (forward statistics)
+        t_all = tri.target_codes(
+            *target_columns(targets, p.ignore_index, p.vocab_start, w_all.shape[0])
+        )
+        t_own = tri.target_codes(
+            *target_columns(targets, p.ignore_index, p.vocab_start + own.skip, own.ext)
+        )
+        w_own = w_all[own.skip : own.skip + own.ext]
+        # every rank sends max_tiles partials: its owned tiles, then empty ones
+        p_fwd = dataclasses.replace(p, max_v_local=own.max_tiles * p.deterministic_tile)
         n = hidden.shape[0]
         parts = []
-        step = _stats_rows(p, cfg)
+        step = _stats_rows(p, cfg, own.max_tiles)
         for r0 in range(0, max(n, 1), step):
             r1 = min(n, r0 + step)
-            stats = tri.forward_stats(hidden[r0:r1], w_real, t_col[r0:r1], p, cfg)
+            stats = tri.forward_stats(hidden[r0:r1], w_own, t_own[r0:r1], p_fwd, cfg)
             gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, T_max, rows, 4]
             parts.append(tri.merge(gathered.flatten(0, 1), entropy=p.return_entropy))
         lse, mean_z, zt, ent = (
             None if part[0] is None else torch.cat(part) for part in zip(*parts, strict=True)
         )
-        ctx.save_for_backward(hidden, weight, t_col, ignored, lse, mean_z)
+        ctx.save_for_backward(hidden, weight, t_all, ignored, lse, mean_z, w_all[v_real:])
         ctx.params = p
         return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_lp, g_ent, g_lse):
-        hidden, weight, t_col, ignored, lse, mean_z = ctx.saved_tensors
+        hidden, weight, t_all, ignored, lse, mean_z, halo = ctx.saved_tensors
         p: LogprobParams = ctx.params
         tile = p.deterministic_tile
         cfg, fixed = config_for(hidden.device, hidden.dtype, tile)
@@ -423,14 +483,17 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         n, h_dim = hidden.shape
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
+        w_all = torch.cat([w_real, halo]) if halo.shape[0] else w_real
+        own = p.tile_ownership()
         grads = masked_upstream(ignored, g_lp, g_ent, g_lse)
         dev = hidden.device
-        pieces, width = vocab_pieces(v_real, tile, cfg.vocab_chunk)
+        spans, n_frag, width = _spans(own, tile, cfg.vocab_chunk, need_w)
         # Pieces within one tile each (tiles wider than half a chunk) are cut alike on every
         # layout, and so are the d_logits buffer's shape and strides: then cuBLAS may
-        # compute grad_W (the same call on every layout). Else a piece holds several tiles
-        # from the shard's start, its width varies with the layout, and grad_W takes lp's
-        # fixed-tile GEMM, whose rows never depend on the width.
+        # compute grad_W (the same call on every layout; a piece that is only partly this
+        # shard's is computed whole, its other rows dropped). Else a piece holds several
+        # tiles, its width varies with the layout, and grad_W takes lp's fixed-tile GEMM,
+        # whose rows never depend on the width.
         per_tile = 2 * tile > cfg.vocab_chunk
         rows = min(cfg.token_chunk, n)
         leaf32 = None  # fp32 product of a wide tile (per_tile), from its pieces
@@ -438,32 +501,54 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             e, bad = row_exponents(hidden, w_real, lse, ignored, *grads, p)
             scale = torch.exp2(e).float()
             # the first tile's end overwrites it (ACC=False), unless no tile is here
-            alloc = torch.empty if v_real > 0 else torch.zeros
+            alloc = torch.empty if own.ext > 0 else torch.zeros
             acc_h = alloc((n, h_dim), dtype=torch.int64, device=dev)
             written = False  # whether a tile has ended (acc_h holds sums)
-            if per_tile and v_real > 0:
+            if per_tile and own.ext > 0:
                 leaf32 = torch.empty((n, h_dim), dtype=torch.float32, device=dev)
         grad_w = tri.grad_weight_buffer(weight, v_real, n) if need_w else None
-        acc_w = None  # fp32 accumulator of a grad_W slice (fp32 weights use grad_w itself)
-        if need_w and n > 0 and weight.dtype != torch.float32 and (rows < n or not per_tile):
+        whole = [off == 0 and b + c <= v_real for b, c, off in spans]  # all rows local
+        acc_w = None  # fp32 accumulator of a grad_W piece
+        fp32_w = weight.dtype == torch.float32 and all(whole)  # grad_W sums in place
+        if need_w and n > 0 and (rows < n or not per_tile) and not fp32_w:
             acc_w = torch.empty((width, h_dim), dtype=torch.float32, device=dev)
-        for v_begin, v_count, blocks in tri.dlogits_blocks(
-            hidden, w_real, t_col, lse, mean_z, grads, p, cfg, pieces=(pieces, width)
+        for j, (v_begin, v_count, blocks) in enumerate(
+            tri.dlogits_blocks(
+                hidden, w_all, t_all, lse, mean_z, grads, p, cfg, pieces=(spans, width)
+            )
         ):
-            w_chunk = w_real[v_begin : v_begin + v_count]
-            first = v_begin % tile == 0  # the piece starts a tile
-            last = (v_begin + v_count) % tile == 0 or v_begin + v_count == v_real
-            if need_w:
-                gw_slice = grad_w[v_begin : v_begin + v_count]
-                acc = gw_slice if acc_w is None else acc_w[:v_count]
+            off = spans[j][2]
+            full = off + v_count  # the piece's columns (dl's)
+            local = max(0, min(v_begin + v_count, v_real) - v_begin)  # its grad_W rows
+            frag = j < n_frag
+            rel = v_begin - own.skip
+            first = not frag and rel % tile == 0  # the piece starts a tile
+            last = not frag and ((rel + v_count) % tile == 0 or rel + v_count == own.ext)
+            w_chunk = w_all[v_begin : v_begin + v_count]
+            gw = need_w and local > 0
+            if gw:
+                gw_rows = grad_w[v_begin : v_begin + local]
+                if per_tile:
+                    acc = gw_rows if acc_w is None else acc_w[:full]
+                else:
+                    acc = gw_rows if acc_w is None else acc_w[:local]
             for r0, r1, dl, cols in blocks:
-                if need_w and per_tile and rows == n:  # one cuBLAS GEMM, as the default path
-                    tri._grad_weight_slice(dl, hidden, gw_slice)
-                elif need_w and per_tile:  # the first token chunk overwrites acc
+                if gw and per_tile and rows == n:  # one cuBLAS GEMM, as the default path
+                    if whole[j]:
+                        tri._grad_weight_slice(dl, hidden, gw_rows)
+                    else:  # the whole piece's call; keep this shard's rows
+                        tmp = torch.empty((full, h_dim), dtype=weight.dtype, device=dev)
+                        tri._grad_weight_slice(dl, hidden, tmp)
+                        gw_rows.copy_(tmp[off : off + local])
+                elif gw and per_tile:  # the first token chunk overwrites acc
                     addmm_f32_(acc, dl.T, hidden[r0:r1], accumulate=r0 > 0)
-                elif need_w:  # lp's fixed-tile GEMM (the first token chunk overwrites acc)
-                    tri._matmul_acc_(acc, dl.T, hidden[r0:r1], cfg, m_a=cols, accumulate=r0 > 0)
-                if need_h and per_tile:  # the default path's fp32 GEMM, then one rounding
+                elif gw:  # lp's fixed-tile GEMM (the first token chunk overwrites acc)
+                    tri._matmul_acc_(
+                        acc, dl[:, :local].T, hidden[r0:r1], cfg, m_a=cols, accumulate=r0 > 0
+                    )
+                if need_h and frag:
+                    pass  # the head fragment feeds grad_W only
+                elif need_h and per_tile:  # the default path's fp32 GEMM, then one rounding
                     f = leaf32[r0:r1]
                     tri._matmul_acc_(f, dl, w_chunk, cfg, k_a=cols, accumulate=not first)
                     if last:
@@ -475,8 +560,10 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                     )  # fmt: skip
             if need_h and last:
                 written = True
-            if need_w and acc_w is not None:
-                gw_slice.copy_(acc)
+            if gw and acc_w is not None and per_tile:
+                gw_rows.copy_(acc[off : off + local])
+            elif gw and acc_w is not None:
+                gw_rows.copy_(acc)
         grad_h = None
         if need_h:
             if p.tp_size > 1 and p.reduce_grad_hidden:

@@ -702,7 +702,9 @@ def dlogits_blocks(
     Yields ``(v_begin, v_count, blocks)`` per vocabulary chunk of ``cfg.vocab_chunk``
     columns (or per piece of ``pieces = (spans, width)``: ``(v_begin, v_count)`` spans in
     order, each at most ``width`` columns, a multiple of 128 that is then the buffer's
-    width); ``blocks`` yields ``(r0, r1, dl, cols)`` per token chunk of
+    width; a span ``(v_begin, v_count, off)`` lands at the buffer's column ``off``, a
+    multiple of 128, after ``off`` zero columns, and ``dl`` then starts at column 0 with
+    ``off + v_count`` columns); ``blocks`` yields ``(r0, r1, dl, cols)`` per token chunk of
     ``cfg.token_chunk`` rows: ``dl [r1 - r0, v_count]`` (input dtype) is ``d loss / d
     logits`` of those rows and columns, in one reused buffer that holds exact zeros in
     columns ``[v_count, cols)``. ``grads`` are the masked upstream gradients
@@ -725,23 +727,25 @@ def dlogits_blocks(
         spans, width = pieces
     dl_buf = scratch.empty((rows, width), dtype=hidden.dtype, device=hidden.device)
 
-    def blocks(v_begin: int, v_count: int):
-        cols = pad_cols(v_count, dl_buf)
+    def blocks(v_begin: int, v_count: int, off: int):
+        cols = pad_cols(off + v_count, dl_buf)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
 
             def cut(x, r0=r0, r1=r1):
                 return None if x is None else x[r0:r1]
 
+            if off:
+                dl_buf[: r1 - r0, :off].zero_()
             _dlogits(
                 hidden[r0:r1], w_real, t_col[r0:r1], lse[r0:r1], cut(mean_z),
-                cut(g_lp), cut(g_ent), c0[r0:r1], dl_buf[: r1 - r0, :cols],
+                cut(g_lp), cut(g_ent), c0[r0:r1], dl_buf[: r1 - r0, off:cols],
                 v_begin, v_count, p, cfg,
             )  # fmt: skip
-            yield r0, r1, dl_buf[: r1 - r0, :v_count], cols
+            yield r0, r1, dl_buf[: r1 - r0, : off + v_count], cols
 
-    for v_begin, v_count in spans:
-        yield v_begin, v_count, blocks(v_begin, v_count)
+    for v_begin, v_count, *off in spans:
+        yield v_begin, v_count, blocks(v_begin, v_count, off[0] if off else 0)
 
 
 def _grad_weight_slice(dl: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor) -> None:
