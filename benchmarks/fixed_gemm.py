@@ -25,11 +25,13 @@ import lp_kernels.backends.triton_deterministic as tdet
 import lp_kernels.backends.triton_linear as tri
 from lp_kernels.bench import steady_warmup, time_cuda
 
-# name -> (FIXED_GPU tiles, FIXED_WARPS, num_stages or None, FIXED_LOOP)
+# name -> (FIXED_GPU tiles, FIXED_WARPS, num_stages or None (the pinned: the config's at
+# 128-column leaves, FIXED_WIDE_STAGES at wider ones), FIXED_LOOP)
 VARIANTS = {
     "pinned": (tdet.FIXED_GPU, None, None, "flat"),
     "nested": (tdet.FIXED_GPU, None, None, "nested"),
     "s2": (tdet.FIXED_GPU, None, 2, "flat"),
+    "s3": (tdet.FIXED_GPU, None, 3, "flat"),
     "s4": (tdet.FIXED_GPU, None, 4, "flat"),
     "s5": (tdet.FIXED_GPU, None, 5, "flat"),
     "s6": (tdet.FIXED_GPU, None, 6, "flat"),
@@ -51,11 +53,13 @@ def fixed_call(c, a, acc_h, scale, leaf: int, variant: str):
     cfg = c.cfg if stages is None else dataclasses.replace(c.cfg, num_stages=stages)
 
     def run():
+        wide = tdet.FIXED_WIDE_STAGES
         tdet.FIXED_WARPS, tdet.FIXED_LOOP = warps, loop
+        tdet.FIXED_WIDE_STAGES = wide if stages is None else stages  # leaves over 128
         try:
             tdet._matmul_fixed_(acc_h, a, c.w_c, scale, c.cols, tiles, cfg, leaf=leaf)
         finally:
-            tdet.FIXED_WARPS, tdet.FIXED_LOOP = None, "flat"
+            tdet.FIXED_WARPS, tdet.FIXED_LOOP, tdet.FIXED_WIDE_STAGES = None, "flat", wide
 
     return run
 

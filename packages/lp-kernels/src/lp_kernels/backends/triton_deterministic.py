@@ -81,6 +81,13 @@ FIXED_CONVERT = "cvt"
 # every leaf). The same leaf products, so the same bits.
 FIXED_LOOP = "flat"
 FIXED_INTERPRET = (64, 64, TILE)
+# Pipeline stages of the fixed-point GEMM for leaves wider than 128 columns (2-byte inputs,
+# Hopper-class shared memory: 4 x 32 KiB). Its 128 x 128 tiles (the int64 sum needs the
+# registers of a wider one) give each stage half the MMAs of the fp32 GEMM's 128 x 256,
+# so more stages cover the same load latency: 1.13-1.39 x the fp32 GEMM's time against
+# 1.32-1.52 x with three on one H200 chunk (benchmarks/fixed_gemm.py, session 9). At
+# 128-column leaves the rounding dominates and four stages measured no better.
+FIXED_WIDE_STAGES = 4
 _STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
 
 
@@ -359,7 +366,11 @@ def _matmul_fixed_(
         cfg,
         mm_block_k=block_k,
         num_warps=FIXED_WARPS or cfg.num_warps,
-        num_stages=cfg.num_stages if _full_stages(a) else min(cfg.num_stages, 2),
+        num_stages=(
+            (FIXED_WIDE_STAGES if leaf > TILE else cfg.num_stages)
+            if _full_stages(a)
+            else min(cfg.num_stages, 2)
+        ),
     )
     a_src, b_src, tma = tri.gemm_sources(a, b, m, k_a, False, mm_cfg, block_m, block_n)
     # the experimental switches apply to 128-column leaves
