@@ -48,7 +48,12 @@ def summarize(path: str, calls: list[str]) -> list[dict]:
                     ),
                     1,
                 ),
-                "l2_hit_pct": round(float(r[col["lts__t_sector_hit_rate.pct"]]), 1),
+                # None where the report lacks the section (MemoryWorkloadAnalysis)
+                "l2_hit_pct": (
+                    round(float(r[col["lts__t_sector_hit_rate.pct"]]), 1)
+                    if "lts__t_sector_hit_rate.pct" in col
+                    else None
+                ),
                 "top_stalls_per_issue": {n: round(v, 2) for v, n in reversed(top[-5:])},
             }
         )
@@ -68,9 +73,10 @@ def main() -> None:
             json.dump(rows, f, indent=1)
     for r in rows:
         stalls = ", ".join(f"{n} {v:.2f}" for n, v in list(r["top_stalls_per_issue"].items())[:3])
+        l2 = "  -  " if r["l2_hit_pct"] is None else f"{r['l2_hit_pct']:5.1f}"
         print(
             f"{r['call']:28s} {r['duration_us']:10.1f} us"
-            f"  tensor {r['tensor_pipe_active_pct']:5.1f} %  L2 hit {r['l2_hit_pct']:5.1f} %"
+            f"  tensor {r['tensor_pipe_active_pct']:5.1f} %  L2 hit {l2} %"
             f"  {r['grid']} x {r['block']}  {stalls}"
         )
 
