@@ -9,6 +9,8 @@ like the default path.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -344,3 +346,48 @@ def test_default_tile_is_an_eighth_of_the_padded_vocabulary_on_any_layout():
     for rank in range(3):
         for a, b in zip(given, tp3[rank], strict=True):
             assert_bitwise_equal(b, a, f"TP 3 off the grid, rank {rank}, vs one process")
+
+
+@pytest.mark.parametrize("tile, chunk", [(384, 256), (31104, 8192), (19072, 8192)])
+def test_every_layout_makes_the_single_process_grad_weight_calls(tile, chunk):
+    """With one tile per backward piece, grad_W is one cuBLAS call per piece, whose kernel
+    (hence bits) follows the call's shape: every piece a rank computes, the head fragment's
+    included (placed at its offset in a block of the piece's width), must be a piece of the
+    single-process plan, same global start and width. Pure bookkeeping, on many layouts."""
+    import dataclasses
+
+    from lp_kernels._types import LogprobParams
+    from lp_kernels.backends.triton_deterministic import _spans
+
+    vocab = 248320 if tile > 1000 else 1000
+    base = LogprobParams(
+        temperature=1.0, ignore_index=-100, return_entropy=False, return_lse=False,
+        vocab_start=0, vocab_size=vocab, chunk_size=64, deterministic=True,
+        deterministic_tile=tile, shard_sizes=(vocab,),
+    )  # fmt: skip
+
+    def calls(p):
+        spans, _, _ = _spans(p.tile_ownership(), p, chunk, True)
+        return {(p.vocab_start + b - off, full) for b, _, off, full in spans}
+
+    single = calls(base)
+    pad = -(-vocab // 128) * 128
+    layouts = [[(0, pad)]]
+    for world in (2, 3, 4, 8):  # Megatron's even shards, and uneven ones
+        size = -(-vocab // (128 * world)) * 128
+        layouts.append([(r * size, size) for r in range(world)])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        cuts = sorted(set(torch.randint(1, pad // 128, (5,), generator=gen).tolist()))
+        bounds = [0, *(128 * c for c in cuts), pad]
+        layouts.append([(a, b - a) for a, b in itertools.pairwise(bounds)])
+    for layout in layouts:
+        starts, sizes = tuple(a for a, _ in layout), tuple(s for _, s in layout)
+        got = set()
+        for rank, (start, _) in enumerate(layout):
+            p = dataclasses.replace(
+                base, vocab_start=start, shard_starts=starts, shard_sizes=sizes, tp_rank=rank
+            )
+            got |= calls(p)
+        assert got <= single, f"{layout}: calls not made by one process: {sorted(got - single)}"
+        assert got == single, f"{layout}: pieces no rank computes: {sorted(single - got)}"

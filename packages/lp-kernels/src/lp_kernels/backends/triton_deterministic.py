@@ -417,33 +417,36 @@ def _stats_rows(p: LogprobParams, cfg: TileConfig, max_tiles: int) -> int:
     return max(cfg.block_n, rows // cfg.block_n * cfg.block_n)
 
 
-def _spans(own, tile: int, chunk: int, need_w: bool):
-    """The backward's vocabulary spans ``(v_begin, v_count, off)`` over this shard's real
-    rows followed by its halo, the number of leading head-fragment spans (grad_W only),
-    and the d_logits buffer's width.
+def _spans(own, p: LogprobParams, chunk: int, need_w: bool):
+    """The backward's vocabulary spans ``(v_begin, v_count, off, full)`` over this shard's
+    real rows followed by its halo, the number of leading head-fragment spans (grad_W
+    only), and the d_logits buffer's width.
 
     Owned tiles are cut by :func:`vocab_pieces` from the first one's start (column
-    ``own.skip``). The head fragment (the shard's first ``skip`` columns, the end of a
-    tile that starts on an earlier rank) is one span when tiles share a piece; with one
-    tile per piece it is cut where that tile's pieces are cut, each part placed at its
-    piece's offset (``off``) so that the grad_W GEMM sees the piece it sees on a layout
-    where the tile is whole."""
+    ``own.skip``). The head fragment (the shard's first ``skip`` columns, in a tile that
+    starts on an earlier rank) is one span when tiles share a piece; with one tile per
+    piece it is cut where that tile's pieces are cut, each part placed at its piece's
+    offset (``off``) in a d_logits block of the piece's width (``full``), so that the
+    grad_W GEMM makes the call it makes on a layout where the tile is whole."""
+    tile = p.deterministic_tile
     pieces, width = vocab_pieces(own.ext, tile, chunk)
     per_tile = 2 * tile > chunk
     spans = []
     if need_w and own.skip:
         if per_tile:
-            whole, width = vocab_pieces(tile, tile, chunk)  # the tile before, cut alike
+            lead = p.vocab_start % tile  # the earlier tile's columns before this shard
+            prev = min(tile, p.vocab_size - (p.vocab_start - lead))  # (cut by the vocab)
+            whole, width = vocab_pieces(prev, tile, chunk)  # that tile's pieces
             for b, c in whole:
-                pb = own.skip - tile + b  # the piece's first column (negative: earlier rank)
-                if pb + c > 0:
-                    lo = max(pb, 0)
-                    spans.append((lo, pb + c - lo, lo - pb))
+                pb = b - lead  # the piece's first column here (negative: an earlier rank's)
+                lo, hi = max(pb, 0), min(pb + c, own.skip)
+                if lo < hi:
+                    spans.append((lo, hi - lo, lo - pb, c))
         else:
-            spans.append((0, own.skip, 0))
+            spans.append((0, own.skip, 0, own.skip))
             width = max(width, tri.pad128(own.skip))
     n_frag = len(spans)
-    spans += [(own.skip + b, c, 0) for b, c in pieces]
+    spans += [(own.skip + b, c, 0, c) for b, c in pieces]
     return spans, n_frag, width
 
 
@@ -498,7 +501,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         own = p.tile_ownership()
         grads = masked_upstream(ignored, g_lp, g_ent, g_lse)
         dev = hidden.device
-        spans, n_frag, width = _spans(own, tile, cfg.vocab_chunk, need_w)
+        spans, n_frag, width = _spans(own, p, cfg.vocab_chunk, need_w)
         # Pieces within one tile each (tiles wider than half a chunk) are cut alike on every
         # layout, and so are the d_logits buffer's shape and strides: then cuBLAS may
         # compute grad_W (the same call on every layout; a piece that is only partly this
@@ -518,7 +521,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             if per_tile and own.ext > 0:
                 leaf32 = torch.empty((n, h_dim), dtype=torch.float32, device=dev)
         grad_w = tri.grad_weight_buffer(weight, v_real, n) if need_w else None
-        whole = [off == 0 and b + c <= v_real for b, c, off in spans]  # all rows local
+        whole = [off == 0 and c == f and b + c <= v_real for b, c, off, f in spans]
         acc_w = None  # fp32 accumulator of a grad_W piece
         fp32_w = weight.dtype == torch.float32 and all(whole)  # grad_W sums in place
         if need_w and n > 0 and (rows < n or not per_tile) and not fp32_w:
@@ -528,8 +531,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                 hidden, w_all, t_all, lse, mean_z, grads, p, cfg, pieces=(spans, width)
             )
         ):
-            off = spans[j][2]
-            full = off + v_count  # the piece's columns (dl's)
+            off, full = spans[j][2:]  # where this span's columns sit in its piece's width
             local = max(0, min(v_begin + v_count, v_real) - v_begin)  # its grad_W rows
             frag = j < n_frag
             rel = v_begin - own.skip
