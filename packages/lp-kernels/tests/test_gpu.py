@@ -352,15 +352,24 @@ def _megatron_layout(vocab: int, world: int) -> list[tuple[int, int]]:
     return [(r * size, size) for r in range(world)]
 
 
-def _shared_gpu_rank(rank, world, tile, megatron):
+# An uneven layout whose second shard lies inside the second 31104-column tile.
+_INSIDE = [(0, 31232), (31232, 256), (31488, 92928), (124416, 124416)]
+
+
+def _shared_layout(kind: str, world: int, tile: int) -> list[tuple[int, int]]:
+    if kind == "megatron":
+        return _megatron_layout(S2_HEAD["v"], world)
+    if kind == "inside":
+        return _INSIDE
+    return split_vocab(S2_HEAD["v_padded"], world, mode="even", multiple=tile)
+
+
+def _shared_gpu_rank(rank, world, tile, kind):
     """One gloo rank of the S2 head on GPU 0, which every rank shares (see below)."""
     from lp_testing import gloo_cuda_via_host
 
     problem = _s2_problem(S2_HEAD)
-    if megatron:
-        start, size = _megatron_layout(S2_HEAD["v"], world)[rank]
-    else:
-        start, size = split_vocab(S2_HEAD["v_padded"], world, mode="even", multiple=tile)[rank]
+    start, size = _shared_layout(kind, world, tile)[rank]
     dev = torch.device("cuda", 0)
     h = problem.hidden.to(dev).requires_grad_()
     w = problem.weight[start : start + size].to(dev).requires_grad_()
@@ -377,18 +386,19 @@ def _shared_gpu_rank(rank, world, tile, megatron):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "tile, megatron",
-    [(128, False), (31104, False), (31104, True), (4096, True)],
-    ids=["tile128", "tile31104", "tile31104-megatron", "tile4096-megatron"],
+    "tile, kind",
+    [(128, "grid"), (31104, "grid"), (31104, "megatron"), (4096, "megatron"), (31104, "inside")],
+    ids=["tile128", "tile31104", "tile31104-megatron", "tile4096-megatron", "tile31104-inside"],
 )
-def test_deterministic_tp_layouts_sharing_one_gpu(tile, megatron):
+def test_deterministic_tp_layouts_sharing_one_gpu(tile, kind):
     """The S2 head (V_pad 248832) split 2, 4 and 8 ways over gloo ranks that all run on one
     GPU: the triton kernels of each shard, on the GPU, give bitwise the single-process
     result, with the default tile and with V_pad / 8 = 31104 (the widest for TP 1-8) on
-    shards of the tile's grid, and (``megatron``) on Megatron's shards of each degree
-    (128 x TP padding: 124160 and 62080 at TP 2 and 4, off the 31104 and 4096 grids, so
-    tiles cross shard bounds and take the next rank's rows; one tile per backward piece
-    at 31104, several at 4096). It checks the kernels' layout invariance where fewer GPUs
+    shards of the tile's grid, on Megatron's shards of each degree (128 x TP padding:
+    124160 and 62080 at TP 2 and 4, off the 31104 and 4096 grids, so tiles cross shard
+    bounds and take the next rank's rows; one tile per backward piece at 31104, several at
+    4096), and (``inside``, TP 4 only) on uneven shards one of which lies inside a tile
+    that starts on the rank before it. It checks the kernels' layout invariance where fewer GPUs
     than ranks are present; the NCCL runs (test_nccl_s2_head) check the same with one GPU
     per rank."""
     p = _s2_problem(S2_HEAD).to("cuda").with_grad()
@@ -403,8 +413,8 @@ def test_deterministic_tp_layouts_sharing_one_gpu(tile, megatron):
     del p, ref
     names = ("logprob", "entropy", "lse", "grad_hidden")
     differ = []
-    for world in (2, 4, 8):
-        results = run_ranks(_shared_gpu_rank, world, tile, megatron, timeout=300)
+    for world in (4,) if kind == "inside" else (2, 4, 8):
+        results = run_ranks(_shared_gpu_rank, world, tile, kind, timeout=300)
         for rank, ((start, size), *got) in enumerate(results):
             pairs = list(zip(names, got[:4], want, strict=True))
             pairs.append(("grad_weight", got[4], grad_w[start : start + size]))
