@@ -12,7 +12,9 @@ rank together (Megatron never changes them).
 
 Collectives. Forward: one all-gather of per-row statistics (bytes only, merged in
 rank order by ``_stats.merge_stats``). Backward: one all-reduce (sum) of the fp32
-``grad_hidden`` partials unless the caller reduces them itself.
+``grad_hidden`` partials unless the caller reduces them itself. ``deterministic=True``
+of ``linear_logprob`` adds, where a tile crosses a shard bound, point-to-point sends of
+the weight rows the tile's owner lacks (:func:`exchange_halo`, once per forward).
 """
 
 from __future__ import annotations

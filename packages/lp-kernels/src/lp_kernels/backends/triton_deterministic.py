@@ -1,29 +1,35 @@
 """``deterministic=True`` for the triton backend: bitwise tensor-parallel invariance.
 
 Outputs and both gradients are bitwise identical for any TP degree and any shard
-layout whose bounds are multiples of the tile width ``w = deterministic_tile`` (128 by
-default, any multiple of 128), and stay batch-invariant and reproducible run to run.
-Data flow for one rank::
+layout whose bounds are multiples of 128, for a given tile width ``w =
+deterministic_tile`` (default ``default_deterministic_tile(V)``, about V / 8; any
+multiple of 128), and stay batch-invariant and reproducible run to run. A rank owns the
+global w-column tiles that start in its shard; the rows of the next shards that its last
+tile needs (the halo) arrive by point-to-point sends (``_dist.tile_ownership``,
+``_dist.exchange_halo``). Data flow for one rank::
 
-    forward   per token chunk (rows fixed by the global tile count, never by N):
-                _fwd_stats_kernel with V_SPLIT = w: one partial (m, s, a, t) per row
-                    and global w-column tile                  [T_max, rows, 4]
+    forward   halo rows; W_all = the shard's real rows, then the halo
+              per token chunk (rows fixed by the global tile count, never by N):
+                _fwd_stats_kernel with V_SPLIT = w over the owned tiles of W_all: one
+                    partial (m, s, a, t) per row and owned tile    [T_max, rows, 4]
                 all-gather -> [P, T_max, rows, 4]; _merge_kernel visits the partials in
                     (rank, tile) order = the global tile order, with empty partials
-                    (m = -inf, s = a = t = 0) in the gaps of uneven layouts; adding an
+                    (m = -inf, s = a = t = 0) after each rank's owned tiles; adding an
                     exact zero leaves an fp32 sum unchanged, so every layout merges alike
-    backward  per vocabulary piece (vocab_pieces), per token chunk:
+    backward  per vocabulary span of W_all (_spans), per token chunk:
                 _dlogits_kernel (as in the default path)
-                w <= half a vocabulary chunk (128 by default): a piece holds several
-                tiles from the shard's start, so its width follows the layout
+                head fragment (the shard's columns in an earlier rank's tile): grad_W only
+                w <= half a vocabulary chunk: a piece holds several owned tiles from the
+                first one's start, so its width follows the layout
                   grad_W[piece] += d l^T @ h   lp's fixed-tile GEMM (_matmul_acc_kernel):
                                               a row's result never depends on the width,
                                               unlike cuBLAS' shape-picked kernels
                   grad_h (int64) += round(2^e_n * (d l[:, tile] @ W[tile])) per tile
                                               (_matmul_fixed_kernel, which rounds each
                                               tile's fp32 dot in registers)
-                wider tiles: a piece lies within one tile, cut from the tile's start by
-                the tile's width alone, so every layout makes the same calls
+                wider tiles (the default's plan): a piece lies within one tile, cut from
+                the tile's start by the tile's width alone, so every layout makes the same
+                calls (a piece only partly this shard's is computed whole, at its offset)
                   grad_W[piece] = d l^T @ h   cuBLAS, as the default path (the same
                                               shapes, strides and alignment everywhere)
                   F (fp32) += d l @ W[piece]  the default path's GEMM; at the tile's end
@@ -33,15 +39,15 @@ Data flow for one rank::
               (_from_fixed_kernel; the scale from lp_kernels._fixed_point)
 
 Cost: each tile's partial statistics and each tile's rounding of an [N, H] product are
-the price of invariance, so wider tiles cost less: with w = V_pad / 8 the mode runs
-within a few percent of the default path (docs/benchmarks.md).
+the price of invariance, so wider tiles cost less: with the default tile the mode runs
+within a few percent of the default path (docs/benchmarks.md); halos and head fragments
+add work per shard bound crossed (docs/design.md).
 
-The forward logit tiles and the backward's d_logits tiles start on the same global
-column grid on every layout (shard bounds are multiples of w, the kernels' column tiles
-start at multiples of 128 of the shard), and every element of a tile is computed by the
-same instruction sequence whatever its position, so each tile's numbers are the same on
-every layout. That also needs every layout to run the same compiled variant of each
-kernel: see "Determinism" in ``triton_linear`` on Triton's integer specialization.
+Every owned tile is computed whole, from its first column, in launches that start on the
+global column grid, and every element of a tile is computed by the same instruction
+sequence whatever its position, so each tile's numbers are the same on every layout.
+That also needs every layout to run the same compiled variant of each kernel: see
+"Determinism" in ``triton_linear`` on Triton's integer specialization.
 ``benchmarks/profile_deterministic.py`` times each phase against the default mode (at
 w = 128); ``benchmarks/profile_step.py --det --det-tile`` a whole step at any w.
 """
