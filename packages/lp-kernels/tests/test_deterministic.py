@@ -238,8 +238,10 @@ def _tile_rank(rank, world, tiles, bounds):
     [
         ((256, 256), [(0, 320), (320, 704)], "multiples of 128"),  # 320 is off the grid
         ((128, 256), [(0, 512), (512, 512)], "disagree on the tile size"),
+        # the default is recorded as such: an explicit tile on one rank disagrees with it
+        ((None, 128), [(0, 512), (512, 512)], "disagree on the tile size"),
     ],
-    ids=["off-grid", "disagree"],
+    ids=["off-grid", "disagree", "default-vs-given"],
 )
 def test_tile_layout_errors_raise_on_every_rank(tiles, bounds, message):
     with pytest.raises(RankError) as info:
