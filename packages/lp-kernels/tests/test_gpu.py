@@ -271,10 +271,21 @@ def _s2_problem(shape: dict):
     )  # fmt: skip
 
 
-def _s2_rank(rank, world, backend, reduce, deterministic, shape=S2_HEAD, device="cuda"):
+def _megatron_layout(vocab: int, world: int) -> list[tuple[int, int]]:
+    """Megatron's even shards of ``vocab`` padded to a multiple of 128 x TP."""
+    size = -(-vocab // (128 * world)) * 128
+    return [(r * size, size) for r in range(world)]
+
+
+def _s2_rank(
+    rank, world, backend, reduce, deterministic, shape=S2_HEAD, device="cuda", megatron=False
+):  # fmt: skip
     dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
     problem = _s2_problem(shape)
-    start, size = split_vocab(shape["v_padded"], world, mode="even", multiple=128)[rank]
+    if megatron:  # 128 x TP padding: off the default tile's grid at TP 2 and 4
+        start, size = _megatron_layout(shape["v"], world)[rank]
+    else:
+        start, size = split_vocab(shape["v_padded"], world, mode="even", multiple=128)[rank]
     h = problem.hidden.to(dev).requires_grad_()
     w = problem.weight[start : start + size].to(dev).requires_grad_()
     out = linear_logprob(
@@ -324,14 +335,17 @@ def check_s2_head(world: int, shape=S2_HEAD, device="cuda", dist_backend="nccl")
             if not reduce:
                 assert_close(partial, want[3].float(), rtol=1e-2, atol=1e-2, name="sum")
     want = _s2_reference("triton", True, **kw)
-    results = run_ranks(
-        _s2_rank, world, "triton", True, True, backend=dist_backend, timeout=300, **kw
-    )
     differ = []
-    for rank, ((start, size), *got) in enumerate(results):
-        pairs = list(zip((*names, "grad_hidden"), got[:4], want[:4], strict=True))
-        pairs.append(("grad_weight", got[4], want[4][start : start + size]))
-        differ += [f"rank {rank} {n}" for n, a, b in pairs if not torch.equal(a, b)]
+    for megatron in (False, True):  # shards on the default tile's grid, then Megatron's
+        results = run_ranks(
+            _s2_rank, world, "triton", True, True, backend=dist_backend, timeout=300,
+            megatron=megatron, **kw,
+        )  # fmt: skip
+        for rank, ((start, size), *got) in enumerate(results):
+            pairs = list(zip((*names, "grad_hidden"), got[:4], want[:4], strict=True))
+            pairs.append(("grad_weight", got[4], want[4][start : start + size]))
+            tag = f"{'megatron ' if megatron else ''}rank {rank}"
+            differ += [f"{tag} {n}" for n, a, b in pairs if not torch.equal(a, b)]
     assert not differ, f"deterministic TP{world} not bitwise equal to one device: {differ}"
 
 
@@ -340,16 +354,12 @@ def check_s2_head(world: int, shape=S2_HEAD, device="cuda", dist_backend="nccl")
 def test_nccl_s2_head(world):
     """The S2 head (V 248320, H 1024, N 1031, bf16) split over 2, 4 or 8 GPUs: both backends
     match one GPU, with reduced and partial grad_hidden; deterministic=True is bitwise
-    equal to one GPU. Skipped where fewer GPUs are present."""
+    equal to one GPU, on shards of the default tile's grid and on Megatron's shards (whose
+    tiles cross bounds at TP 2 and 4: the halo rows go over NCCL). Skipped where fewer
+    GPUs are present."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs; found {torch.cuda.device_count()}")
     check_s2_head(world)
-
-
-def _megatron_layout(vocab: int, world: int) -> list[tuple[int, int]]:
-    """Megatron's even shards of ``vocab`` padded to a multiple of 128 x TP."""
-    size = -(-vocab // (128 * world)) * 128
-    return [(r * size, size) for r in range(world)]
 
 
 # An uneven layout whose second shard lies inside the second 31104-column tile.
