@@ -273,8 +273,7 @@ def _s2_problem(shape: dict):
 
 def _megatron_layout(vocab: int, world: int) -> list[tuple[int, int]]:
     """Megatron's even shards of ``vocab`` padded to a multiple of 128 x TP."""
-    size = -(-vocab // (128 * world)) * 128
-    return [(r * size, size) for r in range(world)]
+    return split_vocab(-(-vocab // (128 * world)) * 128 * world, world, multiple=128)
 
 
 def _s2_rank(

@@ -424,4 +424,10 @@ def owned_weight(w_real: torch.Tensor, p) -> tuple[TileOwnership, torch.Tensor]:
         w_real, p.shard_starts, p.shard_sizes, p.vocab_size, p.deterministic_tile,
         p.tp_rank, p.tp_group,
     )  # fmt: skip
-    return own, torch.cat([w_real, halo]) if halo.shape[0] else w_real
+    return own, with_halo(w_real, halo)
+
+
+def with_halo(w_real: torch.Tensor, halo: torch.Tensor) -> torch.Tensor:
+    """This shard's real weight rows followed by its halo rows (a copy only when there
+    is a halo: the owned tiles' rows must be one contiguous operand)."""
+    return torch.cat([w_real, halo]) if halo.shape[0] else w_real

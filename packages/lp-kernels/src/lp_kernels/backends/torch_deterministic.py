@@ -33,7 +33,13 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from lp_kernels._dist import all_reduce_sum_, gather_stats, owned_weight, tile_ownership
+from lp_kernels._dist import (
+    all_reduce_sum_,
+    gather_stats,
+    owned_weight,
+    tile_ownership,
+    with_halo,
+)
 from lp_kernels._fixed_point import from_fixed_point, row_exponents
 from lp_kernels._matmul import addmm_f32_, mm_f32
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream, target_columns
@@ -155,7 +161,7 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         own = p.tile_ownership()
         # this shard's real rows, then the halo: d_logits of all of them (columns past
         # v_real feed only grad_h, the first `skip` only grad_W)
-        w_all = torch.cat([weight[:v_real], halo]) if halo.shape[0] else weight[:v_real]
+        w_all = with_halo(weight[:v_real], halo)
         ignored = targets == p.ignore_index
         g_lp_, g_ent_, g_lse_ = masked_upstream(ignored, g_lp, g_ent, g_lse)
         scale = bad = None

@@ -63,10 +63,10 @@ from torch.autograd.function import once_differentiable
 from triton.language.extra import libdevice
 
 from lp_kernels._dist import DETERMINISTIC_TILE as TILE
-from lp_kernels._dist import all_reduce_sum_, gather_stats, owned_weight
+from lp_kernels._dist import all_reduce_sum_, gather_stats, owned_weight, with_halo
 from lp_kernels._fixed_point import row_exponents
 from lp_kernels._matmul import addmm_f32_
-from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream, target_columns
+from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends import triton_linear as tri
 from lp_kernels.backends.triton_linear import TileConfig, _gemm_step, _grouped, _operand_ptrs
@@ -463,17 +463,14 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, p: LogprobParams):
         ctx.set_materialize_grads(False)
         cfg, _ = config_for(hidden.device, hidden.dtype, p.deterministic_tile)
-        hidden, w_real, _, ignored = tri.kernel_inputs(hidden, weight, targets, p)
+        # target codes over the shard's real rows and the halo (the backward's columns)
+        halo_rows = p.tile_ownership().halo
+        hidden, w_real, t_all, ignored = tri.kernel_inputs(hidden, weight, targets, p, halo_rows)
         v_real = w_real.shape[0]
         own, w_all = owned_weight(w_real, p)
-        # target codes over the shard's real rows and the halo (backward), and over the
-        # owned tiles (forward statistics)
-        t_all = tri.target_codes(
-            *target_columns(targets, p.ignore_index, p.vocab_start, w_all.shape[0])
-        )
-        t_own = tri.target_codes(
-            *target_columns(targets, p.ignore_index, p.vocab_start + own.skip, own.ext)
-        )
+        # ... and over the owned tiles (the forward statistics'): other columns -> -1
+        owned = (t_all >= own.skip) & (t_all < own.skip + own.ext)
+        t_own = torch.where(owned, t_all - own.skip, t_all.clamp(max=-1))
         w_own = w_all[own.skip : own.skip + own.ext]
         # every rank sends max_tiles partials: its owned tiles, then empty ones
         p_fwd = dataclasses.replace(p, max_v_local=own.max_tiles * p.deterministic_tile)
@@ -503,7 +500,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         n, h_dim = hidden.shape
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
-        w_all = torch.cat([w_real, halo]) if halo.shape[0] else w_real
+        w_all = with_halo(w_real, halo)
         own = p.tile_ownership()
         grads = masked_upstream(ignored, g_lp, g_ent, g_lse)
         dev = hidden.device

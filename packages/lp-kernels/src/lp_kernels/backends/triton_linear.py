@@ -668,13 +668,16 @@ def gemm_sources(a, b, m_a: int, k_a: int, a_t: bool, cfg: TileConfig, block_m, 
     return a_src, _desc(b, k_b, n, (cfg.mm_block_k, block_n)), True
 
 
-def kernel_inputs(hidden, weight, targets, p: LogprobParams):
+def kernel_inputs(hidden, weight, targets, p: LogprobParams, extra: int = 0):
     """``(hidden, w_real, t_col, ignored)`` as the kernels take them: ``hidden`` with a unit
     last stride, this shard's real weight rows, the per-row target codes (see
-    :func:`target_codes`) and the ignored-row mask."""
+    :func:`target_codes`; over ``extra`` more columns past the real rows: a halo) and the
+    ignored-row mask."""
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     v_real = p.local_real_columns(weight.shape[0])
-    t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
+    t_local, in_shard, ignored = target_columns(
+        targets, p.ignore_index, p.vocab_start, v_real + extra
+    )
     return hidden, weight[:v_real], target_codes(t_local, in_shard, ignored), ignored
 
 
