@@ -55,11 +55,21 @@ VARIANTS = {
     "fx64x128-pipe-w4": {"fixed": (64, 128, 64), "fixed_pipe": True, "fixed_warps": 4},
     "cptr": {"c_tma": False},
     "fxnested": {"fixed_loop": "nested"},
+    # tiles whose fp32 products are rounded into grad_hidden's int64 sum per pass (the
+    # default tile's plan; pinned: triton_deterministic.ROUND_GROUP)
+    "rg1": {"round_group": 1},
+    "rg2": {"round_group": 2},
+    "rg3": {"round_group": 3},
+    "rg4": {"round_group": 4},
 }
+_ROUND_GROUP = tdet.ROUND_GROUP  # the pinned value
+_NOT_CONFIG = ("c_tma", "round_group")  # variant keys that are not TileConfig fields
 
 
 def _apply(base, base_fixed, variant: dict) -> None:
-    fields = {k: v for k, v in variant.items() if not k.startswith("fixed") and k != "c_tma"}
+    fields = {
+        k: v for k, v in variant.items() if not k.startswith("fixed") and k not in _NOT_CONFIG
+    }
     tlin.GPU_CONFIG = dataclasses.replace(base, **fields)
     tdet.FIXED_GPU = variant.get("fixed", base_fixed)
     tdet.FIXED_WARPS = variant.get("fixed_warps")
@@ -67,6 +77,7 @@ def _apply(base, base_fixed, variant: dict) -> None:
     tdet.FIXED_CONVERT = variant.get("fixed_convert", "cvt")
     tdet.FIXED_LOOP = variant.get("fixed_loop", "flat")
     tlin.C_TMA = variant.get("c_tma", True)
+    tdet.ROUND_GROUP = variant.get("round_group", _ROUND_GROUP)
 
 
 DET_TILE = {"tile": "128"}  # --det-tile: ints or tpN (bench.tile_arg, per shape), comma-separated
@@ -77,11 +88,12 @@ def _det_tile(vocab: int, spec: str | None = None) -> int:
     return tile_arg(spec or DET_TILE["tile"].split(",")[0], vocab)
 
 
-def _run(hl, wl, targets, grad_out, det: bool):
+def _run(hl, wl, targets, grad_out, det: str | None):
     hl.grad = wl.grad = None
     out = linear_logprob(
         hl, wl, targets, backend="triton", validate=False, return_entropy=True,
-        deterministic=det, deterministic_tile=_det_tile(wl.shape[0]) if det else 128,
+        deterministic=det is not None,
+        deterministic_tile=_det_tile(wl.shape[0], det or None) if det is not None else 128,
     )  # fmt: skip
     (out.logprob * grad_out + out.entropy * grad_out.flip(0)).sum().backward()
     return out.logprob.detach(), out.entropy.detach(), hl.grad.clone(), wl.grad.clone()
@@ -97,15 +109,21 @@ ORDER_ONLY = {
     # another fixed-point tile, pipelined: the same leaf products if the MMAs keep their
     # K order (equal on H200, docs/benchmarks.md; not needed for TP invariance)
     "fx64x128-pipe": {"fixed": (64, 128, 64), "fixed_pipe": True},
+    # each tile rounded on its own, whatever the group (with --det-tile tp8: 8 tiles)
+    "rg1": {"round_group": 1},
+    "rg3": {"round_group": 3},
 }
 
 
 def check_bits(base, base_fixed) -> list[dict]:
-    """Order-only variants against the pinned config, bitwise, at an awkward N (both modes)."""
+    """Order-only variants against the pinned config, bitwise, at an awkward N: the default
+    mode, deterministic=True at the first --det-tile, and at 4224-column tiles (5 tiles,
+    the last cut: the one-tile-per-piece plan of the GPU config's 8192-column chunks)."""
     rows = []
     hidden, weight, targets, grad_out = make_inputs(1000, 512, 20011)
     hl, wl = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-    for det in (False, True):
+    for det in (None, "", "4224"):
+        mode = det is not None and _det_tile(wl.shape[0], det or None)  # False or the tile
         _apply(base, base_fixed, {})
         ref = _run(hl, wl, targets, grad_out, det)
         for name, fields in ORDER_ONLY.items():
@@ -113,9 +131,9 @@ def check_bits(base, base_fixed) -> list[dict]:
             try:
                 got = _run(hl, wl, targets, grad_out, det)
                 same = [torch.equal(a, b) for a, b in zip(ref, got, strict=True)]
-                row = {"check": f"{name}_bits", "deterministic": det, "equal": same}
+                row = {"check": f"{name}_bits", "deterministic": mode, "equal": same}
             except Exception as exc:  # report and go on
-                row = {"check": f"{name}_bits", "deterministic": det, "error": repr(exc)[:300]}
+                row = {"check": f"{name}_bits", "deterministic": mode, "error": repr(exc)[:300]}
             rows.append(row)
             print(json.dumps(row), flush=True)
     _apply(base, base_fixed, {})
@@ -127,6 +145,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="S1,S4")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--det", action="store_true", help="also time deterministic=True")
+    ap.add_argument(
+        "--det-only", action="store_true", help="time deterministic=True only (with --det)"
+    )
     ap.add_argument(
         "--det-tile", default="128",
         help="deterministic_tile of --det, comma-separated (each is timed; the first is "
@@ -164,7 +185,9 @@ def main() -> None:
         hl, wl = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
         det_tiles = args.det_tile.split(",") if args.det else []
         labels = [
-            (name, det) for name in args.variants.split(",") for det in (None, *det_tiles)
+            (name, det)
+            for name in args.variants.split(",")
+            for det in ([] if args.det_only else [None]) + det_tiles
         ]  # fmt: skip
         times: dict = {"floor": []}  # label -> [(fwd ms, total ms) per round] or error
         for _ in range(args.rounds):

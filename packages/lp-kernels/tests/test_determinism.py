@@ -210,6 +210,47 @@ def test_triton_gemm_c_tile_through_descriptor_or_pointers(dtype, device, monkey
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_round_group_does_not_change_bits(dtype, device, monkeypatch):
+    """deterministic=True with tiles wider than half a vocabulary chunk: the fp32 products
+    of ROUND_GROUP tiles are rounded into grad_hidden's int64 sum in one pass. Each tile
+    is still rounded on its own, so groups of 1, 2, 3 and 5 tiles (5 tiles here, the last
+    cut by the vocabulary; 3 token chunks) give the same bits; and a group of 2 writes
+    every element (NaN-poisoned allocations)."""
+    import dataclasses
+
+    import lp_kernels.backends.triton_deterministic as tdet
+    import lp_kernels.backends.triton_linear as tri
+    from lp_kernels._matmul import scratch
+
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if (device == "cpu") != interpreting:
+        pytest.skip("the triton kernels run under the interpreter on CPU, compiled on CUDA")
+    name = "INTERPRET_CONFIG" if device == "cpu" else "GPU_CONFIG"
+    cfg = dataclasses.replace(getattr(tri, name), vocab_chunk=256, token_chunk=32)
+    monkeypatch.setattr(tri, name, cfg)
+    p = make_problem(
+        67, 64, 1031, dtype=dtype, device=device, seed=7, ignore_frac=0.1, padded_vocab=1152
+    )
+    results = []
+    for group, poison in ((1, False), (2, False), (3, False), (5, False), (2, True)):
+        monkeypatch.setattr(tdet, "ROUND_GROUP", group)
+        monkeypatch.setattr(scratch, "poison", poison)
+        h = p.hidden.detach().clone().requires_grad_()
+        w = p.weight.detach().clone().requires_grad_()
+        out = linear_logprob(
+            h, w, p.targets, return_entropy=True, return_lse=True, temperature=0.9,
+            vocab_size=1031, backend="triton", deterministic=True, deterministic_tile=256,
+        )  # fmt: skip
+        g = torch.linspace(-1, 1, p.n, device=device)
+        (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.25).sum().backward()
+        results.append((out.logprob, out.entropy, out.lse, h.grad, w.grad))
+    assert torch.isfinite(results[0][3]).all()
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert_bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
 def test_every_output_and_gradient_element_written(dtype, deterministic, device, monkeypatch):
     """NaN-poisoned scratch and outputs (grad_weight is not zero-filled first; the fp32

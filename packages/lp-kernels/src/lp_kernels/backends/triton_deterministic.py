@@ -32,8 +32,10 @@ tile needs (the halo) arrive by point-to-point sends (``_dist.tile_ownership``,
                 calls (a piece only partly this shard's is computed whole, at its offset)
                   grad_W[piece] = d l^T @ h   cuBLAS, as the default path (the same
                                               shapes, strides and alignment everywhere)
-                  F (fp32) += d l @ W[piece]  the default path's GEMM; at the tile's end
-                  grad_h (int64) += round(2^e_n * F)   (_round_into_kernel)
+                  F_t (fp32) += d l @ W[piece]  the default path's GEMM, one buffer per
+                                              tile of a group of ROUND_GROUP tiles; at the
+                                              group's end, one pass (_round_into_kernel):
+                  grad_h (int64) += round(2^e_n * F_t) + round(2^e_n * F_t+1) + ...
               the int64 sums are exact, so neither the tile order nor the TP all-reduce
               (int64) can change the bits; grad_h = acc * 2^-e_n, one rounding
               (_from_fixed_kernel; the scale from lp_kernels._fixed_point)
@@ -65,7 +67,7 @@ from triton.language.extra import libdevice
 from lp_kernels._dist import DETERMINISTIC_TILE as TILE
 from lp_kernels._dist import all_reduce_sum_, gather_stats, owned_weight, with_halo
 from lp_kernels._fixed_point import row_exponents
-from lp_kernels._matmul import addmm_f32_
+from lp_kernels._matmul import addmm_f32_, scratch
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends import triton_linear as tri
@@ -94,6 +96,12 @@ FIXED_INTERPRET = (64, 64, TILE)
 # 1.32-1.52 x with three on one H200 chunk (benchmarks/fixed_gemm.py, session 9). At
 # 128-column leaves the rounding dominates and four stages measured no better.
 FIXED_WIDE_STAGES = 4
+# Tiles wider than half a vocabulary chunk (the default tile's plan): how many tiles' fp32
+# products wait, each in its own [N, H] buffer, to be rounded into the int64 sum in one
+# pass. A pass reads and writes that sum (16 bytes per element) once for the group
+# instead of once per tile; each further buffer costs 4 bytes per element of memory.
+# Every tile is still rounded on its own, so the grouping never changes a bit.
+ROUND_GROUP = 2
 _STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
 
 
@@ -286,20 +294,25 @@ def _matmul_fixed_kernel(
     tl.store(p_c, b_acc, mask=m_c)
 
 
-@triton.jit(do_not_specialize=["numel"])
+@triton.jit(do_not_specialize=["numel", "stride_f"])
 def _round_into_kernel(
-    f_ptr, c_ptr, s_ptr, numel, H,
-    BLOCK: tl.constexpr, INTERPRET: tl.constexpr, ACC: tl.constexpr,
+    f_ptr, c_ptr, s_ptr, numel, H, stride_f,
+    BLOCK: tl.constexpr, INTERPRET: tl.constexpr, ACC: tl.constexpr, COUNT: tl.constexpr,
 ):  # fmt: skip
-    """C (int64) += round(s_row * F) for one tile's fp32 product F (``ACC=False``: C = ...);
-    C and F contiguous [rows, H], flattened."""
+    """C (int64) += round(s_row * F_0) + ... + round(s_row * F_{COUNT-1}) for the fp32
+    products F_i of COUNT tiles, ``stride_f`` elements apart (``ACC=False``: C = ...);
+    C and every F_i contiguous [rows, H], flattened. Each F_i is rounded on its own and
+    the int64 sum is exact, so the grouping never changes C."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < numel
-    b_f = tl.load(f_ptr + offs, mask=m, other=0.0)
     b_s = tl.load(s_ptr + offs // H, mask=m, other=1.0)
-    b_q = _round_to_int64(b_f * b_s, INTERPRET)
-    if ACC:
-        b_q += tl.load(c_ptr + offs, mask=m, other=0)
+    if ACC:  # noqa: SIM108  (a constexpr branch)
+        b_q = tl.load(c_ptr + offs, mask=m, other=0)
+    else:
+        b_q = tl.zeros([BLOCK], dtype=tl.int64)
+    for i in tl.static_range(COUNT):
+        b_f = tl.load(f_ptr + stride_f.to(tl.int64) * i + offs, mask=m, other=0.0)
+        b_q += _round_to_int64(b_f * b_s, INTERPRET)
     tl.store(c_ptr + offs, b_q, mask=m)
 
 
@@ -307,15 +320,17 @@ _ELEMENTWISE_BLOCK = 1024  # elements per program of the two elementwise kernels
 
 
 def _round_into_(c, f, scale, *, accumulate: bool) -> None:
-    """``c (int64) += round(scale_n * f)`` (fp32 ``f``, c's shape; ``accumulate=False``:
-    ``c = ...``): one wide tile's product, summed by lp's fp32 GEMM, joins the sum."""
-    if not (c.is_contiguous() and f.is_contiguous() and c.shape == f.shape):
-        raise ValueError("_round_into_: contiguous c and f of one shape")
+    """``c (int64) += round(scale_n * f[0]) + ... + round(scale_n * f[k-1])`` (fp32 ``f``
+    of shape ``[k, *c.shape]``, each ``f[i]`` contiguous; ``accumulate=False``: ``c =
+    ...``): the products of ``k`` wide tiles, summed by lp's fp32 GEMM, join the sum."""
+    if not (c.is_contiguous() and f.dim() == 3 and f.shape[1:] == c.shape and f[0].is_contiguous()):
+        raise ValueError("_round_into_: contiguous c [rows, H] and f [k, rows, H]")
     if c.numel() == 0:
         return
     _round_into_kernel[(triton.cdiv(c.numel(), _ELEMENTWISE_BLOCK),)](
-        f, c, scale, c.numel(), c.shape[1], BLOCK=_ELEMENTWISE_BLOCK,
-        INTERPRET=c.device.type == "cpu", ACC=accumulate, **tri._compile_opts(c.device),
+        f, c, scale, c.numel(), c.shape[1], f.stride(0), BLOCK=_ELEMENTWISE_BLOCK,
+        INTERPRET=c.device.type == "cpu", ACC=accumulate, COUNT=f.shape[0],
+        **tri._compile_opts(c.device),
     )  # fmt: skip
 
 
@@ -513,22 +528,24 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         # whose rows never depend on the width.
         per_tile = 2 * tile > cfg.vocab_chunk
         rows = min(cfg.token_chunk, n)
-        leaf32 = None  # fp32 product of a wide tile (per_tile), from its pieces
+        leaf32 = None  # fp32 products of wide tiles (per_tile), from their pieces
+        slots = max(1, min(ROUND_GROUP, own.tiles))  # tiles rounded per pass (per_tile)
+        pending = 0  # tiles whose products wait in leaf32 (per_tile)
         if need_h:
             e, bad = row_exponents(hidden, w_real, lse, ignored, *grads, p)
             scale = torch.exp2(e).float()
-            # the first tile's end overwrites it (ACC=False), unless no tile is here
+            # the first rounding overwrites it (ACC=False), unless no tile is here
             alloc = torch.empty if own.ext > 0 else torch.zeros
             acc_h = alloc((n, h_dim), dtype=torch.int64, device=dev)
             written = False  # whether a tile has ended (acc_h holds sums)
             if per_tile and own.ext > 0:
-                leaf32 = torch.empty((n, h_dim), dtype=torch.float32, device=dev)
+                leaf32 = scratch.empty((slots, n, h_dim), dtype=torch.float32, device=dev)
         grad_w = tri.grad_weight_buffer(weight, v_real, n) if need_w else None
         whole = [off == 0 and c == f and b + c <= v_real for b, c, off, f in spans]
         acc_w = None  # fp32 accumulator of a grad_W piece
         fp32_w = weight.dtype == torch.float32 and all(whole)  # grad_W sums in place
         if need_w and n > 0 and (rows < n or not per_tile) and not fp32_w:
-            acc_w = torch.empty((width, h_dim), dtype=torch.float32, device=dev)
+            acc_w = scratch.empty((width, h_dim), dtype=torch.float32, device=dev)
         for j, (v_begin, v_count, blocks) in enumerate(
             tri.dlogits_blocks(
                 hidden, w_all, t_all, lse, mean_z, grads, p, cfg, pieces=(spans, width)
@@ -539,7 +556,10 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             frag = j < n_frag
             rel = v_begin - own.skip
             first = not frag and rel % tile == 0  # the piece starts a tile
-            last = not frag and ((rel + v_count) % tile == 0 or rel + v_count == own.ext)
+            final = not frag and rel + v_count == own.ext  # the piece ends the owned tiles
+            last = final or (not frag and (rel + v_count) % tile == 0)  # it ends a tile
+            # per_tile: round the waiting products when the slots are full or none follow
+            flush = last and (pending + 1 == slots or final)
             w_chunk = w_all[v_begin : v_begin + v_count]
             gw = need_w and local > 0
             if gw:
@@ -565,17 +585,20 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                 if need_h and frag:
                     pass  # the head fragment feeds grad_W only
                 elif need_h and per_tile:  # the default path's fp32 GEMM, then one rounding
-                    f = leaf32[r0:r1]
+                    f = leaf32[pending, r0:r1]
                     tri._matmul_acc_(f, dl, w_chunk, cfg, k_a=cols, accumulate=not first)
-                    if last:
+                    if flush:
+                        f = leaf32[: pending + 1, r0:r1]
                         _round_into_(acc_h[r0:r1], f, scale[r0:r1], accumulate=written)
                 elif need_h:
                     _matmul_fixed_(
                         acc_h[r0:r1], dl, w_chunk, scale[r0:r1], cols, fixed, cfg, leaf=tile,
                         accumulate=written,
                     )  # fmt: skip
-            if need_h and last:
-                written = True
+            if need_h and (flush or (last and not per_tile)):
+                written, pending = True, 0
+            elif need_h and last:
+                pending += 1
             if gw and acc_w is not None and per_tile:
                 gw_rows.copy_(acc[off : off + local])
             elif gw and acc_w is not None:
