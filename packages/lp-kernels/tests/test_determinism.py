@@ -209,6 +209,20 @@ def test_triton_gemm_c_tile_through_descriptor_or_pointers(dtype, device, monkey
     assert float((out[True].double() - ref).norm() / ref.norm()) < 1e-6
 
 
+def test_round_group_within_its_memory_budget(monkeypatch):
+    """Groups of ROUND_GROUP tiles, fewer where the rank owns fewer tiles or the buffers
+    past the first would pass ROUND_EXTRA_BYTES (4 bytes per element of [N, H])."""
+    import lp_kernels.backends.triton_deterministic as tdet
+
+    monkeypatch.setattr(tdet, "ROUND_GROUP", 4)
+    monkeypatch.setattr(tdet, "ROUND_EXTRA_BYTES", 512 << 20)
+    assert tdet.round_slots(8, 16384, 2048) == 4  # S4: 3 x 128 MiB
+    assert tdet.round_slots(8, 32768, 4096) == 2  # S3: 1 x 512 MiB
+    assert tdet.round_slots(8, 65536, 8192) == 1  # 2 GiB per buffer: one at a time
+    assert tdet.round_slots(3, 16384, 2048) == 3  # as many as the rank's tiles
+    assert tdet.round_slots(0, 0, 2048) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_round_group_does_not_change_bits(dtype, device, monkeypatch):
     """deterministic=True with tiles wider than half a vocabulary chunk: the fp32 products
@@ -234,6 +248,7 @@ def test_triton_round_group_does_not_change_bits(dtype, device, monkeypatch):
     results = []
     for group, poison in ((1, False), (2, False), (3, False), (5, False), (2, True)):
         monkeypatch.setattr(tdet, "ROUND_GROUP", group)
+        assert tdet.round_slots(5, p.n, p.hidden.shape[1]) == group
         monkeypatch.setattr(scratch, "poison", poison)
         h = p.hidden.detach().clone().requires_grad_()
         w = p.weight.detach().clone().requires_grad_()

@@ -96,12 +96,15 @@ FIXED_INTERPRET = (64, 64, TILE)
 # 1.32-1.52 x with three on one H200 chunk (benchmarks/fixed_gemm.py, session 9). At
 # 128-column leaves the rounding dominates and four stages measured no better.
 FIXED_WIDE_STAGES = 4
-# Tiles wider than half a vocabulary chunk (the default tile's plan): how many tiles' fp32
-# products wait, each in its own [N, H] buffer, to be rounded into the int64 sum in one
-# pass. A pass reads and writes that sum (16 bytes per element) once for the group
-# instead of once per tile; each further buffer costs 4 bytes per element of memory.
-# Every tile is still rounded on its own, so the grouping never changes a bit.
-ROUND_GROUP = 2
+# Tiles wider than half a vocabulary chunk (the default tile's plan): up to how many
+# tiles' fp32 products wait, each in its own [N, H] buffer, to be rounded into the int64
+# sum in one pass, and the memory those buffers may take beyond the first. A pass reads
+# and writes that sum (16 bytes per element) once for the group instead of once per
+# tile. Every tile is still rounded on its own, so the grouping never changes a bit.
+# Groups of 2 took 0.5-1.3 % off a step at S1, S3 and S4, groups of 4 another 0.2-1.8 %
+# (H200, docs/benchmarks.md, session 10); the budget keeps S3's [N, H] at groups of 2.
+ROUND_GROUP = 4
+ROUND_EXTRA_BYTES = 512 << 20
 _STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
 
 
@@ -431,6 +434,14 @@ def vocab_pieces(v_real: int, tile: int, chunk: int) -> tuple[list[tuple[int, in
     return pieces, width
 
 
+def round_slots(tiles: int, n: int, h_dim: int) -> int:
+    """Tiles rounded into grad_hidden's int64 sum per pass (one fp32 [n, h_dim] buffer
+    each): at most ``ROUND_GROUP`` and the owned ``tiles``, and the buffers past the first
+    within ``ROUND_EXTRA_BYTES``. Any value gives the same bits."""
+    extra = ROUND_EXTRA_BYTES // max(1, 4 * n * h_dim)
+    return max(1, min(ROUND_GROUP, tiles, 1 + extra))
+
+
 def _stats_rows(p: LogprobParams, cfg: TileConfig, max_tiles: int) -> int:
     """Token rows per forward chunk: the gathered partials stay within _STATS_BYTES."""
     tiles = max(max_tiles, 1) * max(p.tp_size, 1)
@@ -529,7 +540,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         per_tile = 2 * tile > cfg.vocab_chunk
         rows = min(cfg.token_chunk, n)
         leaf32 = None  # fp32 products of wide tiles (per_tile), from their pieces
-        slots = max(1, min(ROUND_GROUP, own.tiles))  # tiles rounded per pass (per_tile)
+        slots = round_slots(own.tiles, n, h_dim)  # tiles rounded per pass (per_tile)
         pending = 0  # tiles whose products wait in leaf32 (per_tile)
         if need_h:
             e, bad = row_exponents(hidden, w_real, lse, ignored, *grads, p)
