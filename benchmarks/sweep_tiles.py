@@ -40,6 +40,7 @@ VARIANTS = {
     "bn256-bv128": {"block_n": 256, "block_v": 128},
     "ws": {"warp_specialize": True},
     "chunk16k": {"vocab_chunk": 16384},
+    "chunk24k": {"vocab_chunk": 24576},
     "tok16k": {"token_chunk": 16384},
     "mm256x128": {"mm_block_m": 256, "mm_block_n": 128},
     "fx128x128": {"fixed": (128, 128, 64)},
