@@ -31,11 +31,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu.txt"
 run_pytest() {  # name, pytest args...
-  local name=$1
+  # The log goes to $OUT line by line (-v), so a call cut off by the device tool's time
+  # limit still brings back what ran; the last 40 lines are echoed at the end.
+  local name=$1 rc
   shift
-  python3 -m pytest -p lp_testing.plugin -m "gpu or multigpu" -q -W ignore \
-    --junitxml="$OUT/$name.xml" "$@" 2>&1 | tail -n 40 | tee "$OUT/$name.log"
-  return "${PIPESTATUS[0]}"
+  python3 -m pytest -p lp_testing.plugin -m "gpu or multigpu" -v -W ignore \
+    --junitxml="$OUT/$name.xml" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  tail -n 40 "$OUT/$name.log"
+  return "$rc"
 }
 for stage in $stages; do
   echo "=== $stage $(date +%T)"

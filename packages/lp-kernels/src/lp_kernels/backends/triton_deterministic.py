@@ -101,7 +101,7 @@ FIXED_WIDE_STAGES = 4
 # sum in one pass, and the memory those buffers may take beyond the first. A pass reads
 # and writes that sum (16 bytes per element) once for the group instead of once per
 # tile. Every tile is still rounded on its own, so the grouping never changes a bit.
-# Groups of 2 took 0.5-1.3 % off a step at S1, S3 and S4, groups of 4 another 0.2-1.8 %
+# Groups of 2 took 0.5-1.3 % off a step at S1, S3 and S4, groups of 4 another 1.6-1.8 % at S4
 # (H200, docs/benchmarks.md, session 10); the budget keeps S3's [N, H] at groups of 2.
 ROUND_GROUP = 4
 ROUND_EXTRA_BYTES = 512 << 20
