@@ -10,6 +10,7 @@ like the default path.
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -206,6 +207,50 @@ def test_wider_tiles_bitwise_identical_across_layouts(case, backend):
     for name, got in zip(names, results["tp1"], strict=True):
         scale = float(truth[name].abs().max())
         assert_close(got, truth[name], rtol=2e-2, atol=2e-2 * scale, name=f"{name} vs fp64")
+
+
+def _halo_copy_rank(rank, world, problem, bounds, chunk):
+    """One triton rank of a layout with a halo, recording the rows of every joined copy."""
+    import lp_kernels.backends.triton_deterministic as tdet
+
+    copies = []
+    join = tdet.with_halo
+
+    def recording(w_real, halo, start=0):
+        out = join(w_real, halo, start)
+        if halo.shape[0]:
+            copies.append(out.shape[0])
+        return out
+
+    tdet.with_halo = recording
+    try:
+        got = _rank(rank, world, problem, bounds, "triton", 256, chunk)
+    finally:
+        tdet.with_halo = join
+    return copies, got
+
+
+@pytest.mark.parametrize("chunk", [256, (256, 16)], ids=["per-tile", "per-tile-rows"])
+def test_triton_halo_rank_copies_one_tile_not_its_shard(chunk):
+    """Rank 0 of [(0, 640), (640, 384)] owns three 256-column tiles, the last one running
+    128 rows into rank 1's shard. It copies only that tile's rows (its last 128 real rows
+    and the 128 halo rows), in the forward and in the backward, never its 640-row shard;
+    and the results stay bitwise those of one process."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        pytest.skip("triton on CPU needs TRITON_INTERPRET=1 (set when no GPU is present)")
+    problem = make_problem(
+        37, 24, 1000, dtype=torch.bfloat16, seed=5, ignore_frac=0.1, padded_vocab=1024,
+        temperature=0.8,
+    )  # fmt: skip
+    bounds = [(0, 640), (640, 384)]
+    per_rank = run_ranks(_halo_copy_rank, 2, problem, bounds, chunk, timeout=180)
+    assert per_rank[0][0] == [256, 256]  # the forward's crossing tile, the backward's piece
+    assert per_rank[1][0] == []  # rank 1 has no halo
+    single = run_ranks(_rank, 1, problem, [(0, 1024)], "triton", 256, chunk, timeout=180)[0]
+    for k in range(4):
+        assert_bitwise_equal(per_rank[0][1][k], single[k], f"output {k}")
+    grad_w = torch.cat([per_rank[0][1][4], per_rank[1][1][4]])
+    assert_bitwise_equal(grad_w, single[4], "grad_weight")
 
 
 def _misaligned_rank(rank, world):

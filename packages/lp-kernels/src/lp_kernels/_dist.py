@@ -413,21 +413,29 @@ def exchange_halo(
     return out
 
 
-def owned_weight(w_real: torch.Tensor, p) -> tuple[TileOwnership, torch.Tensor]:
-    """``(ownership, w_all)`` of ``linear_logprob(deterministic=True)``: this rank's
-    :class:`TileOwnership` and its real weight rows followed by its halo, exchanged with
+def owned_halo(w_real: torch.Tensor, p) -> tuple[TileOwnership, torch.Tensor]:
+    """``(ownership, halo)`` of ``linear_logprob(deterministic=True)``: this rank's
+    :class:`TileOwnership` and its halo rows (``[halo, H]``, maybe empty), exchanged with
     the other ranks of ``p.tp_group`` (every rank calls this in the same step)."""
     own = p.tile_ownership()
     if p.tp_size == 1:
-        return own, w_real
+        return own, w_real[:0]
     halo = exchange_halo(
         w_real, p.shard_starts, p.shard_sizes, p.vocab_size, p.deterministic_tile,
         p.tp_rank, p.tp_group,
     )  # fmt: skip
+    return own, halo
+
+
+def owned_weight(w_real: torch.Tensor, p) -> tuple[TileOwnership, torch.Tensor]:
+    """``(ownership, w_all)``: as :func:`owned_halo`, with the shard's real weight rows
+    followed by its halo as one tensor (:func:`with_halo`)."""
+    own, halo = owned_halo(w_real, p)
     return own, with_halo(w_real, halo)
 
 
-def with_halo(w_real: torch.Tensor, halo: torch.Tensor) -> torch.Tensor:
-    """This shard's real weight rows followed by its halo rows (a copy only when there
-    is a halo: the owned tiles' rows must be one contiguous operand)."""
-    return torch.cat([w_real, halo]) if halo.shape[0] else w_real
+def with_halo(w_real: torch.Tensor, halo: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """This shard's real weight rows from row ``start``, followed by its halo rows: a
+    view without a halo, else a copy of ``v_real - start + halo`` rows (callers that
+    need only the columns that run into the halo pass where those begin)."""
+    return torch.cat([w_real[start:], halo]) if halo.shape[0] else w_real[start:]

@@ -8,7 +8,9 @@ global w-column tiles that start in its shard; the rows of the next shards that 
 tile needs (the halo) arrive by point-to-point sends (``_dist.tile_ownership``,
 ``_dist.exchange_halo``). Data flow for one rank::
 
-    forward   halo rows; W_all = the shard's real rows, then the halo
+    forward   halo rows; W_all = the shard's real rows, then the halo (never joined
+              whole: the tiles within the shard read it in place, the crossing tile a copy
+              of its own rows joined to the halo, in a launch of its own)
               per token chunk (rows fixed by the global tile count, never by N):
                 _fwd_stats_kernel with V_SPLIT = w over the owned tiles of W_all: one
                     partial (m, s, a, t) per row and owned tile    [T_max, rows, 4]
@@ -16,7 +18,8 @@ tile needs (the halo) arrive by point-to-point sends (``_dist.tile_ownership``,
                     (rank, tile) order = the global tile order, with empty partials
                     (m = -inf, s = a = t = 0) after each rank's owned tiles; adding an
                     exact zero leaves an fp32 sum unchanged, so every layout merges alike
-    backward  per vocabulary span of W_all (_spans), per token chunk:
+    backward  per vocabulary span of W_all (_spans; from the first span that runs into the
+              halo on, over a copy of those rows joined to it: _span_blocks), per token chunk:
                 _dlogits_kernel (as in the default path)
                 head fragment (the shard's columns in an earlier rank's tile): grad_W only
                 w <= half a vocabulary chunk: a piece holds several owned tiles from the
@@ -65,7 +68,7 @@ from torch.autograd.function import once_differentiable
 from triton.language.extra import libdevice
 
 from lp_kernels._dist import DETERMINISTIC_TILE as TILE
-from lp_kernels._dist import all_reduce_sum_, gather_stats, owned_weight, with_halo
+from lp_kernels._dist import all_reduce_sum_, gather_stats, owned_halo, with_halo
 from lp_kernels._fixed_point import row_exponents
 from lp_kernels._matmul import addmm_f32_, scratch
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream
@@ -482,6 +485,31 @@ def _spans(own, p: LogprobParams, chunk: int, need_w: bool):
     return spans, n_frag, width
 
 
+def _span_blocks(hidden, w_real, halo, t_all, lse, mean_z, grads, p, cfg, spans, width):
+    """:func:`triton_linear.dlogits_blocks` over the backward's spans (columns of the
+    shard's real rows, then the halo), with each span's weight rows: ``(v_begin, v_count,
+    blocks, w_span)``. Spans within the real rows read them in place; the spans from the
+    first one that runs past them (into the halo) read a copy of the rows from its start
+    joined to the halo, at most a tile or a vocabulary chunk, never the whole shard. The
+    d_logits buffer keeps its width, so every GEMM call is the one it would be on one
+    joined operand."""
+    v_real = w_real.shape[0]
+    k = next((j for j, (b, c, *_) in enumerate(spans) if b + c > v_real), len(spans))
+    parts = [(0, w_real, t_all, spans[:k])]
+    if k < len(spans):
+        cross = spans[k][0]
+        t_x = torch.where(t_all >= cross, t_all - cross, t_all.clamp(max=-1))
+        shifted = [(b - cross, *rest) for b, *rest in spans[k:]]
+        parts.append((cross, with_halo(w_real, halo, cross), t_x, shifted))
+    for c0, w, t, sub in parts:
+        if not sub:
+            continue
+        for v_begin, v_count, blocks in tri.dlogits_blocks(
+            hidden, w, t, lse, mean_z, grads, p, cfg, pieces=(sub, width)
+        ):
+            yield c0 + v_begin, v_count, blocks, w[v_begin : v_begin + v_count]
+
+
 class LinearLogprobTritonDeterministic(torch.autograd.Function):
     """TP-invariant fused implementation; see the module docstring."""
 
@@ -492,26 +520,39 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         # target codes over the shard's real rows and the halo (the backward's columns)
         halo_rows = p.tile_ownership().halo
         hidden, w_real, t_all, ignored = tri.kernel_inputs(hidden, weight, targets, p, halo_rows)
-        v_real = w_real.shape[0]
-        own, w_all = owned_weight(w_real, p)
-        # ... and over the owned tiles (the forward statistics'): other columns -> -1
-        owned = (t_all >= own.skip) & (t_all < own.skip + own.ext)
-        t_own = torch.where(owned, t_all - own.skip, t_all.clamp(max=-1))
-        w_own = w_all[own.skip : own.skip + own.ext]
-        # every rank sends max_tiles partials: its owned tiles, then empty ones
-        p_fwd = dataclasses.replace(p, max_v_local=own.max_tiles * p.deterministic_tile)
+        own, halo = owned_halo(w_real, p)
+        # The owned tiles in one launch over the shard's rows, or, with a halo, two: the
+        # tiles within the shard (a view), then the last one over its rows joined to the
+        # halo (a copy of one tile); each launch's splits are whole tiles. Every rank
+        # sends max_tiles partials: its owned tiles, then empty ones (the last launch's).
+        tile = p.deterministic_tile
+        cross = own.skip + (own.tiles - 1) * tile if halo.shape[0] else own.skip + own.ext
+        launches = [(own.skip, w_real[own.skip : cross])]
+        if halo.shape[0]:
+            launches.append((cross, with_halo(w_real, halo, cross)))
+        launches = [(c0, w) for c0, w in launches if w.shape[0]] or launches[:1]
+        fwd = []
+        for i, (c0, w) in enumerate(launches):
+            tiles = triton.cdiv(w.shape[0], tile)
+            if i == len(launches) - 1:
+                tiles = own.max_tiles - (c0 - own.skip) // tile
+            # target codes in the launch's columns; other columns -> -1
+            hit = (t_all >= c0) & (t_all < c0 + w.shape[0])
+            t_w = torch.where(hit, t_all - c0, t_all.clamp(max=-1))
+            fwd.append((w, t_w, dataclasses.replace(p, max_v_local=tiles * tile)))
         n = hidden.shape[0]
         parts = []
         step = _stats_rows(p, cfg, own.max_tiles)
         for r0 in range(0, max(n, 1), step):
             r1 = min(n, r0 + step)
-            stats = tri.forward_stats(hidden[r0:r1], w_own, t_own[r0:r1], p_fwd, cfg)
+            stats = [tri.forward_stats(hidden[r0:r1], w, t[r0:r1], pf, cfg) for w, t, pf in fwd]
+            stats = stats[0] if len(stats) == 1 else torch.cat(stats)  # [T_max, rows, 4]
             gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, T_max, rows, 4]
             parts.append(tri.merge(gathered.flatten(0, 1), entropy=p.return_entropy))
         lse, mean_z, zt, ent = (
             None if part[0] is None else torch.cat(part) for part in zip(*parts, strict=True)
         )
-        ctx.save_for_backward(hidden, weight, t_all, ignored, lse, mean_z, w_all[v_real:])
+        ctx.save_for_backward(hidden, weight, t_all, ignored, lse, mean_z, halo)
         ctx.params = p
         return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
@@ -526,7 +567,6 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         n, h_dim = hidden.shape
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
-        w_all = with_halo(w_real, halo)
         own = p.tile_ownership()
         grads = masked_upstream(ignored, g_lp, g_ent, g_lse)
         dev = hidden.device
@@ -548,7 +588,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             # the first rounding overwrites it (ACC=False), unless no tile is here
             alloc = torch.empty if own.ext > 0 else torch.zeros
             acc_h = alloc((n, h_dim), dtype=torch.int64, device=dev)
-            written = False  # whether a tile has ended (acc_h holds sums)
+            written = False  # whether acc_h holds sums (a tile or a group was rounded)
             if per_tile and own.ext > 0:
                 leaf32 = scratch.empty((slots, n, h_dim), dtype=torch.float32, device=dev)
         grad_w = tri.grad_weight_buffer(weight, v_real, n) if need_w else None
@@ -557,10 +597,8 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         fp32_w = weight.dtype == torch.float32 and all(whole)  # grad_W sums in place
         if need_w and n > 0 and (rows < n or not per_tile) and not fp32_w:
             acc_w = scratch.empty((width, h_dim), dtype=torch.float32, device=dev)
-        for j, (v_begin, v_count, blocks) in enumerate(
-            tri.dlogits_blocks(
-                hidden, w_all, t_all, lse, mean_z, grads, p, cfg, pieces=(spans, width)
-            )
+        for j, (v_begin, v_count, blocks, w_chunk) in enumerate(
+            _span_blocks(hidden, w_real, halo, t_all, lse, mean_z, grads, p, cfg, spans, width)
         ):
             off, full = spans[j][2:]  # where this span's columns sit in its piece's width
             local = max(0, min(v_begin + v_count, v_real) - v_begin)  # its grad_W rows
@@ -571,7 +609,6 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             last = final or (not frag and (rel + v_count) % tile == 0)  # it ends a tile
             # per_tile: round the waiting products when the slots are full or none follow
             flush = last and (pending + 1 == slots or final)
-            w_chunk = w_all[v_begin : v_begin + v_count]
             gw = need_w and local > 0
             if gw:
                 gw_rows = grad_w[v_begin : v_begin + local]
