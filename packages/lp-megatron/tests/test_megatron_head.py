@@ -7,6 +7,9 @@ model's own logits -> all-gather over TP (Megatron's
 fp32 log_softmax -> gather. Log-probs (and entropy / lse where asked) and the gradient
 of every model parameter after ``backward`` of a weighted per-token sum must match.
 
+deterministic=True: against the stock path, and bitwise across TP 1 and 2 with the
+default tile on shards that cut its tiles (one fixed hidden state).
+
 All configurations of one TP degree run inside one rank launch (the forkserver has
 megatron.core preloaded), so the module costs a few rank starts, not one per case.
 """
@@ -680,3 +683,63 @@ def test_deterministic_through_the_head(tp: int) -> None:
         torch.testing.assert_close(r["lp"], r["ref"], rtol=RTOL, atol=ATOL)
         for name, g_ref in r["ref_grads"].items():
             torch.testing.assert_close(r["lp_grads"][name], g_ref, rtol=RTOL, atol=ATOL, msg=name)
+
+
+# A vocabulary whose default deterministic tile (512 = 4096 / 8 of the TP-8 padding)
+# crosses Megatron's TP 2 shards (3328 padded / 2 = 1664 rows = 3.25 tiles): rank 0's last
+# tile takes 384 rows of rank 1's shard (the halo).
+V_HALO, V_HALO_PADDED = 3300, 3328
+
+
+def _invariance_rank(rank: int, world_size: int) -> dict:
+    """The head with deterministic=True and the default tile, on one fixed hidden state
+    (the decoder's own output differs across TP in Megatron's arithmetic): without and
+    with sequence parallel at TP > 1."""
+    from lp_kernels import default_deterministic_tile
+    from lp_megatron import install_logprob_head
+
+    assert V_HALO_PADDED // 2 % default_deterministic_tile(V_HALO)  # the shards cross tiles
+    results = {}
+    with lp_testing.MegatronCpuPatches():
+        for sp in [False, True] if world_size > 1 else [False]:
+            model = _build(world_size, sp, False, vocab=V_HALO_PADDED)
+            ids, pos, mask, labels, weights = _inputs(V_HALO)
+            g = torch.Generator().manual_seed(7)
+            hidden = (torch.randn(B, S, H, generator=g) * 2).requires_grad_()
+            config = LogprobHeadConfig(backend="torch", deterministic=True, vocab_size=V_HALO)
+            with install_logprob_head(model, config) as head:
+                model(ids, pos, mask)  # the layer's weight, as in a step
+                out = head.logprobs(hidden, labels, return_entropy=True, return_lse=True)
+                (
+                    weights[0] * out.logprob + weights[1] * out.entropy + weights[2] * out.lse
+                ).sum().backward()
+            results[sp] = {
+                "out": [x.detach() for x in out],
+                "grad_hidden": hidden.grad,
+                "grad_weight": model.output_layer.weight.grad.detach().clone(),
+            }
+    return results
+
+
+def test_deterministic_head_bitwise_across_tp() -> None:
+    """deterministic=True through the head with its default tile on Megatron's TP 2
+    shards, which cut the tiles (halo rows travel between the ranks): log-probs, entropy,
+    lse and the output layer's weight gradient are bitwise those of TP 1, on every rank,
+    with and without sequence parallel; so is the hidden state's gradient without it.
+    (With SP the head returns each rank's partial, summed by Megatron's reduce-scatter,
+    whose bits are Megatron's.)"""
+    one = lp_testing.run_ranks(_invariance_rank, 1, timeout=240)[0][False]
+    two = lp_testing.run_ranks(_invariance_rank, 2, timeout=240)
+    for sp in (False, True):
+        for rank, res in enumerate(two):
+            got = res[sp]
+            for name, a, b in zip(
+                ("logprob", "entropy", "lse"), got["out"], one["out"], strict=True
+            ):
+                lp_testing.assert_bitwise_equal(a, b, f"{name} rank {rank} sp={sp}")
+            if not sp:
+                lp_testing.assert_bitwise_equal(
+                    got["grad_hidden"], one["grad_hidden"], f"grad_hidden rank {rank}"
+                )
+        grad_w = torch.cat([res[sp]["grad_weight"] for res in two])
+        lp_testing.assert_bitwise_equal(grad_w, one["grad_weight"], f"grad_weight sp={sp}")

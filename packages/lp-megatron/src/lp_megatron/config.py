@@ -43,8 +43,13 @@ class LogprobHeadConfig:
     """Passed to ``lp_kernels.linear_logprob`` (or ``vocab_parallel_logprob`` on the
     fallback path) as ``deterministic=``: tensor-parallel invariance (the same bits for
     any TP degree; Megatron's vocabulary padding to 128 x TP meets its 128-aligned shard
-    rule). Provided by the triton backend on GPUs and both backends on CPU; the torch
-    backend on CUDA raises at the first :meth:`LogprobHead.logprobs` call."""
+    rule). For one hidden state, the log-probs, entropy, lse and the output layer's weight
+    gradient are the same bits at every TP degree; so is the hidden state's gradient
+    without sequence parallel. With it, the head returns each rank's partial gradient
+    and Megatron's reduce-scatter sums them, so those bits are Megatron's. (Megatron's
+    decoder layers do not give the same hidden state at every TP degree themselves.)
+    Provided by the triton backend on GPUs and both backends on CPU; the torch backend on
+    CUDA raises at the first :meth:`LogprobHead.logprobs` call."""
 
     deterministic_tile: int | None = None
     """Passed as ``deterministic_tile=`` with ``deterministic=True``: the width of the global
