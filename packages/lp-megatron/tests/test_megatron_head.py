@@ -691,22 +691,25 @@ def test_deterministic_through_the_head(tp: int) -> None:
 V_HALO, V_HALO_PADDED = 3300, 3328
 
 
-def _invariance_rank(rank: int, world_size: int) -> dict:
+def _invariance_rank(rank: int, world_size: int, device: str = "cpu", backend: str = "torch"):
     """The head with deterministic=True and the default tile, on one fixed hidden state
     (the decoder's own output differs across TP in Megatron's arithmetic): without and
-    with sequence parallel at TP > 1."""
+    with sequence parallel at TP > 1. On ``device="cuda"`` each rank uses GPU ``rank``."""
     from lp_kernels import default_deterministic_tile
     from lp_megatron import install_logprob_head
 
     assert V_HALO_PADDED // 2 % default_deterministic_tile(V_HALO)  # the shards cross tiles
+    on_gpu = device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(rank)
     results = {}
-    with lp_testing.MegatronCpuPatches():
+    with lp_testing.MegatronCpuPatches(cpu=not on_gpu):
         for sp in [False, True] if world_size > 1 else [False]:
-            model = _build(world_size, sp, False, vocab=V_HALO_PADDED)
-            ids, pos, mask, labels, weights = _inputs(V_HALO)
+            model = _build(world_size, sp, False, vocab=V_HALO_PADDED).to(device)
+            ids, pos, mask, labels, weights = (t.to(device) for t in _inputs(V_HALO))
             g = torch.Generator().manual_seed(7)
-            hidden = (torch.randn(B, S, H, generator=g) * 2).requires_grad_()
-            config = LogprobHeadConfig(backend="torch", deterministic=True, vocab_size=V_HALO)
+            hidden = (torch.randn(B, S, H, generator=g) * 2).to(device).requires_grad_()
+            config = LogprobHeadConfig(backend=backend, deterministic=True, vocab_size=V_HALO)
             with install_logprob_head(model, config) as head:
                 model(ids, pos, mask)  # the layer's weight, as in a step
                 out = head.logprobs(hidden, labels, return_entropy=True, return_lse=True)
@@ -714,9 +717,9 @@ def _invariance_rank(rank: int, world_size: int) -> dict:
                     weights[0] * out.logprob + weights[1] * out.entropy + weights[2] * out.lse
                 ).sum().backward()
             results[sp] = {
-                "out": [x.detach() for x in out],
-                "grad_hidden": hidden.grad,
-                "grad_weight": model.output_layer.weight.grad.detach().clone(),
+                "out": [x.detach().cpu() for x in out],
+                "grad_hidden": hidden.grad.cpu(),
+                "grad_weight": model.output_layer.weight.grad.detach().cpu(),
             }
     return results
 
@@ -730,6 +733,18 @@ def test_deterministic_head_bitwise_across_tp() -> None:
     whose bits are Megatron's.)"""
     one = lp_testing.run_ranks(_invariance_rank, 1, timeout=240)[0][False]
     two = lp_testing.run_ranks(_invariance_rank, 2, timeout=240)
+    _check_invariance(one, two)
+
+
+@pytest.mark.multigpu
+def test_deterministic_head_bitwise_across_tp_nccl() -> None:
+    """The same on GPUs with the triton backend: TP 1 on one GPU, TP 2 over NCCL."""
+    one = lp_testing.run_ranks(_invariance_rank, 1, "cuda", "triton", backend="nccl", timeout=300)
+    two = lp_testing.run_ranks(_invariance_rank, 2, "cuda", "triton", backend="nccl", timeout=300)
+    _check_invariance(one[0][False], two)
+
+
+def _check_invariance(one: dict, two: list) -> None:
     for sp in (False, True):
         for rank, res in enumerate(two):
             got = res[sp]
