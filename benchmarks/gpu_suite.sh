@@ -32,10 +32,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
   | tee -a "$OUT/gpu.txt"
 run_pytest() {  # name, pytest args...
   # The log goes to $OUT line by line (-v), so a call cut off by the device tool's time
-  # limit still brings back what ran; the last 40 lines are echoed at the end.
+  # limit still brings back what ran; the last 40 lines (with the 15 slowest tests, for
+  # planning the next call) are echoed at the end.
   local name=$1 rc
   shift
-  python3 -m pytest -p lp_testing.plugin -m "gpu or multigpu" -v -W ignore \
+  python3 -m pytest -p lp_testing.plugin -m "gpu or multigpu" -v -W ignore --durations=15 \
     --junitxml="$OUT/$name.xml" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   tail -n 40 "$OUT/$name.log"
