@@ -485,27 +485,43 @@ def _spans(own, p: LogprobParams, chunk: int, need_w: bool):
     return spans, n_frag, width
 
 
+def _weight_parts(w_real, halo, start: int, cross: int):
+    """``[(c0, w), (cross, w_x)]``: the shard's columns ``[start, cross)`` as a view of its
+    real rows, then, with a halo, the columns from ``cross`` on as a copy of those real rows
+    joined to the halo (:func:`_dist.with_halo`), so that only the columns that run into
+    the halo are copied, never the whole shard. Either may be empty."""
+    parts = [(start, w_real[start:cross])]
+    if halo.shape[0]:
+        parts.append((cross, with_halo(w_real, halo, cross)))
+    return parts
+
+
+def _codes_in(t_all, c0: int, count: int):
+    """Target codes relative to columns ``[c0, c0 + count)``; other columns -> -1 (ignored
+    rows keep their code)."""
+    hit = (t_all >= c0) & (t_all < c0 + count)
+    return torch.where(hit, t_all - c0, t_all.clamp(max=-1))
+
+
 def _span_blocks(hidden, w_real, halo, t_all, lse, mean_z, grads, p, cfg, spans, width):
     """:func:`triton_linear.dlogits_blocks` over the backward's spans (columns of the
     shard's real rows, then the halo), with each span's weight rows: ``(v_begin, v_count,
     blocks, w_span)``. Spans within the real rows read them in place; the spans from the
     first one that runs past them (into the halo) read a copy of the rows from its start
-    joined to the halo, at most a tile or a vocabulary chunk, never the whole shard. The
+    joined to the halo (:func:`_weight_parts`): at most a tile or a vocabulary chunk. The
     d_logits buffer keeps its width, so every GEMM call is the one it would be on one
     joined operand."""
     v_real = w_real.shape[0]
     k = next((j for j, (b, c, *_) in enumerate(spans) if b + c > v_real), len(spans))
-    parts = [(0, w_real, t_all, spans[:k])]
-    if k < len(spans):
-        cross = spans[k][0]
-        t_x = torch.where(t_all >= cross, t_all - cross, t_all.clamp(max=-1))
-        shifted = [(b - cross, *rest) for b, *rest in spans[k:]]
-        parts.append((cross, with_halo(w_real, halo, cross), t_x, shifted))
-    for c0, w, t, sub in parts:
+    cross = spans[k][0] if k < len(spans) else v_real
+    parts = _weight_parts(w_real, halo, 0, cross)  # one part without a halo (k = all)
+    for (c0, w), sub in zip(parts, (spans[:k], spans[k:]), strict=False):
         if not sub:
             continue
+        local = [(b - c0, *rest) for b, *rest in sub]
+        t = t_all if c0 == 0 else _codes_in(t_all, c0, w.shape[0])
         for v_begin, v_count, blocks in tri.dlogits_blocks(
-            hidden, w, t, lse, mean_z, grads, p, cfg, pieces=(sub, width)
+            hidden, w, t, lse, mean_z, grads, p, cfg, pieces=(local, width)
         ):
             yield c0 + v_begin, v_count, blocks, w[v_begin : v_begin + v_count]
 
@@ -527,18 +543,14 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         # sends max_tiles partials: its owned tiles, then empty ones (the last launch's).
         tile = p.deterministic_tile
         cross = own.skip + (own.tiles - 1) * tile if halo.shape[0] else own.skip + own.ext
-        launches = [(own.skip, w_real[own.skip : cross])]
-        if halo.shape[0]:
-            launches.append((cross, with_halo(w_real, halo, cross)))
-        launches = [(c0, w) for c0, w in launches if w.shape[0]] or launches[:1]
+        parts = _weight_parts(w_real, halo, own.skip, cross)
+        launches = [(c0, w) for c0, w in parts if w.shape[0]] or parts[:1]
         fwd = []
         for i, (c0, w) in enumerate(launches):
             tiles = triton.cdiv(w.shape[0], tile)
             if i == len(launches) - 1:
                 tiles = own.max_tiles - (c0 - own.skip) // tile
-            # target codes in the launch's columns; other columns -> -1
-            hit = (t_all >= c0) & (t_all < c0 + w.shape[0])
-            t_w = torch.where(hit, t_all - c0, t_all.clamp(max=-1))
+            t_w = _codes_in(t_all, c0, w.shape[0])  # target codes in the launch's columns
             fwd.append((w, t_w, dataclasses.replace(p, max_v_local=tiles * tile)))
         n = hidden.shape[0]
         parts = []
