@@ -11,6 +11,10 @@ memcpy/memset durations from torch.profiler, one profiled step after warm-up), t
 largest idle gaps between kernels, and the busy time per kernel name, largest first.
 ``--trace DIR`` also writes chrome traces. On CPU it runs a tiny shape through the
 interpreter, as a smoke test of the script (CPU op times only).
+
+``--tp P`` under ``torchrun --nproc-per-node P`` (NCCL; gloo on CPU) profiles one rank's
+step of the head split P ways on Megatron's layout (``lp_kernels.bench.tp_shard``): each
+rank's figures, collectives included, are printed and written by rank 0.
 """
 
 from __future__ import annotations
@@ -18,18 +22,21 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import time
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from protocol import SHAPES, make_inputs, time_cuda
 from torch.profiler import ProfilerActivity, profile
 
 from lp_kernels import linear_logprob
-from lp_kernels.bench import tile_arg, time_cpu
+from lp_kernels.bench import tile_arg, time_cpu, tp_shard
 
 DET_TILE = {"tile": "128"}  # --det-tile: an int, or tpN (bench.tile_arg, per shape)
+TP: dict = {}  # --tp: linear_logprob's tp_group / vocab_start / vocab_size
 
 
 def _det_kw(det: bool, vocab: int) -> dict:
@@ -42,7 +49,7 @@ def _step(hidden, weight, targets, grad_out, det: bool):
     hidden.grad = weight.grad = None
     out = linear_logprob(
         hidden, weight, targets, backend="triton", validate=False,
-        **_det_kw(det, weight.shape[0]),
+        **_det_kw(det, TP.get("vocab_size", weight.shape[0])), **TP,
     )  # fmt: skip
     out.logprob.backward(grad_out)
 
@@ -101,6 +108,9 @@ def profile_shape(
     name: str, n: int, h: int, v: int, device: str, det: bool, trace_dir: str | None = None
 ) -> dict:
     hidden, weight, targets, grad_out = make_inputs(n, h, v, device=device)
+    if dist.is_initialized():
+        weight, start = tp_shard(weight, dist.get_world_size(), dist.get_rank())
+        TP.update(tp_group=dist.group.WORLD, vocab_start=start, vocab_size=v)
     hidden.requires_grad_()
     weight.requires_grad_()
 
@@ -114,7 +124,7 @@ def profile_shape(
     def fwd():
         linear_logprob(
             hidden, weight, targets, backend="triton", validate=False,
-            **_det_kw(det, weight.shape[0]),
+            **_det_kw(det, TP.get("vocab_size", weight.shape[0])), **TP,
         )  # fmt: skip
 
     fwd_wall, fwd_queued, fwd_host = (
@@ -133,7 +143,8 @@ def profile_shape(
         if device == "cuda":
             torch.cuda.synchronize()
     if trace_dir and device == "cuda":
-        prof.export_chrome_trace(f"{trace_dir}/{name}-{'det' if det else 'default'}.json")
+        rank = f"-rank{dist.get_rank()}" if dist.is_initialized() else ""
+        prof.export_chrome_trace(f"{trace_dir}/{name}-{'det' if det else 'default'}{rank}.json")
     gaps = _gaps(prof) if device == "cuda" else []
     per_name: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
@@ -169,9 +180,17 @@ def main() -> None:
     )
     ap.add_argument("--out", default=None)
     ap.add_argument("--trace", default=None, help="folder for chrome traces (GPU)")
+    ap.add_argument("--tp", type=int, default=1, help="under torchrun: the head split P ways")
     args = ap.parse_args()
     DET_TILE["tile"] = args.det_tile
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.tp > 1:
+        rank = int(os.environ["LOCAL_RANK"])
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        if dist.get_world_size() != args.tp:
+            raise ValueError(f"--tp {args.tp} needs as many torchrun processes")
     shapes = (
         [(s, *SHAPES[s]) for s in args.shapes.split(",")]
         if device == "cuda"
@@ -182,8 +201,18 @@ def main() -> None:
         for s in shapes
         for det in ((False, True) if args.det else (False,))
     ]
+    if args.tp > 1:
+        every = [None] * args.tp
+        dist.all_gather_object(every, rows)
+        rows = [r | {"tp": args.tp, "rank": k} for k, rs in enumerate(every) for r in rs]
+        done = dist.get_rank() != 0
+        dist.destroy_process_group()
+        if done:
+            return
     for r in rows:
         mode = "det" if r["deterministic"] else "default"
+        if "rank" in r:
+            mode += f" TP{r['tp']} rank {r['rank']}"
         print(
             f"{r['shape']} {mode}: wall {r['wall_ms']:.2f} ms (queued {r['queued_wall_ms']:.2f}), "
             f"host enqueue {r['host_ms']:.2f} ms; forward {r['fwd_wall_ms']:.2f} ms (queued "
