@@ -314,3 +314,70 @@ def test_triton_shard_of_padding_only(deterministic):
     assert_close(lp0, ref.logprob, rtol=1e-5, atol=1e-5, name="logprob")
     assert_close(gh0, p.hidden.grad, rtol=1e-5, atol=1e-5, name="grad_hidden (rank 0)")
     assert_close(gw0, p.weight.grad[:128], rtol=1e-5, atol=1e-5, name="grad_weight (rank 0)")
+
+
+def _block_sums_rank(rank, world, problem, deterministic):
+    """Rank of the test below: 16-row token blocks; every dist.all_reduce is recorded."""
+    import dataclasses
+
+    from lp_kernels.backends import triton_linear as tri
+
+    tri.INTERPRET_CONFIG = dataclasses.replace(tri.INTERPRET_CONFIG, token_chunk=16)
+    calls, all_reduce = [], dist.all_reduce
+
+    def spy(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        calls.append((str(tensor.dtype), tuple(tensor.shape), async_op))
+        return all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    start, size = split_vocab(problem.v_padded, world, mode="even")[rank]
+    h = problem.hidden.clone().requires_grad_()
+    w = problem.weight[start : start + size].clone().requires_grad_()
+    dist.all_reduce = spy
+    try:
+        out = linear_logprob(
+            h, w, problem.targets, tp_group=dist.group.WORLD, return_entropy=True,
+            return_lse=True, backend="triton", deterministic=deterministic,
+            **problem.op_kwargs(),
+        )  # fmt: skip
+        calls.clear()  # the backward's collectives only
+        _loss(out, _upstream(problem.n)).backward()
+    finally:
+        dist.all_reduce = all_reduce
+    return [c for c in calls if c[1][1:] == (problem.h,)], h.grad, w.grad
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+def test_triton_grad_hidden_sum_starts_per_token_block(deterministic, monkeypatch):
+    """The triton backend's grad_hidden all-reduce starts per token block of the last
+    vocabulary chunk, asynchronously (to run beside that chunk's grad_W GEMM); a rank with
+    no vocabulary chunk (rank 2: padding only) makes the same calls, synchronously, so the
+    collectives match on every rank; the sum is the single process's gradient (bitwise in
+    deterministic mode)."""
+    import dataclasses
+
+    from lp_kernels.backends import triton_linear as tri
+
+    cfg = dataclasses.replace(tri.INTERPRET_CONFIG, token_chunk=16)  # as in the ranks
+    monkeypatch.setattr(tri, "INTERPRET_CONFIG", cfg)
+    problem = make_problem(37, 24, 250, seed=6, ignore_frac=0.2, padded_vocab=384)
+    p = problem.with_grad()
+    ref = linear_logprob(
+        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend="triton",
+        deterministic=deterministic, **p.op_kwargs(),
+    )  # fmt: skip
+    _loss(ref, _upstream(p.n)).backward()
+    ranks = run_ranks(_block_sums_rank, 3, problem, deterministic, timeout=240)
+    dtype = "torch.int64" if deterministic else "torch.float32"
+    blocks = [(dtype, (rows, problem.h)) for rows in (16, 16, 5)]
+    for rank, (calls, gh, gw) in enumerate(ranks):
+        assert [c[:2] for c in calls] == blocks, f"rank {rank}: {calls}"
+        assert {c[2] for c in calls} == {rank < 2}, f"rank {rank}: {calls}"  # async or not
+        start, size = split_vocab(problem.v_padded, 3, mode="even")[rank]
+        if deterministic:
+            assert torch.equal(gh, p.hidden.grad), f"grad_hidden (rank {rank})"
+            assert torch.equal(gw, p.weight.grad[start : start + size]), f"grad_weight {rank}"
+        else:
+            assert_close(gh, p.hidden.grad, rtol=1e-5, atol=1e-5, name=f"grad_hidden {rank}")
+            assert_close(gw, p.weight.grad[start : start + size], rtol=1e-5, atol=1e-5,
+                         name=f"grad_weight {rank}")  # fmt: skip
+    assert split_vocab(problem.v_padded, 3, mode="even")[2][0] >= 250  # rank 2: padding only

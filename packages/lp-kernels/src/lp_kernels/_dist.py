@@ -12,7 +12,9 @@ rank together (Megatron never changes them).
 
 Collectives. Forward: one all-gather of per-row statistics (bytes only, merged in
 rank order by ``_stats.merge_stats``). Backward: one all-reduce (sum) of the fp32
-``grad_hidden`` partials unless the caller reduces them itself. ``deterministic=True``
+``grad_hidden`` partials unless the caller reduces them itself; the triton backend starts
+it per token block of its last vocabulary chunk, asynchronously, so that it runs beside
+that chunk's grad_weight GEMM (:class:`RowSums`). ``deterministic=True``
 of ``linear_logprob`` adds, where a tile crosses a shard bound, point-to-point sends of
 the weight rows the tile's owner lacks (:func:`exchange_halo`, once per forward).
 """
@@ -335,6 +337,47 @@ def all_reduce_sum_(t: torch.Tensor, group: Any, world: int) -> torch.Tensor:
     if world > 1 and t.numel() > 0:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+class RowSums:
+    """The TP sum of ``t [N, ...]`` (grad_hidden's partials), started block by block.
+
+    The backward calls :meth:`start` on each token block ``[r0, r1)`` of ``rows`` rows as
+    soon as its last vocabulary chunk has finished them: the block's all-reduce is
+    launched asynchronously (NCCL runs it on its own stream, beside the grad_weight GEMM
+    that follows). :meth:`finish` sums the blocks not started, in the same blocks (a rank
+    with no vocabulary chunk starts none, and every rank must make the same sequence of
+    collectives), then waits for every one (on CUDA the current stream waits, not the
+    host). The int64 sums of ``deterministic=True`` are exact however they are split.
+    Inert for one rank or ``enabled=False``."""
+
+    def __init__(self, t: torch.Tensor | None, group: Any, world: int, rows: int, enabled=True):
+        self.t, self.group, self.rows = t, group, max(rows, 1)
+        self.active = enabled and world > 1 and t is not None
+        self.done = 0  # rows [0, done) are started
+        self.works: list = []
+
+    def start(self, r0: int, r1: int) -> None:
+        if not self.active:
+            return
+        if (r0, r1) != (self.done, min(self.done + self.rows, self.t.shape[0])):
+            raise RuntimeError(f"rows [{r0}, {r1}) are not the next block (from {self.done})")
+        part = self.t[r0:r1]
+        self.works.append(
+            dist.all_reduce(part, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        )
+        self.done = r1
+
+    def finish(self) -> None:
+        if not self.active:
+            return
+        for r0 in range(self.done, self.t.shape[0], self.rows):
+            r1 = min(r0 + self.rows, self.t.shape[0])
+            dist.all_reduce(self.t[r0:r1], op=dist.ReduceOp.SUM, group=self.group)
+        for work in self.works:
+            if work is not None:
+                work.wait()
+        self.works, self.done = [], self.t.shape[0]
 
 
 @dataclass(frozen=True)

@@ -541,17 +541,27 @@ spawn = run_ranks
 """Alias of :func:`run_ranks`."""
 
 
+class _Done:
+    """The pending work of a collective that has already finished."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 @contextlib.contextmanager
 def gloo_cuda_via_host() -> Iterator[None]:
     """Test-only: gloo collectives on CUDA tensors go through host copies.
 
     Lets several gloo ranks share one GPU (a TP layout on a machine with fewer GPUs than
-    ranks): inside, ``dist.all_gather_into_tensor`` and ``dist.all_reduce`` (synchronous
-    calls, what lp makes) copy CUDA arguments to the host, run the collective there and
-    copy the result back; ``dist.batch_isend_irecv`` (deterministic=True's halo rows) runs
-    its sends and receives on host copies and returns when they are done. Copies move
-    bytes, so every result is the one the collective would give on host tensors. Apply
-    inside each rank.
+    ranks): inside, ``dist.all_gather_into_tensor`` (synchronous calls, what lp makes) and
+    ``dist.all_reduce`` (also ``async_op=True``, which returns finished work) copy CUDA
+    arguments to the host, run the collective there and copy the result back;
+    ``dist.batch_isend_irecv`` (deterministic=True's halo rows) runs its sends and receives
+    on host copies and returns when they are done. Copies move bytes, so every result is
+    the one the collective would give on host tensors. Apply inside each rank.
     """
     gather, reduce = dist.all_gather_into_tensor, dist.all_reduce
 
@@ -564,12 +574,12 @@ def gloo_cuda_via_host() -> Iterator[None]:
         return None
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if not tensor.is_cuda or async_op:
+        if not tensor.is_cuda:
             return reduce(tensor, op=op, group=group, async_op=async_op)
         host = tensor.cpu()
         reduce(host, op=op, group=group)
         tensor.copy_(host)
-        return None
+        return _Done() if async_op else None  # an async call has finished on return
 
     batch = dist.batch_isend_irecv
 

@@ -68,7 +68,7 @@ from torch.autograd.function import once_differentiable
 from triton.language.extra import libdevice
 
 from lp_kernels._dist import DETERMINISTIC_TILE as TILE
-from lp_kernels._dist import all_reduce_sum_, gather_stats, owned_halo, with_halo
+from lp_kernels._dist import RowSums, gather_stats, owned_halo, with_halo
 from lp_kernels._fixed_point import row_exponents
 from lp_kernels._matmul import addmm_f32_, scratch
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream
@@ -609,6 +609,25 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         fp32_w = weight.dtype == torch.float32 and all(whole)  # grad_W sums in place
         if need_w and n > 0 and (rows < n or not per_tile) and not fp32_w:
             acc_w = scratch.empty((width, h_dim), dtype=torch.float32, device=dev)
+        sums = RowSums(acc_h if need_h else None, p.tp_group, p.tp_size, rows, p.reduce_grad_hidden)
+
+        def grad_h_rows(r0, r1, dl, cols, w_chunk):
+            """The current span's grad_h for token rows [r0, r1) (one block of ``dl``);
+            reads the span loop's state (frag, first, flush, pending, written)."""
+            if frag:
+                return  # the head fragment feeds grad_W only
+            if per_tile:  # the default path's fp32 GEMM, then one rounding
+                f = leaf32[pending, r0:r1]
+                tri._matmul_acc_(f, dl, w_chunk, cfg, k_a=cols, accumulate=not first)
+                if flush:
+                    f = leaf32[: pending + 1, r0:r1]
+                    _round_into_(acc_h[r0:r1], f, scale[r0:r1], accumulate=written)
+            else:
+                _matmul_fixed_(
+                    acc_h[r0:r1], dl, w_chunk, scale[r0:r1], cols, fixed, cfg, leaf=tile,
+                    accumulate=written,
+                )  # fmt: skip
+
         for j, (v_begin, v_count, blocks, w_chunk) in enumerate(
             _span_blocks(hidden, w_real, halo, t_all, lse, mean_z, grads, p, cfg, spans, width)
         ):
@@ -628,7 +647,13 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                     acc = gw_rows if acc_w is None else acc_w[:full]
                 else:
                     acc = gw_rows if acc_w is None else acc_w[:local]
+            # under TP the last span's rows are final once grad_h has run: their int64
+            # all-reduce starts then, beside the span's grad_W GEMM
+            early = need_h and sums.active and final
             for r0, r1, dl, cols in blocks:
+                if early:
+                    grad_h_rows(r0, r1, dl, cols, w_chunk)
+                    sums.start(r0, r1)
                 if gw and per_tile and rows == n:  # one cuBLAS GEMM, as the default path
                     if whole[j]:
                         tri._grad_weight_slice(dl, hidden, gw_rows)
@@ -642,19 +667,8 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                     tri._matmul_acc_(
                         acc, dl[:, :local].T, hidden[r0:r1], cfg, m_a=cols, accumulate=r0 > 0
                     )
-                if need_h and frag:
-                    pass  # the head fragment feeds grad_W only
-                elif need_h and per_tile:  # the default path's fp32 GEMM, then one rounding
-                    f = leaf32[pending, r0:r1]
-                    tri._matmul_acc_(f, dl, w_chunk, cfg, k_a=cols, accumulate=not first)
-                    if flush:
-                        f = leaf32[: pending + 1, r0:r1]
-                        _round_into_(acc_h[r0:r1], f, scale[r0:r1], accumulate=written)
-                elif need_h:
-                    _matmul_fixed_(
-                        acc_h[r0:r1], dl, w_chunk, scale[r0:r1], cols, fixed, cfg, leaf=tile,
-                        accumulate=written,
-                    )  # fmt: skip
+                if need_h and not early:
+                    grad_h_rows(r0, r1, dl, cols, w_chunk)
             if need_h and (flush or (last and not per_tile)):
                 written, pending = True, 0
             elif need_h and last:
@@ -665,7 +679,6 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                 gw_rows.copy_(acc)
         grad_h = None
         if need_h:
-            if p.tp_size > 1 and p.reduce_grad_hidden:
-                all_reduce_sum_(acc_h, p.tp_group, p.tp_size)
+            sums.finish()
             grad_h = _from_fixed_point(acc_h, e, bad, hidden.dtype)
         return grad_h, grad_w, None, None

@@ -61,7 +61,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from lp_kernels._dist import all_reduce_sum_, gather_stats
+from lp_kernels._dist import RowSums, gather_stats
 from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
 from lp_kernels._stats import (
     N_STATS,
@@ -815,6 +815,9 @@ class LinearLogprobTriton(torch.autograd.Function):
             acc_w = torch.empty(
                 (min(cfg.vocab_chunk, v_real), h_dim), dtype=torch.float32, device=hidden.device
             )
+        # Under TP, the last vocabulary chunk computes each token block's grad_h first and
+        # starts that block's all-reduce, which then runs beside the block's grad_W GEMM.
+        sums = RowSums(grad_h32, p.tp_group, p.tp_size, rows, need_h and p.reduce_grad_hidden)
         for v_begin, v_count, blocks in dlogits_blocks(
             hidden, w_real, t_col, lse, mean_z, grads, p, cfg
         ):
@@ -823,20 +826,23 @@ class LinearLogprobTriton(torch.autograd.Function):
             acc = None
             if need_w and rows < n:  # fp32 accumulation over token chunks
                 acc = gw_slice if acc_w is None else acc_w[:v_count]
+            early = sums.active and v_begin + v_count == v_real
             for r0, r1, dl, cols in blocks:
+                # dl's zero columns up to cols keep K_A vectorized
+                gh = (grad_h32[r0:r1], dl, w_chunk, cfg) if need_h else None
+                if early:
+                    _matmul_acc_(*gh, k_a=cols, accumulate=v_begin > 0)
+                    sums.start(r0, r1)
                 if need_w and rows == n:  # one token chunk: the slice in one GEMM
                     _grad_weight_slice(dl, hidden, gw_slice)
                 elif need_w:  # the first token chunk overwrites acc
                     addmm_f32_(acc, dl.T, hidden[r0:r1], accumulate=r0 > 0)
-                if need_h:  # dl's zero columns up to cols keep K_A vectorized
-                    _matmul_acc_(
-                        grad_h32[r0:r1], dl, w_chunk, cfg, k_a=cols, accumulate=v_begin > 0
-                    )
+                if need_h and not early:
+                    _matmul_acc_(*gh, k_a=cols, accumulate=v_begin > 0)
             if need_w and acc_w is not None:
                 gw_slice.copy_(acc)
         grad_h = None
         if need_h:
-            if p.tp_size > 1 and p.reduce_grad_hidden:
-                all_reduce_sum_(grad_h32, p.tp_group, p.tp_size)
+            sums.finish()
             grad_h = grad_h32.to(hidden.dtype)
         return grad_h, grad_w, None, None
