@@ -210,11 +210,13 @@ def test_wider_tiles_bitwise_identical_across_layouts(case, backend):
 
 
 def _halo_copy_rank(rank, world, problem, bounds, chunk):
-    """One triton rank of a layout with a halo, recording the rows of every joined copy."""
+    """One triton rank of a layout with a halo, recording the rows of every joined copy
+    and of every grad_W GEMM (cuBLAS, per piece: one call, or the first token chunk's)."""
     import lp_kernels.backends.triton_deterministic as tdet
+    from lp_kernels.backends import triton_linear as tri
 
-    copies = []
-    join = tdet.with_halo
+    copies, gemms = [], []
+    join, slice_, addmm = tdet.with_halo, tri._grad_weight_slice, tdet.addmm_f32_
 
     def recording(w_real, halo, start=0):
         out = join(w_real, halo, start)
@@ -222,20 +224,33 @@ def _halo_copy_rank(rank, world, problem, bounds, chunk):
             copies.append(out.shape[0])
         return out
 
-    tdet.with_halo = recording
+    def grad_weight_slice(dl, hidden, out):
+        gemms.append(out.shape[0])
+        return slice_(dl, hidden, out)
+
+    def addmm_f32_(acc, a, b, accumulate=True):
+        if not accumulate:
+            gemms.append(acc.shape[0])
+        return addmm(acc, a, b, accumulate=accumulate)
+
+    tdet.with_halo, tri._grad_weight_slice, tdet.addmm_f32_ = (
+        recording, grad_weight_slice, addmm_f32_,
+    )  # fmt: skip
     try:
         got = _rank(rank, world, problem, bounds, "triton", 256, chunk)
     finally:
-        tdet.with_halo = join
-    return copies, got
+        tdet.with_halo, tri._grad_weight_slice, tdet.addmm_f32_ = join, slice_, addmm
+    return copies, got, gemms
 
 
 @pytest.mark.parametrize("chunk", [256, (256, 16)], ids=["per-tile", "per-tile-rows"])
 def test_triton_halo_rank_copies_one_tile_not_its_shard(chunk):
     """Rank 0 of [(0, 640), (640, 384)] owns three 256-column tiles, the last one running
     128 rows into rank 1's shard. It copies only that tile's rows (its last 128 real rows
-    and the 128 halo rows), in the forward and in the backward, never its 640-row shard;
-    and the results stay bitwise those of one process."""
+    and the 128 halo rows), in the forward and in the backward, never its 640-row shard.
+    Its grad_W GEMMs cover the halo rows too, which it sends to rank 1: rank 1 makes one
+    GEMM, for its own tile, none for its first 128 rows (in rank 0's tile). The results
+    stay bitwise those of one process."""
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
         pytest.skip("triton on CPU needs TRITON_INTERPRET=1 (set when no GPU is present)")
     problem = make_problem(
@@ -246,6 +261,8 @@ def test_triton_halo_rank_copies_one_tile_not_its_shard(chunk):
     per_rank = run_ranks(_halo_copy_rank, 2, problem, bounds, chunk, timeout=180)
     assert per_rank[0][0] == [256, 256]  # the forward's crossing tile, the backward's piece
     assert per_rank[1][0] == []  # rank 1 has no halo
+    # rank 1: its tile, cut by the vocabulary (1000 - 768 rows); no call for rows 640-767
+    assert per_rank[0][2] == [256, 256, 256] and per_rank[1][2] == [232], per_rank[1][2]
     single = run_ranks(_rank, 1, problem, [(0, 1024)], "triton", 256, chunk, timeout=180)[0]
     for k in range(4):
         assert_bitwise_equal(per_rank[0][1][k], single[k], f"output {k}")

@@ -16,7 +16,8 @@ rank order by ``_stats.merge_stats``). Backward: one all-reduce (sum) of the fp3
 it per token block of its last vocabulary chunk, asynchronously, so that it runs beside
 that chunk's grad_weight GEMM (:class:`RowSums`). ``deterministic=True``
 of ``linear_logprob`` adds, where a tile crosses a shard bound, point-to-point sends of
-the weight rows the tile's owner lacks (:func:`exchange_halo`, once per forward).
+the weight rows the tile's owner lacks (:func:`exchange_halo`, once per forward) and, with
+one tile per backward piece, of their grad_weight rows back (:func:`return_halo_grad`).
 """
 
 from __future__ import annotations
@@ -425,35 +426,69 @@ def tile_ownership(starts, sizes, vocab_size: int, tile: int, rank: int) -> Tile
     return TileOwnership(skip, ext, halo, tiles, max(o[3] for o in owned))
 
 
-def exchange_halo(
-    w_real: torch.Tensor, starts, sizes, vocab_size: int, tile: int, rank: int, group: Any
-) -> torch.Tensor:
-    """This rank's halo (``[halo, H]`` weight rows, see :class:`TileOwnership`), received
-    from the ranks after it, while sending theirs the rows of ``w_real`` (this shard's real
-    rows) that their halos need. Every rank derives the same plan from the layout, so
-    ranks without a halo to send or receive take no part; point-to-point sends only."""
+def _halo_plan(starts, sizes, vocab_size: int, tile: int, rank: int):
+    """``(lo, hi, sends, recvs)`` of :func:`exchange_halo`: this rank's halo is the global
+    rows ``[lo, hi)``; ``sends`` lists ``(peer, a, b)``: rows ``[a, b)`` of this shard that
+    ``peer``'s halo takes; ``recvs`` lists ``(peer, a, b)``: rows ``[a, b)`` of this rank's
+    halo, held by ``peer``. Every rank derives the same plan from the layout."""
     reals = [max(0, min(sz, vocab_size - st)) for st, sz in zip(starts, sizes, strict=True)]
     need = []  # per rank: the global rows [lo, hi) of its halo
     for r, st in enumerate(starts):
         halo = _owned(st, reals[r], vocab_size, tile)[2]
         need.append((st + reals[r], st + reals[r] + halo))
     lo, hi = need[rank]
-    out = torch.empty((hi - lo, w_real.shape[1]), dtype=w_real.dtype, device=w_real.device)
-    ops = []
     mine = starts[rank]
-    for r, (r_lo, r_hi) in enumerate(need):  # what this rank sends to r
+    sends, recvs = [], []
+    for r, (r_lo, r_hi) in enumerate(need):  # what this rank lends to r
         a, b = max(r_lo, mine), min(r_hi, mine + reals[rank])
         if r != rank and a < b:
-            send = w_real[a - mine : b - mine].contiguous()
-            ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=r))
-    for q, st in enumerate(starts):  # what this rank receives from q
+            sends.append((r, a - mine, b - mine))
+    for q, st in enumerate(starts):  # what this rank's halo takes from q
         a, b = max(lo, st), min(hi, st + reals[q])
         if q != rank and a < b:
-            ops.append(dist.P2POp(dist.irecv, out[a - lo : b - lo], group=group, group_peer=q))
+            recvs.append((q, a - lo, b - lo))
+    return lo, hi, sends, recvs
+
+
+def _p2p(ops: list, group: Any) -> None:
+    """Run ``[(dist.isend or dist.irecv, tensor, peer)]`` as one batch and wait for it
+    (ranks with nothing to send or receive take no part)."""
     if ops:
-        for work in dist.batch_isend_irecv(ops):
+        batch = [dist.P2POp(op, t, group=group, group_peer=peer) for op, t, peer in ops]
+        for work in dist.batch_isend_irecv(batch):
             work.wait()
+
+
+def exchange_halo(
+    w_real: torch.Tensor, starts, sizes, vocab_size: int, tile: int, rank: int, group: Any
+) -> torch.Tensor:
+    """This rank's halo (``[halo, H]`` weight rows, see :class:`TileOwnership`), received
+    from the ranks after it, while sending theirs the rows of ``w_real`` (this shard's real
+    rows) that their halos need. Point-to-point sends only."""
+    lo, hi, sends, recvs = _halo_plan(starts, sizes, vocab_size, tile, rank)
+    out = torch.empty((hi - lo, w_real.shape[1]), dtype=w_real.dtype, device=w_real.device)
+    ops = [(dist.isend, w_real[a:b].contiguous(), r) for r, a, b in sends]
+    _p2p(ops + [(dist.irecv, out[a:b], q) for q, a, b in recvs], group)
     return out
+
+
+def return_halo_grad(
+    grad_halo: torch.Tensor,
+    grad_w: torch.Tensor,
+    starts,
+    sizes,
+    vocab_size: int,
+    tile: int,
+    rank: int,
+    group: Any,
+) -> None:
+    """:func:`exchange_halo` backwards: the weight-gradient rows of this rank's halo
+    (``grad_halo [halo, H]``, computed with its owned tiles) go to the ranks that hold
+    those rows, and the rows of this shard that other ranks' halos took (its head
+    fragment) arrive in ``grad_w``."""
+    _, _, sends, recvs = _halo_plan(starts, sizes, vocab_size, tile, rank)
+    ops = [(dist.isend, grad_halo[a:b].contiguous(), q) for q, a, b in recvs]
+    _p2p(ops + [(dist.irecv, grad_w[a:b], r) for r, a, b in sends], group)
 
 
 def owned_halo(w_real: torch.Tensor, p) -> tuple[TileOwnership, torch.Tensor]:

@@ -21,7 +21,8 @@ tile needs (the halo) arrive by point-to-point sends (``_dist.tile_ownership``,
     backward  per vocabulary span of W_all (_spans; from the first span that runs into the
               halo on, over a copy of those rows joined to it: _span_blocks), per token chunk:
                 _dlogits_kernel (as in the default path)
-                head fragment (the shard's columns in an earlier rank's tile): grad_W only
+                head fragment (the shard's columns in an earlier rank's tile): grad_W only,
+                    here with several tiles per piece, else by the tile's owner (below)
                 w <= half a vocabulary chunk: a piece holds several owned tiles from the
                 first one's start, so its width follows the layout
                   grad_W[piece] += d l^T @ h   lp's fixed-tile GEMM (_matmul_acc_kernel):
@@ -32,7 +33,8 @@ tile needs (the halo) arrive by point-to-point sends (``_dist.tile_ownership``,
                                               tile's fp32 dot in registers)
                 wider tiles (the default's plan): a piece lies within one tile, cut from
                 the tile's start by the tile's width alone, so every layout makes the same
-                calls (a piece only partly this shard's is computed whole, at its offset)
+                calls (a piece that runs into the halo is computed whole; the halo's
+                grad_W rows go back to their shards: _dist.return_halo_grad)
                   grad_W[piece] = d l^T @ h   cuBLAS, as the default path (the same
                                               shapes, strides and alignment everywhere)
                   F_t (fp32) += d l @ W[piece]  the default path's GEMM, one buffer per
@@ -68,7 +70,7 @@ from torch.autograd.function import once_differentiable
 from triton.language.extra import libdevice
 
 from lp_kernels._dist import DETERMINISTIC_TILE as TILE
-from lp_kernels._dist import RowSums, gather_stats, owned_halo, with_halo
+from lp_kernels._dist import RowSums, gather_stats, owned_halo, return_halo_grad, with_halo
 from lp_kernels._fixed_point import row_exponents
 from lp_kernels._matmul import addmm_f32_, scratch
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream
@@ -459,27 +461,16 @@ def _spans(own, p: LogprobParams, chunk: int, need_w: bool):
 
     Owned tiles are cut by :func:`vocab_pieces` from the first one's start (column
     ``own.skip``). The head fragment (the shard's first ``skip`` columns, in a tile that
-    starts on an earlier rank) is one span when tiles share a piece; with one tile per
-    piece it is cut where that tile's pieces are cut, each part placed at its piece's
-    offset (``off``) in a d_logits block of the piece's width (``full``), so that the
-    grad_W GEMM makes the call it makes on a layout where the tile is whole."""
+    starts on an earlier rank) is one span when tiles share a piece. With one tile per
+    piece it has none: the tile's owner computes the fragment's grad_W rows with the rest
+    of its piece, in the call it makes on a layout where the tile is whole, and sends them
+    here (:func:`_dist.return_halo_grad`)."""
     tile = p.deterministic_tile
     pieces, width = vocab_pieces(own.ext, tile, chunk)
-    per_tile = 2 * tile > chunk
     spans = []
-    if need_w and own.skip:
-        if per_tile:
-            lead = p.vocab_start % tile  # the earlier tile's columns before this shard
-            prev = min(tile, p.vocab_size - (p.vocab_start - lead))  # (cut by the vocab)
-            whole, width = vocab_pieces(prev, tile, chunk)  # that tile's pieces
-            for b, c in whole:
-                pb = b - lead  # the piece's first column here (negative: an earlier rank's)
-                lo, hi = max(pb, 0), min(pb + c, own.skip)
-                if lo < hi:
-                    spans.append((lo, hi - lo, lo - pb, c))
-        else:
-            spans.append((0, own.skip, 0, own.skip))
-            width = max(width, tri.pad128(own.skip))
+    if need_w and own.skip and 2 * tile <= chunk:
+        spans.append((0, own.skip, 0, own.skip))
+        width = max(width, tri.pad128(own.skip))
     n_frag = len(spans)
     spans += [(own.skip + b, c, 0, c) for b, c in pieces]
     return spans, n_frag, width
@@ -628,11 +619,20 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                     accumulate=written,
                 )  # fmt: skip
 
+        # per_tile: the grad_W rows of the halo (other shards' rows) go back to their
+        # shards, which compute no head fragment
+        back = need_w and per_tile and p.tp_size > 1
+        grad_halo = None
+        if back:  # every halo row lies in an owned span (zeros without tokens)
+            halo_alloc = torch.empty if n > 0 else torch.zeros
+            grad_halo = halo_alloc((own.halo, h_dim), dtype=weight.dtype, device=dev)
         for j, (v_begin, v_count, blocks, w_chunk) in enumerate(
             _span_blocks(hidden, w_real, halo, t_all, lse, mean_z, grads, p, cfg, spans, width)
         ):
             off, full = spans[j][2:]  # where this span's columns sit in its piece's width
             local = max(0, min(v_begin + v_count, v_real) - v_begin)  # its grad_W rows
+            # and its halo rows (per_tile): the span's columns [local, v_count)
+            h_rows = (v_begin + local - v_real, v_begin + v_count - v_real) if back else (0, 0)
             frag = j < n_frag
             rel = v_begin - own.skip
             first = not frag and rel % tile == 0  # the piece starts a tile
@@ -640,7 +640,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             last = final or (not frag and (rel + v_count) % tile == 0)  # it ends a tile
             # per_tile: round the waiting products when the slots are full or none follow
             flush = last and (pending + 1 == slots or final)
-            gw = need_w and local > 0
+            gw = need_w and (local > 0 or h_rows[1] > h_rows[0])
             if gw:
                 gw_rows = grad_w[v_begin : v_begin + local]
                 if per_tile:
@@ -661,6 +661,8 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                         tmp = torch.empty((full, h_dim), dtype=weight.dtype, device=dev)
                         tri._grad_weight_slice(dl, hidden, tmp)
                         gw_rows.copy_(tmp[off : off + local])
+                        if back:
+                            grad_halo[slice(*h_rows)].copy_(tmp[off + local : off + v_count])
                 elif gw and per_tile:  # the first token chunk overwrites acc
                     addmm_f32_(acc, dl.T, hidden[r0:r1], accumulate=r0 > 0)
                 elif gw:  # lp's fixed-tile GEMM (the first token chunk overwrites acc)
@@ -675,10 +677,17 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                 pending += 1
             if gw and acc_w is not None and per_tile:
                 gw_rows.copy_(acc[off : off + local])
+                if back:
+                    grad_halo[slice(*h_rows)].copy_(acc[off + local : off + v_count])
             elif gw and acc_w is not None:
                 gw_rows.copy_(acc)
         grad_h = None
         if need_h:
             sums.finish()
             grad_h = _from_fixed_point(acc_h, e, bad, hidden.dtype)
+        if back:  # after every all-reduce: the same order of collectives on every rank
+            return_halo_grad(
+                grad_halo, grad_w, p.shard_starts, p.shard_sizes, p.vocab_size, tile,
+                p.tp_rank, p.tp_group,
+            )  # fmt: skip
         return grad_h, grad_w, None, None
