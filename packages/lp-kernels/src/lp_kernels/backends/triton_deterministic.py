@@ -631,8 +631,8 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         ):
             off, full = spans[j][2:]  # where this span's columns sit in its piece's width
             local = max(0, min(v_begin + v_count, v_real) - v_begin)  # its grad_W rows
-            # and its halo rows (per_tile): the span's columns [local, v_count)
-            h_rows = (v_begin + local - v_real, v_begin + v_count - v_real) if back else (0, 0)
+            # and its rows of grad_halo (per_tile): the span's columns [local, v_count)
+            h_rows = (max(0, v_begin + local - v_real), max(0, v_begin + v_count - v_real))
             frag = j < n_frag
             rel = v_begin - own.skip
             first = not frag and rel % tile == 0  # the piece starts a tile
@@ -640,7 +640,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             last = final or (not frag and (rel + v_count) % tile == 0)  # it ends a tile
             # per_tile: round the waiting products when the slots are full or none follow
             flush = last and (pending + 1 == slots or final)
-            gw = need_w and (local > 0 or h_rows[1] > h_rows[0])
+            gw = need_w and (local > 0 or (back and h_rows[1] > h_rows[0]))
             if gw:
                 gw_rows = grad_w[v_begin : v_begin + local]
                 if per_tile:
