@@ -116,7 +116,9 @@ def linear_logprob(
         return_lse: also return the log-sum-exp per row (differentiable; z-loss).
         tp_group: ``torch.distributed`` group the vocabulary is sharded over. Every
             rank passes the same ``hidden`` and ``targets`` and its own shard;
-            shards may be uneven. Every rank returns the same outputs.
+            shards may be uneven. Every rank returns the same outputs. The backward's
+            collectives follow which inputs need gradients, so ``hidden`` and the
+            shards require grad alike on every rank (as in any TP layer).
         vocab_start: global id of this rank's weight row 0. Default 0, or
             ``rank * V_local`` under ``tp_group`` (even shards only).
         vocab_size: the real global vocabulary. Ids ``>= vocab_size`` are padding
