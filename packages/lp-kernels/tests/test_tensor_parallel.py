@@ -316,7 +316,7 @@ def test_triton_shard_of_padding_only(deterministic):
     assert_close(gw0, p.weight.grad[:128], rtol=1e-5, atol=1e-5, name="grad_weight (rank 0)")
 
 
-def _block_sums_rank(rank, world, problem, deterministic):
+def _block_sums_rank(rank, world, problem, deterministic, backend):
     """Rank of the test below: 16-row token blocks; every dist.all_reduce is recorded."""
     import dataclasses
 
@@ -336,7 +336,7 @@ def _block_sums_rank(rank, world, problem, deterministic):
     try:
         out = linear_logprob(
             h, w, problem.targets, tp_group=dist.group.WORLD, return_entropy=True,
-            return_lse=True, backend="triton", deterministic=deterministic,
+            return_lse=True, backend=backend, deterministic=deterministic, chunk_size=16,
             **problem.op_kwargs(),
         )  # fmt: skip
         calls.clear()  # the backward's collectives only
@@ -347,12 +347,13 @@ def _block_sums_rank(rank, world, problem, deterministic):
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
-def test_triton_grad_hidden_sum_starts_per_token_block(deterministic, monkeypatch):
-    """The triton backend's grad_hidden all-reduce starts per token block of the last
-    vocabulary chunk, asynchronously (to run beside that chunk's grad_W GEMM); a rank with
-    no vocabulary chunk (rank 2: padding only) makes the same calls, synchronously, so the
-    collectives match on every rank; the sum is the single process's gradient (bitwise in
-    deterministic mode)."""
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_grad_hidden_sum_starts_per_token_block(backend, deterministic, monkeypatch):
+    """grad_hidden's all-reduce starts per 16-row token block as soon as the block's rows
+    are final (triton: in the last vocabulary chunk; torch: per chunk), asynchronously, to
+    run beside the GEMMs that follow; a rank with no vocabulary chunk (rank 2: padding
+    only) makes the same calls (synchronously with triton), so the collectives match on
+    every rank; the sum is the single process's gradient (bitwise in deterministic mode)."""
     import dataclasses
 
     from lp_kernels.backends import triton_linear as tri
@@ -362,16 +363,17 @@ def test_triton_grad_hidden_sum_starts_per_token_block(deterministic, monkeypatc
     problem = make_problem(37, 24, 250, seed=6, ignore_frac=0.2, padded_vocab=384)
     p = problem.with_grad()
     ref = linear_logprob(
-        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend="triton",
-        deterministic=deterministic, **p.op_kwargs(),
+        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend=backend,
+        deterministic=deterministic, chunk_size=16, **p.op_kwargs(),
     )  # fmt: skip
     _loss(ref, _upstream(p.n)).backward()
-    ranks = run_ranks(_block_sums_rank, 3, problem, deterministic, timeout=240)
+    ranks = run_ranks(_block_sums_rank, 3, problem, deterministic, backend, timeout=240)
     dtype = "torch.int64" if deterministic else "torch.float32"
     blocks = [(dtype, (rows, problem.h)) for rows in (16, 16, 5)]
     for rank, (calls, gh, gw) in enumerate(ranks):
         assert [c[:2] for c in calls] == blocks, f"rank {rank}: {calls}"
-        assert {c[2] for c in calls} == {rank < 2}, f"rank {rank}: {calls}"  # async or not
+        started = rank < 2 or backend == "torch"  # torch: rank 2 runs its chunks too
+        assert {c[2] for c in calls} == {started}, f"rank {rank}: {calls}"
         start, size = split_vocab(problem.v_padded, 3, mode="even")[rank]
         if deterministic:
             assert torch.equal(gh, p.hidden.grad), f"grad_hidden (rank {rank})"

@@ -12,9 +12,10 @@ rank together (Megatron never changes them).
 
 Collectives. Forward: one all-gather of per-row statistics (bytes only, merged in
 rank order by ``_stats.merge_stats``). Backward: one all-reduce (sum) of the fp32
-``grad_hidden`` partials unless the caller reduces them itself; the triton backend starts
-it per token block of its last vocabulary chunk, asynchronously, so that it runs beside
-that chunk's grad_weight GEMM (:class:`RowSums`). ``deterministic=True``
+``grad_hidden`` partials unless the caller reduces them itself, started per token block
+as soon as the block's rows are final (the triton backend: in its last vocabulary chunk;
+the torch backend: per chunk), asynchronously, so that it runs beside the GEMMs that
+follow (:class:`RowSums`). ``deterministic=True``
 of ``linear_logprob`` adds, where a tile crosses a shard bound, point-to-point sends of
 the weight rows the tile's owner lacks (:func:`exchange_halo`, once per forward) and, with
 one tile per backward piece, of their grad_weight rows back (:func:`return_halo_grad`).
@@ -331,13 +332,6 @@ def gather_stats(stats: torch.Tensor, group: Any, world: int) -> torch.Tensor:
     if stats.numel() > 0:
         dist.all_gather_into_tensor(out.view(-1), stats.contiguous().view(-1), group=group)
     return out
-
-
-def all_reduce_sum_(t: torch.Tensor, group: Any, world: int) -> torch.Tensor:
-    """Sum ``t`` over ``group`` in place (no-op for one rank)."""
-    if world > 1 and t.numel() > 0:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
 
 
 class RowSums:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from lp_kernels._dist import all_reduce_sum_, gather_stats
+from lp_kernels._dist import RowSums, gather_stats
 from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
 from lp_kernels._stats import (
     N_STATS,
@@ -78,6 +78,11 @@ def chunks(n: int, chunk: int):
     chunk = max(chunk, _MIN_ROWS)  # BLAS takes other code paths for a few rows
     for r0 in range(0, n, chunk):
         yield r0, min(n, r0 + chunk), chunk
+
+
+def chunk_rows(p: LogprobParams) -> int:
+    """Rows per block of :func:`chunks` (the last one may hold fewer real rows)."""
+    return max(p.chunk_size, _MIN_ROWS)
 
 
 def scaled_logits_chunks(
@@ -148,15 +153,19 @@ class LinearLogprobTorch(torch.autograd.Function):
             h_dtype = torch.float32 if reduce_h else hidden.dtype
             grad_h = scratch.empty((n, h_dim), dtype=h_dtype, device=hidden.device)
         acc_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        # each chunk's rows are final at once: their TP sum runs beside the next GEMMs
+        sums = RowSums(grad_h, p.tp_group, p.tp_size, chunk_rows(p), need_h and reduce_h)
         for r0, r1, h_c, dl in logits_grad_chunks(
             hidden, w_real, targets, lse, mean_z, (g_lp, g_ent, g_lse), p
         ):
             if need_h:
                 grad_h[r0:r1] = mm_f32(dl, w_real)[: r1 - r0]
+                sums.start(r0, r1)
             if need_w and v_real > 0:
                 addmm_f32_(acc_w[:v_real], dl.T, h_c)
         if need_h and reduce_h:
-            grad_h = all_reduce_sum_(grad_h, p.tp_group, p.tp_size).to(hidden.dtype)
+            sums.finish()
+            grad_h = grad_h.to(hidden.dtype)
         grad_w = acc_w.to(weight.dtype) if need_w else None  # no copy for fp32 weights
         return grad_h, grad_w, None, None
 
