@@ -317,12 +317,16 @@ def test_triton_shard_of_padding_only(deterministic):
 
 
 def _block_sums_rank(rank, world, problem, deterministic, backend):
-    """Rank of the test below: 16-row token blocks; every dist.all_reduce is recorded."""
+    """Rank of the test below: 16-row triton token blocks, torch chunks of 16 x (rank + 1)
+    rows (ranks may chunk differently: the default follows the shard), 24-row sum blocks
+    for torch; every dist.all_reduce is recorded."""
     import dataclasses
 
+    import lp_kernels._dist as lp_dist
     from lp_kernels.backends import triton_linear as tri
 
     tri.INTERPRET_CONFIG = dataclasses.replace(tri.INTERPRET_CONFIG, token_chunk=16)
+    lp_dist.SUM_ROWS = 24
     calls, all_reduce = [], dist.all_reduce
 
     def spy(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -336,8 +340,8 @@ def _block_sums_rank(rank, world, problem, deterministic, backend):
     try:
         out = linear_logprob(
             h, w, problem.targets, tp_group=dist.group.WORLD, return_entropy=True,
-            return_lse=True, backend=backend, deterministic=deterministic, chunk_size=16,
-            **problem.op_kwargs(),
+            return_lse=True, backend=backend, deterministic=deterministic,
+            chunk_size=16 * (rank + 1), **problem.op_kwargs(),
         )  # fmt: skip
         calls.clear()  # the backward's collectives only
         _loss(out, _upstream(problem.n)).backward()
@@ -349,11 +353,13 @@ def _block_sums_rank(rank, world, problem, deterministic, backend):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_grad_hidden_sum_starts_per_token_block(backend, deterministic, monkeypatch):
-    """grad_hidden's all-reduce starts per 16-row token block as soon as the block's rows
-    are final (triton: in the last vocabulary chunk; torch: per chunk), asynchronously, to
-    run beside the GEMMs that follow; a rank with no vocabulary chunk (rank 2: padding
-    only) makes the same calls (synchronously with triton), so the collectives match on
-    every rank; the sum is the single process's gradient (bitwise in deterministic mode)."""
+    """grad_hidden's all-reduce starts per block of rows as soon as the block's rows are
+    final, asynchronously, to run beside the GEMMs that follow: triton's 16-row token
+    blocks of its last vocabulary chunk; for torch, whose ranks chunk their rows
+    differently here (16, 32 and 48 rows), blocks of SUM_ROWS = 24 rows, started when a
+    chunk completes them. Every rank makes the same calls, so the collectives match,
+    including a rank with no vocabulary chunk (rank 2: padding only; synchronously with
+    triton); the sum is the single process's gradient (bitwise in deterministic mode)."""
     import dataclasses
 
     from lp_kernels.backends import triton_linear as tri
@@ -369,17 +375,20 @@ def test_grad_hidden_sum_starts_per_token_block(backend, deterministic, monkeypa
     _loss(ref, _upstream(p.n)).backward()
     ranks = run_ranks(_block_sums_rank, 3, problem, deterministic, backend, timeout=240)
     dtype = "torch.int64" if deterministic else "torch.float32"
-    blocks = [(dtype, (rows, problem.h)) for rows in (16, 16, 5)]
+    sizes = (16, 16, 5) if backend == "triton" else (24, 13)
+    blocks = [(dtype, (rows, problem.h)) for rows in sizes]
     for rank, (calls, gh, gw) in enumerate(ranks):
         assert [c[:2] for c in calls] == blocks, f"rank {rank}: {calls}"
         started = rank < 2 or backend == "torch"  # torch: rank 2 runs its chunks too
         assert {c[2] for c in calls} == {started}, f"rank {rank}: {calls}"
         start, size = split_vocab(problem.v_padded, 3, mode="even")[rank]
+        want_w = p.weight.grad[start : start + size]
         if deterministic:
             assert torch.equal(gh, p.hidden.grad), f"grad_hidden (rank {rank})"
-            assert torch.equal(gw, p.weight.grad[start : start + size]), f"grad_weight {rank}"
         else:
             assert_close(gh, p.hidden.grad, rtol=1e-5, atol=1e-5, name=f"grad_hidden {rank}")
-            assert_close(gw, p.weight.grad[start : start + size], rtol=1e-5, atol=1e-5,
-                         name=f"grad_weight {rank}")  # fmt: skip
+        if deterministic and backend == "triton":  # (torch: grad_W sums its own chunks)
+            assert torch.equal(gw, want_w), f"grad_weight (rank {rank})"
+        else:
+            assert_close(gw, want_w, rtol=1e-5, atol=1e-5, name=f"grad_weight {rank}")
     assert split_vocab(problem.v_padded, 3, mode="even")[2][0] >= 250  # rank 2: padding only

@@ -334,45 +334,51 @@ def gather_stats(stats: torch.Tensor, group: Any, world: int) -> torch.Tensor:
     return out
 
 
+SUM_ROWS = 2048
+"""Rows per block of :class:`RowSums` when the caller's own blocks may differ by rank."""
+
+
 class RowSums:
     """The TP sum of ``t [N, ...]`` (grad_hidden's partials), started block by block.
 
-    The backward calls :meth:`start` on each token block ``[r0, r1)`` of ``rows`` rows as
-    soon as its last vocabulary chunk has finished them: the block's all-reduce is
-    launched asynchronously (NCCL runs it on its own stream, beside the grad_weight GEMM
-    that follows). :meth:`finish` sums the blocks not started, in the same blocks (a rank
-    with no vocabulary chunk starts none, and every rank must make the same sequence of
-    collectives), then waits for every one (on CUDA the current stream waits, not the
-    host). The int64 sums of ``deterministic=True`` are exact however they are split.
-    Inert for one rank or ``enabled=False``."""
+    Blocks are ``block`` rows (default :data:`SUM_ROWS`), the same on every rank: every
+    rank must make the same sequence of collectives, while the rows a rank finishes at a
+    time may follow its own shard (the torch backend's chunk rows do). The backward calls
+    :meth:`ready` once rows ``[0, r1)`` are final: each block they complete starts its
+    all-reduce asynchronously (NCCL runs it on its own stream, beside the GEMMs that
+    follow). :meth:`finish` sums the blocks not started, in the same blocks (a rank with
+    no vocabulary chunk starts none), then waits for every one (on CUDA the current
+    stream waits, not the host). The int64 sums of ``deterministic=True`` are exact
+    however they are split. Inert for one rank or ``enabled=False``."""
 
-    def __init__(self, t: torch.Tensor | None, group: Any, world: int, rows: int, enabled=True):
-        self.t, self.group, self.rows = t, group, max(rows, 1)
+    def __init__(self, t, group: Any, world: int, block: int | None = None, enabled=True):
+        self.t, self.group = t, group
+        self.block = max(1, SUM_ROWS if block is None else block)
         self.active = enabled and world > 1 and t is not None
         self.done = 0  # rows [0, done) are started
         self.works: list = []
 
-    def start(self, r0: int, r1: int) -> None:
-        if not self.active:
-            return
-        if (r0, r1) != (self.done, min(self.done + self.rows, self.t.shape[0])):
-            raise RuntimeError(f"rows [{r0}, {r1}) are not the next block (from {self.done})")
-        part = self.t[r0:r1]
-        self.works.append(
-            dist.all_reduce(part, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        )
-        self.done = r1
+    def _blocks(self, upto: int):
+        n = self.t.shape[0]
+        while self.done < n and min(self.done + self.block, n) <= upto:
+            r0, self.done = self.done, min(self.done + self.block, n)
+            yield self.t[r0 : self.done]
+
+    def ready(self, r1: int) -> None:
+        if self.active:
+            for part in self._blocks(r1):
+                work = dist.all_reduce(part, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                self.works.append(work)
 
     def finish(self) -> None:
         if not self.active:
             return
-        for r0 in range(self.done, self.t.shape[0], self.rows):
-            r1 = min(r0 + self.rows, self.t.shape[0])
-            dist.all_reduce(self.t[r0:r1], op=dist.ReduceOp.SUM, group=self.group)
+        for part in self._blocks(self.t.shape[0]):
+            dist.all_reduce(part, op=dist.ReduceOp.SUM, group=self.group)
         for work in self.works:
             if work is not None:
                 work.wait()
-        self.works, self.done = [], self.t.shape[0]
+        self.works = []
 
 
 @dataclass(frozen=True)

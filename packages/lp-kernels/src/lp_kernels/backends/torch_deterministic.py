@@ -45,7 +45,6 @@ from lp_kernels._matmul import addmm_f32_, mm_f32
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream, target_columns
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends.torch_linear import (
-    chunk_rows,
     logits_grad_chunks,
     padded_rows,
     scaled_logits_chunks,
@@ -170,8 +169,8 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
             scale, bad = row_exponents(hidden, w_all, lse, ignored, g_lp_, g_ent_, g_lse_, p)
             acc_h = torch.zeros((n, h_dim), dtype=torch.int64, device=hidden.device)
         acc_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        sums = RowSums(acc_h if need_h else None, p.tp_group, p.tp_size, chunk_rows(p),
-                       p.reduce_grad_hidden)  # fmt: skip
+        sums = RowSums(acc_h if need_h else None, p.tp_group, p.tp_size,
+                       enabled=p.reduce_grad_hidden)  # fmt: skip
         for r0, r1, h_c, dl in logits_grad_chunks(
             hidden, w_all, targets, lse, mean_z, (g_lp, g_ent, g_lse), p
         ):
@@ -181,7 +180,7 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
                 for c0 in range(own.skip, own.skip + own.ext, tile):
                     leaf = mm_f32(dl[:, c0 : c0 + tile], w_all[c0 : c0 + tile]).double()
                     acc_h[r0:r1] += torch.round(leaf * exp2)[: r1 - r0].to(torch.int64)
-                sums.start(r0, r1)  # these rows are final: their TP sum starts
+                sums.ready(r1)  # rows [0, r1) are final
             if need_w and v_real > 0:
                 addmm_f32_(acc_w[:v_real], dl[:, :v_real].T, h_c)
         grad_h = None

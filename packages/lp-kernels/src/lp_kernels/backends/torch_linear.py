@@ -80,11 +80,6 @@ def chunks(n: int, chunk: int):
         yield r0, min(n, r0 + chunk), chunk
 
 
-def chunk_rows(p: LogprobParams) -> int:
-    """Rows per block of :func:`chunks` (the last one may hold fewer real rows)."""
-    return max(p.chunk_size, _MIN_ROWS)
-
-
 def scaled_logits_chunks(
     hidden: torch.Tensor,
     w_real: torch.Tensor,
@@ -154,13 +149,13 @@ class LinearLogprobTorch(torch.autograd.Function):
             grad_h = scratch.empty((n, h_dim), dtype=h_dtype, device=hidden.device)
         acc_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         # each chunk's rows are final at once: their TP sum runs beside the next GEMMs
-        sums = RowSums(grad_h, p.tp_group, p.tp_size, chunk_rows(p), need_h and reduce_h)
+        sums = RowSums(grad_h, p.tp_group, p.tp_size, enabled=need_h and reduce_h)
         for r0, r1, h_c, dl in logits_grad_chunks(
             hidden, w_real, targets, lse, mean_z, (g_lp, g_ent, g_lse), p
         ):
             if need_h:
                 grad_h[r0:r1] = mm_f32(dl, w_real)[: r1 - r0]
-                sums.start(r0, r1)
+                sums.ready(r1)
             if need_w and v_real > 0:
                 addmm_f32_(acc_w[:v_real], dl.T, h_c)
         if need_h and reduce_h:

@@ -653,7 +653,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             for r0, r1, dl, cols in blocks:
                 if early:
                     grad_h_rows(r0, r1, dl, cols, w_chunk)
-                    sums.start(r0, r1)
+                    sums.ready(r1)
                 if gw and per_tile and rows == n:  # one cuBLAS GEMM, as the default path
                     if whole[j]:
                         tri._grad_weight_slice(dl, hidden, gw_rows)

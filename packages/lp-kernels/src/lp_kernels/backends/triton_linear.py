@@ -832,7 +832,7 @@ class LinearLogprobTriton(torch.autograd.Function):
                 gh = (grad_h32[r0:r1], dl, w_chunk, cfg) if need_h else None
                 if early:
                     _matmul_acc_(*gh, k_a=cols, accumulate=v_begin > 0)
-                    sums.start(r0, r1)
+                    sums.ready(r1)
                 if need_w and rows == n:  # one token chunk: the slice in one GEMM
                     _grad_weight_slice(dl, hidden, gw_slice)
                 elif need_w:  # the first token chunk overwrites acc
