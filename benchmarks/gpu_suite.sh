@@ -8,7 +8,8 @@
 # STEP_SHAPES (default S1,S4) and STEP_TRACE=1 (chrome traces, large) to profile-step;
 # STEP_SHAPES also to clock (default S1,S4), to anatomy (default S1,S2,S3,S4) and to ncu
 # (default S2,S1; Nsight Compute's counters, on hosts where ncu can read them);
-# BENCH_BACKENDS to bench (lp bench --backends).
+# BENCH_BACKENDS to bench (lp bench --backends); MARK to the pytest stages (default
+# "gpu or multigpu"; MARK=gpu skips the NCCL tests, e.g. tests-core after tp on -x2).
 # Writes logs, JUnit XML and bench.json/bench.png under $OUT (default ./gpu-out).
 # megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
 # are installed into /tmp/site first (the GPU image lacks them). Set LP_COMMIT to the
@@ -36,7 +37,7 @@ run_pytest() {  # name, pytest args...
   # planning the next call) are echoed at the end.
   local name=$1 rc
   shift
-  python3 -m pytest -p lp_testing.plugin -m "gpu or multigpu" -v -W ignore --durations=15 \
+  python3 -m pytest -p lp_testing.plugin -m "${MARK:-gpu or multigpu}" -v -W ignore --durations=15 \
     --junitxml="$OUT/$name.xml" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   tail -n 40 "$OUT/$name.log"
