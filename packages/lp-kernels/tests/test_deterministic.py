@@ -415,9 +415,10 @@ def test_default_tile_is_an_eighth_of_the_padded_vocabulary_on_any_layout():
 @pytest.mark.parametrize("tile, chunk", [(384, 256), (31104, 8192), (19072, 8192)])
 def test_every_layout_makes_the_single_process_grad_weight_calls(tile, chunk):
     """With one tile per backward piece, grad_W is one cuBLAS call per piece, whose kernel
-    (hence bits) follows the call's shape: every piece a rank computes, the head fragment's
-    included (placed at its offset in a block of the piece's width), must be a piece of the
-    single-process plan, same global start and width. Pure bookkeeping, on many layouts."""
+    (hence bits) follows the call's shape: every piece a rank computes (one that runs into
+    the halo included: its halo rows go back to their shards, which compute no head
+    fragment) must be a piece of the single-process plan, same global start and width,
+    and every piece of that plan must be computed. Pure bookkeeping, on many layouts."""
     import dataclasses
 
     from lp_kernels._types import LogprobParams
