@@ -159,6 +159,10 @@ WIDE_CASES = {  # name -> (tile, vocab chunk [, token chunk] of the interpreter 
     "tile384-cut": (384, 256, 1152, ["tp1", "tp3-w384", "tp2-w384", "tp4-x", "tp3-x384"]),
     # and token chunks of 16 rows: grad_W summed over them, pieces cut across shards
     "tile384-cut-rows": (384, (256, 16), 1152, ["tp1", "tp4-x", "tp3-x384"]),
+    # fp32 weights: grad_W of a piece that runs into the halo in fp32 scratch, with one
+    # token chunk and with several
+    "tile256-per-tile-fp32": (256, 256, 1024, ["tp1", "tp2-x", "tp3-x"], torch.float32),
+    "tile256-per-tile-rows-fp32": (256, (256, 16), 1024, ["tp1", "tp2-x"], torch.float32),
 }
 # "-x": bounds on multiples of 128 but not of the tile: tiles cross shard bounds and are
 # computed whole by the rank where they start, with the next shards' rows sent to it
@@ -182,10 +186,10 @@ def test_wider_tiles_bitwise_identical_across_layouts(case, backend):
     """deterministic_tile > 128: the same bits on every 128-aligned layout, on the tile's
     grid or not (uneven ones included), on each backward plan, and still as accurate as
     the default path."""
-    tile, chunk, v_pad, layouts = WIDE_CASES[case]
+    tile, chunk, v_pad, layouts, *dtype = WIDE_CASES[case]
     problem = make_problem(
-        37, 24, 1000, dtype=torch.bfloat16, seed=5, ignore_frac=0.1, padded_vocab=v_pad,
-        temperature=0.8,
+        37, 24, 1000, dtype=dtype[0] if dtype else torch.bfloat16, seed=5, ignore_frac=0.1,
+        padded_vocab=v_pad, temperature=0.8,
     )  # fmt: skip
     names = ("logprob", "entropy", "lse", "grad_hidden", "grad_weight")
     results = {}
