@@ -455,7 +455,7 @@ def _stats_rows(p: LogprobParams, cfg: TileConfig, max_tiles: int) -> int:
 
 
 def _spans(own, p: LogprobParams, chunk: int, need_w: bool):
-    """The backward's vocabulary spans ``(v_begin, v_count, off, full)`` over this shard's
+    """The backward's vocabulary spans ``(v_begin, v_count)`` over this shard's
     real rows followed by its halo, the number of leading head-fragment spans (grad_W
     only), and the d_logits buffer's width.
 
@@ -469,10 +469,10 @@ def _spans(own, p: LogprobParams, chunk: int, need_w: bool):
     pieces, width = vocab_pieces(own.ext, tile, chunk)
     spans = []
     if need_w and own.skip and 2 * tile <= chunk:
-        spans.append((0, own.skip, 0, own.skip))
+        spans.append((0, own.skip))
         width = max(width, tri.pad128(own.skip))
     n_frag = len(spans)
-    spans += [(own.skip + b, c, 0, c) for b, c in pieces]
+    spans += [(own.skip + b, c) for b, c in pieces]
     return spans, n_frag, width
 
 
@@ -509,7 +509,7 @@ def _span_blocks(hidden, w_real, halo, t_all, lse, mean_z, grads, p, cfg, spans,
     for (c0, w), sub in zip(parts, (spans[:k], spans[k:]), strict=False):
         if not sub:
             continue
-        local = [(b - c0, *rest) for b, *rest in sub]
+        local = [(b - c0, c) for b, c in sub]
         t = t_all if c0 == 0 else _codes_in(t_all, c0, w.shape[0])
         for v_begin, v_count, blocks in tri.dlogits_blocks(
             hidden, w, t, lse, mean_z, grads, p, cfg, pieces=(local, width)
@@ -576,8 +576,8 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         spans, n_frag, width = _spans(own, p, cfg.vocab_chunk, need_w)
         # Pieces within one tile each (tiles wider than half a chunk) are cut alike on every
         # layout, and so are the d_logits buffer's shape and strides: then cuBLAS may
-        # compute grad_W (the same call on every layout; a piece that is only partly this
-        # shard's is computed whole, its other rows dropped). Else a piece holds several
+        # compute grad_W (the same call on every layout; a piece that runs into the halo
+        # is computed whole, its halo rows sent back). Else a piece holds several
         # tiles, its width varies with the layout, and grad_W takes lp's fixed-tile GEMM,
         # whose rows never depend on the width.
         per_tile = 2 * tile > cfg.vocab_chunk
@@ -595,7 +595,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             if per_tile and own.ext > 0:
                 leaf32 = scratch.empty((slots, n, h_dim), dtype=torch.float32, device=dev)
         grad_w = tri.grad_weight_buffer(weight, v_real, n) if need_w else None
-        whole = [off == 0 and c == f and b + c <= v_real for b, c, off, f in spans]
+        whole = [b + c <= v_real for b, c in spans]
         acc_w = None  # fp32 accumulator of a grad_W piece
         fp32_w = weight.dtype == torch.float32 and all(whole)  # grad_W sums in place
         if need_w and n > 0 and (rows < n or not per_tile) and not fp32_w:
@@ -629,7 +629,6 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         for j, (v_begin, v_count, blocks, w_chunk) in enumerate(
             _span_blocks(hidden, w_real, halo, t_all, lse, mean_z, grads, p, cfg, spans, width)
         ):
-            off, full = spans[j][2:]  # where this span's columns sit in its piece's width
             local = max(0, min(v_begin + v_count, v_real) - v_begin)  # its grad_W rows
             # and its rows of grad_halo (per_tile): the span's columns [local, v_count)
             h_rows = (max(0, v_begin + local - v_real), max(0, v_begin + v_count - v_real))
@@ -644,7 +643,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             if gw:
                 gw_rows = grad_w[v_begin : v_begin + local]
                 if per_tile:
-                    acc = gw_rows if acc_w is None else acc_w[:full]
+                    acc = gw_rows if acc_w is None else acc_w[:v_count]
                 else:
                     acc = gw_rows if acc_w is None else acc_w[:local]
             # under TP the last span's rows are final once grad_h has run: their int64
@@ -657,12 +656,12 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                 if gw and per_tile and rows == n:  # one cuBLAS GEMM, as the default path
                     if whole[j]:
                         tri._grad_weight_slice(dl, hidden, gw_rows)
-                    else:  # the whole piece's call; keep this shard's rows
-                        tmp = torch.empty((full, h_dim), dtype=weight.dtype, device=dev)
+                    else:  # the whole piece's call: this shard's rows, then the halo's
+                        tmp = torch.empty((v_count, h_dim), dtype=weight.dtype, device=dev)
                         tri._grad_weight_slice(dl, hidden, tmp)
-                        gw_rows.copy_(tmp[off : off + local])
+                        gw_rows.copy_(tmp[:local])
                         if back:
-                            grad_halo[slice(*h_rows)].copy_(tmp[off + local : off + v_count])
+                            grad_halo[slice(*h_rows)].copy_(tmp[local:])
                 elif gw and per_tile:  # the first token chunk overwrites acc
                     addmm_f32_(acc, dl.T, hidden[r0:r1], accumulate=r0 > 0)
                 elif gw:  # lp's fixed-tile GEMM (the first token chunk overwrites acc)
@@ -676,9 +675,9 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             elif need_h and last:
                 pending += 1
             if gw and acc_w is not None and per_tile:
-                gw_rows.copy_(acc[off : off + local])
+                gw_rows.copy_(acc[:local])
                 if back:
-                    grad_halo[slice(*h_rows)].copy_(acc[off + local : off + v_count])
+                    grad_halo[slice(*h_rows)].copy_(acc[local:])
             elif gw and acc_w is not None:
                 gw_rows.copy_(acc)
         grad_h = None

@@ -708,10 +708,7 @@ def dlogits_blocks(
     width). ``blocks`` yields ``(r0, r1, dl, cols)`` per token chunk of
     ``cfg.token_chunk`` rows: ``dl [r1 - r0, v_count]`` (input dtype) is ``d loss / d
     logits`` of those rows and columns, in one reused buffer that holds exact zeros in
-    columns ``[v_count, cols)``. A span ``(v_begin, v_count, off, full)`` lands at the
-    buffer's column ``off`` (a multiple of 128) after ``off`` zero columns, and its ``dl``
-    has ``full >= off + v_count`` columns from the buffer's first (those past
-    ``cols`` unspecified). ``grads`` are the masked upstream gradients
+    columns ``[v_count, cols)``. ``grads`` are the masked upstream gradients
     ``(g_lp, g_ent, g_lse)``.
     """
     n = hidden.shape[0]
@@ -731,26 +728,23 @@ def dlogits_blocks(
         spans, width = pieces
     dl_buf = scratch.empty((rows, width), dtype=hidden.dtype, device=hidden.device)
 
-    def blocks(v_begin: int, v_count: int, off: int, full: int):
-        cols = pad_cols(off + v_count, dl_buf)
+    def blocks(v_begin: int, v_count: int):
+        cols = pad_cols(v_count, dl_buf)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
 
             def cut(x, r0=r0, r1=r1):
                 return None if x is None else x[r0:r1]
 
-            if off:
-                dl_buf[: r1 - r0, :off].zero_()
             _dlogits(
                 hidden[r0:r1], w_real, t_col[r0:r1], lse[r0:r1], cut(mean_z),
-                cut(g_lp), cut(g_ent), c0[r0:r1], dl_buf[: r1 - r0, off:cols],
+                cut(g_lp), cut(g_ent), c0[r0:r1], dl_buf[: r1 - r0, :cols],
                 v_begin, v_count, p, cfg,
             )  # fmt: skip
-            yield r0, r1, dl_buf[: r1 - r0, :full], cols
+            yield r0, r1, dl_buf[: r1 - r0, :v_count], cols
 
-    for v_begin, v_count, *place in spans:
-        off, full = place if place else (0, v_count)
-        yield v_begin, v_count, blocks(v_begin, v_count, off, full)
+    for v_begin, v_count in spans:
+        yield v_begin, v_count, blocks(v_begin, v_count)
 
 
 def _grad_weight_slice(dl: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor) -> None:
