@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 
 from lp_kernels import _checks
+from lp_kernels._compile import eager_under_compile
 from lp_kernels._dist import DETERMINISTIC_TILE, default_deterministic_tile, resolve_vocab
 from lp_kernels._types import LogProbOutput, LogprobParams
 from lp_kernels.backends.torch_linear import LinearLogprobTorch, default_chunk_rows
@@ -73,6 +74,7 @@ def _resolve_backend(
     return LinearLogprobTriton
 
 
+@eager_under_compile
 def linear_logprob(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -101,6 +103,8 @@ def linear_logprob(
     its ``grad_hidden`` row do not depend on the other rows, on N or on
     ``chunk_size`` (batch invariance) with the triton backend, and with the torch
     backend on CPU; the torch backend on CUDA is not batch-invariant (cuBLAS).
+    Under ``torch.compile`` it runs eagerly behind a graph break, so a compiled step
+    gets the same bits as an eager one (``fullgraph=True`` raises).
 
     Args:
         hidden: ``[*, H]`` float32, bfloat16 or float16 last hidden states.

@@ -25,6 +25,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from lp_kernels import _checks
+from lp_kernels._compile import eager_under_compile
 from lp_kernels._dist import DETERMINISTIC_TILE, gather_stats, resolve_vocab
 from lp_kernels._matmul import scratch
 from lp_kernels._stats import (
@@ -94,6 +95,7 @@ class VocabParallelLogprob(torch.autograd.Function):
         return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
     @staticmethod
+    @eager_under_compile
     @once_differentiable
     def backward(ctx, g_lp, g_ent, g_lse):
         logits, targets, lse, mean_z = ctx.saved_tensors
@@ -125,6 +127,7 @@ class VocabParallelLogprob(torch.autograd.Function):
         return grad, None, None
 
 
+@eager_under_compile
 def vocab_parallel_logprob(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -146,6 +149,7 @@ def vocab_parallel_logprob(
     Same semantics as :func:`lp_kernels.linear_logprob` with ``z = logits / T``.
     Works chunk by chunk in fp32 whatever the logits dtype; the backward writes
     each chunk's gradient into one preallocated buffer (the returned gradient).
+    Under ``torch.compile`` it runs eagerly behind a graph break (same bits as eager).
 
     Args:
         logits: ``[*, V_local]`` float32, bfloat16 or float16: the whole vocabulary,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from lp_kernels._compile import eager_under_compile
 from lp_kernels._dist import (
     RowSums,
     gather_stats,
@@ -151,6 +152,7 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
     @staticmethod
+    @eager_under_compile
     @once_differentiable
     def backward(ctx, g_lp, g_ent, g_lse):
         hidden, weight, targets, lse, mean_z, halo = ctx.saved_tensors

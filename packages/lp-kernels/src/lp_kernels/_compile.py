@@ -1,0 +1,56 @@
+"""lp's public ops under ``torch.compile``: run eagerly, behind a graph break.
+
+lp's guarantees are about bits: run to run, across batches, and with
+``deterministic=True`` across tensor-parallel layouts. They hold for lp's own sequence
+of kernels. If Dynamo traced into an op, Inductor would regenerate the torch backend's
+chunk loop (fusing reductions, reordering sums) and the bits would move: measured on
+CPU, a compiled step's gradients differed from eager ones by one ulp, so an RL
+trainer's policy ratio between a compiled training step and an eager rollout would no
+longer start at exactly 1. The triton backend's launches, host-side checks and
+collectives have nothing to gain from tracing either.
+
+So each public op, when Dynamo reaches it, makes a graph break and runs as in eager
+mode; the code around it is compiled as usual. The autograd graph joins up as for
+any eager op. ``fullgraph=True`` (and ``torch.export``) raise Dynamo's
+``Unsupported`` error naming the op. Outside ``torch.compile`` the only cost is one
+check of ``torch.compiler.is_compiling()``; ``torch._dynamo`` is never imported by lp
+(importing it takes seconds).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+
+_REASON = (
+    "lp runs its ops eagerly under torch.compile: tracing them would change the bits "
+    "that lp keeps reproducible (see lp_kernels._compile)"
+)
+_TAKES_REASON = "reason" in inspect.signature(torch.compiler.disable).parameters
+_DISABLED: dict[str, Callable] = {}
+
+
+def _disabled(name: str, fn: Callable) -> Callable:
+    """``fn`` wrapped by ``torch.compiler.disable`` (made on first use, while tracing)."""
+    wrapped = _DISABLED.get(name)
+    if wrapped is None:
+        kwargs = {"reason": _REASON} if _TAKES_REASON else {}
+        wrapped = torch.compiler.disable(fn, recursive=True, **kwargs)
+        _DISABLED[name] = wrapped
+    return wrapped
+
+
+def eager_under_compile[**P, R](fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorator: ``fn`` runs eagerly (a graph break) when ``torch.compile`` reaches it."""
+    name = f"{fn.__module__}.{fn.__qualname__}"
+
+    @functools.wraps(fn)
+    def op(*args: P.args, **kwargs: P.kwargs) -> R:
+        if torch.compiler.is_compiling():  # only Dynamo's tracing takes this branch
+            return _disabled(name, fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return op
