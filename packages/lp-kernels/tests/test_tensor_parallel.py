@@ -233,6 +233,43 @@ def test_bad_layout_raises_on_every_rank(case, message):
     assert message in text
 
 
+def _dtensor_rank(rank, world, arg):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = make_problem(4, 8, 60, seed=0)
+    hidden, weight, targets = p.hidden, p.weight, p.targets
+    if arg == "weight":  # what ColwiseParallel (TP) or fully_shard (FSDP2) leaves on a head
+        weight = distribute_tensor(weight, mesh, [Shard(0)])
+    elif arg == "hidden":
+        hidden = distribute_tensor(hidden, mesh, [Replicate()])
+    else:
+        logits = distribute_tensor(p.hidden @ p.weight.T, mesh, [Shard(1)])
+        vocab_parallel_logprob(logits, targets, tp_group=dist.group.WORLD)
+    linear_logprob(hidden, weight, targets, tp_group=dist.group.WORLD)
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        ("weight", "weight is a DTensor (placements (Shard(dim=0),)); lp takes local tensors"),
+        ("hidden", "hidden is a DTensor (placements (Replicate(),)); lp takes local tensors"),
+        ("logits", "logits is a DTensor (placements (Shard(dim=1),)); lp takes local tensors"),
+    ],
+)
+def test_dtensor_inputs_are_refused_on_every_rank(arg, message):
+    """A DTensor's mesh may be FSDP2's (data parallel), where reading it as a vocabulary
+    shard would be silently wrong: lp asks for the local tensor and the group instead of
+    DTensor's own 'mixed torch.Tensor and DTensor' error from inside a backend."""
+    with pytest.raises(RankError) as info:
+        run_ranks(_dtensor_rank, 2, arg, timeout=60)
+    text = str(info.value)
+    assert text.count("TypeError") >= 2, text  # both ranks raised, none hung
+    assert message in text
+    assert "to_local()" in text
+
+
 def test_triton_tp_with_unequal_split_counts():
     """Uneven shards spanning different numbers of Triton vocabulary splits still exchange
     equal-sized statistics (a rank-dependent size would hang the all-gather)."""

@@ -10,6 +10,7 @@ collective, and is skipped with ``validate=False``.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -18,9 +19,33 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "torch", "triton")
 
 
+def _dtensor_type() -> type | None:
+    """``DTensor`` if ``torch.distributed.tensor`` is loaded (else no tensor can be one)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
 def check_tensor(x: Any, name: str, *, min_dim: int = 1) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(x, dtensor):
+        # A DTensor's mesh may be data parallel (FSDP2) or tensor parallel; reading it as
+        # a vocabulary shard would be wrong for the first, silently. The caller knows.
+        if name in ("weight", "logits"):
+            what = (
+                f"A vocabulary shard (tensor parallel): pass {name}.to_local() with "
+                "tp_group=<the mesh dimension's group> and vocab_start=<the global id of "
+                "its first vocabulary entry>. Sharded for data parallelism (FSDP2): "
+                "gather it first (full_tensor(), or call lp inside the module's forward, "
+                "where FSDP has unsharded it)"
+            )
+        else:
+            what = f"Pass {name}.to_local(); under tp_group every rank passes the same one"
+        raise TypeError(
+            f"{name} is a DTensor (placements {tuple(x.placements)}); lp takes local "
+            f"tensors. {what}"
+        )
     if x.dim() < min_dim:
         raise ValueError(
             f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}"
