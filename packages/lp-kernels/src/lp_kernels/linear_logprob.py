@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from lp_kernels import _checks
+from lp_kernels import _amp, _checks
 from lp_kernels._compile import eager_under_compile
 from lp_kernels._dist import DETERMINISTIC_TILE, default_deterministic_tile, resolve_vocab
 from lp_kernels._types import LogProbOutput, LogprobParams
@@ -104,7 +104,9 @@ def linear_logprob(
     ``chunk_size`` (batch invariance) with the triton backend, and with the torch
     backend on CPU; the torch backend on CUDA is not batch-invariant (cuBLAS).
     Under ``torch.compile`` it runs eagerly behind a graph break, so a compiled step
-    gets the same bits as an eager one (``fullgraph=True`` raises).
+    gets the same bits as an eager one (``fullgraph=True`` raises). Under
+    ``torch.autocast`` ``hidden`` and ``weight`` are cast to the autocast dtype, as
+    ``F.linear`` would be; lp's own math stays as above.
 
     Args:
         hidden: ``[*, H]`` float32, bfloat16 or float16 last hidden states.
@@ -184,6 +186,7 @@ def linear_logprob(
     _checks.check_tensor(weight, "weight", min_dim=2)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [V_local, H], got shape {tuple(weight.shape)}")
+    hidden, weight = _amp.autocast_inputs(hidden, weight)  # as F.linear under autocast
     _checks.check_targets(targets, hidden.shape[:-1], hidden.device, "hidden")
     temperature = _checks.check_options(
         temperature=temperature,
@@ -244,9 +247,10 @@ def linear_logprob(
         deterministic_tile=deterministic_tile,
     )
     lead = targets.shape
-    logprob, entropy, lse = function.apply(
-        hidden.reshape(-1, h_dim), weight, targets.reshape(-1), params
-    )
+    with _amp.autocast_off(hidden.device):  # lp's precision policy is its own
+        logprob, entropy, lse = function.apply(
+            hidden.reshape(-1, h_dim), weight, targets.reshape(-1), params
+        )
     return LogProbOutput(
         logprob.view(lead),
         entropy.view(lead) if entropy is not None else None,

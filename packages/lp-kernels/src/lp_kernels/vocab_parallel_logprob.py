@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from lp_kernels import _checks
+from lp_kernels import _amp, _checks
+from lp_kernels._amp import backward_without_autocast
 from lp_kernels._compile import eager_under_compile
 from lp_kernels._dist import DETERMINISTIC_TILE, gather_stats, resolve_vocab
 from lp_kernels._matmul import scratch
@@ -96,6 +97,7 @@ class VocabParallelLogprob(torch.autograd.Function):
 
     @staticmethod
     @eager_under_compile
+    @backward_without_autocast
     @once_differentiable
     def backward(ctx, g_lp, g_ent, g_lse):
         logits, targets, lse, mean_z = ctx.saved_tensors
@@ -149,7 +151,8 @@ def vocab_parallel_logprob(
     Same semantics as :func:`lp_kernels.linear_logprob` with ``z = logits / T``.
     Works chunk by chunk in fp32 whatever the logits dtype; the backward writes
     each chunk's gradient into one preallocated buffer (the returned gradient).
-    Under ``torch.compile`` it runs eagerly behind a graph break (same bits as eager).
+    Under ``torch.compile`` it runs eagerly behind a graph break (same bits as eager);
+    ``torch.autocast`` changes nothing (the logits are taken in their own dtype).
 
     Args:
         logits: ``[*, V_local]`` float32, bfloat16 or float16: the whole vocabulary,
@@ -235,9 +238,11 @@ def vocab_parallel_logprob(
         deterministic_tile=deterministic_tile,
     )
     lead = targets.shape
-    logprob, entropy, lse = VocabParallelLogprob.apply(
-        logits.reshape(-1, v_local), targets.reshape(-1), params
-    )
+    # fp32 math whatever the logits dtype, autocast or not (log_softmax is fp32 there too)
+    with _amp.autocast_off(logits.device):
+        logprob, entropy, lse = VocabParallelLogprob.apply(
+            logits.reshape(-1, v_local), targets.reshape(-1), params
+        )
     return LogProbOutput(
         logprob.view(lead),
         entropy.view(lead) if entropy is not None else None,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from lp_kernels._amp import backward_without_autocast
 from lp_kernels._compile import eager_under_compile
 from lp_kernels._dist import RowSums, gather_stats
 from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
@@ -136,6 +137,7 @@ class LinearLogprobTorch(torch.autograd.Function):
 
     @staticmethod
     @eager_under_compile
+    @backward_without_autocast
     @once_differentiable
     def backward(ctx, g_lp, g_ent, g_lse):
         hidden, weight, targets, lse, mean_z = ctx.saved_tensors

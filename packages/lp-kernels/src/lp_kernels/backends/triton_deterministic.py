@@ -69,6 +69,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 from triton.language.extra import libdevice
 
+from lp_kernels._amp import backward_without_autocast
 from lp_kernels._compile import eager_under_compile
 from lp_kernels._dist import DETERMINISTIC_TILE as TILE
 from lp_kernels._dist import RowSums, gather_stats, owned_halo, return_halo_grad, with_halo
@@ -562,6 +563,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
 
     @staticmethod
     @eager_under_compile
+    @backward_without_autocast
     @once_differentiable
     def backward(ctx, g_lp, g_ent, g_lse):
         hidden, weight, t_all, ignored, lse, mean_z, halo = ctx.saved_tensors
