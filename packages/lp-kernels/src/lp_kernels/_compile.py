@@ -4,10 +4,12 @@ lp's guarantees are about bits: run to run, across batches, and with
 ``deterministic=True`` across tensor-parallel layouts. They hold for lp's own sequence
 of kernels. If Dynamo traced into an op, Inductor would regenerate the torch backend's
 chunk loop (fusing reductions, reordering sums) and the bits would move: measured on
-CPU, a compiled step's gradients differed from eager ones by one ulp, so an RL
-trainer's policy ratio between a compiled training step and an eager rollout would no
-longer start at exactly 1. The triton backend's launches, host-side checks and
-collectives have nothing to gain from tracing either.
+CPU, for the same inputs a compiled step's logprob and gradients differed from eager
+ones in the last bits. lp's results would then depend on whether the caller compiles,
+and ``deterministic=True``'s TP invariance on how Inductor fuses each shard's shapes.
+(Under the Triton interpreter, Dynamo failed on the triton backend's kernels.) Nothing
+in an op gains from tracing: its GEMMs and fused kernels are the work, the rest is
+host-side checks and collectives.
 
 So each public op, when Dynamo reaches it, makes a graph break and runs as in eager
 mode; the code around it is compiled as usual. The autograd graph joins up as for
