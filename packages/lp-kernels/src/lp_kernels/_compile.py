@@ -26,6 +26,9 @@ import inspect
 from collections.abc import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
+
+from lp_kernels._amp import backward_without_autocast
 
 _REASON = (
     "lp runs its ops eagerly under torch.compile: tracing them would change the bits "
@@ -56,3 +59,10 @@ def eager_under_compile[**P, R](fn: Callable[P, R]) -> Callable[P, R]:
         return fn(*args, **kwargs)
 
     return op
+
+
+def backend_backward(fn: Callable) -> Callable:
+    """Decorator for a backend Function's ``backward``: ``once_differentiable``, autocast
+    off (:func:`lp_kernels._amp.backward_without_autocast`), eager under
+    ``torch.compile``."""
+    return eager_under_compile(backward_without_autocast(once_differentiable(fn)))

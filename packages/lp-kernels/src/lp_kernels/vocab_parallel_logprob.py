@@ -22,11 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from lp_kernels import _amp, _checks
-from lp_kernels._amp import backward_without_autocast
-from lp_kernels._compile import eager_under_compile
+from lp_kernels._compile import backend_backward, eager_under_compile
 from lp_kernels._dist import DETERMINISTIC_TILE, gather_stats, resolve_vocab
 from lp_kernels._matmul import scratch
 from lp_kernels._stats import (
@@ -96,9 +94,7 @@ class VocabParallelLogprob(torch.autograd.Function):
         return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
     @staticmethod
-    @eager_under_compile
-    @backward_without_autocast
-    @once_differentiable
+    @backend_backward
     def backward(ctx, g_lp, g_ent, g_lse):
         logits, targets, lse, mean_z = ctx.saved_tensors
         p: LogprobParams = ctx.params

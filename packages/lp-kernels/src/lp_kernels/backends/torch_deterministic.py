@@ -31,10 +31,8 @@ are not shape-invariant, so ``deterministic=True`` there needs the triton backen
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from lp_kernels._amp import backward_without_autocast
-from lp_kernels._compile import eager_under_compile
+from lp_kernels._compile import backend_backward
 from lp_kernels._dist import (
     RowSums,
     gather_stats,
@@ -153,9 +151,7 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
     @staticmethod
-    @eager_under_compile
-    @backward_without_autocast
-    @once_differentiable
+    @backend_backward
     def backward(ctx, g_lp, g_ent, g_lse):
         hidden, weight, targets, lse, mean_z, halo = ctx.saved_tensors
         p: LogprobParams = ctx.params

@@ -66,11 +66,9 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 from triton.language.extra import libdevice
 
-from lp_kernels._amp import backward_without_autocast
-from lp_kernels._compile import eager_under_compile
+from lp_kernels._compile import backend_backward
 from lp_kernels._dist import DETERMINISTIC_TILE as TILE
 from lp_kernels._dist import RowSums, gather_stats, owned_halo, return_halo_grad, with_halo
 from lp_kernels._fixed_point import row_exponents
@@ -562,9 +560,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
     @staticmethod
-    @eager_under_compile
-    @backward_without_autocast
-    @once_differentiable
+    @backend_backward
     def backward(ctx, g_lp, g_ent, g_lse):
         hidden, weight, t_all, ignored, lse, mean_z, halo = ctx.saved_tensors
         p: LogprobParams = ctx.params

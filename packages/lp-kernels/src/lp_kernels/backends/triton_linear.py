@@ -58,11 +58,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from lp_kernels._amp import backward_without_autocast
-from lp_kernels._compile import eager_under_compile
+from lp_kernels._compile import backend_backward
 from lp_kernels._dist import RowSums, gather_stats
 from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
 from lp_kernels._stats import (
@@ -789,9 +787,7 @@ class LinearLogprobTriton(torch.autograd.Function):
         return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
     @staticmethod
-    @eager_under_compile
-    @backward_without_autocast
-    @once_differentiable
+    @backend_backward
     def backward(ctx, g_lp, g_ent, g_lse):
         hidden, weight, t_col, ignored, lse, mean_z = ctx.saved_tensors
         p: LogprobParams = ctx.params
