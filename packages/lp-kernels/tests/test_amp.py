@@ -44,16 +44,10 @@ def _case(device, deterministic, dtype):
     return p, g, kwargs
 
 
-def _skip_unsupported(device, backend, deterministic):
-    if deterministic and device == "cuda" and backend == "torch":
-        pytest.skip("deterministic=True with the torch backend is CPU-only")
-
-
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
 def test_fp32_inputs_are_cast_like_linear(device, backend, deterministic):
     """fp32 hidden and weight under autocast give the bits of lp on the cast inputs,
     and fp32 gradients equal to that run's, widened (the casts' backward)."""
-    _skip_unsupported(device, backend, deterministic)
     p, g, kwargs = _case(device, deterministic, torch.float32)
     for dtype in _dtypes(device):
         cast = _step(
@@ -68,7 +62,6 @@ def test_fp32_inputs_are_cast_like_linear(device, backend, deterministic):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
 def test_low_precision_inputs_keep_their_bits(device, backend, deterministic):
     """Inputs already in the autocast dtype: autocast changes no bit, backward included."""
-    _skip_unsupported(device, backend, deterministic)
     p, g, kwargs = _case(device, deterministic, torch.bfloat16)
     plain = _step(p.hidden, p.weight, p.targets, g, backend=backend, **kwargs)
     auto = _step(

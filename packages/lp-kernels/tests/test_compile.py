@@ -123,8 +123,6 @@ def test_inductor_step_has_eager_bits(device, case):
     """A step compiled by Inductor (the default) gives eager mode's bits, gradients too."""
     if device == "cpu" and not _have_cxx():
         pytest.skip("Inductor on CPU needs a C++ compiler")
-    # the torch backend's deterministic mode is CPU-only
-    backend = "triton" if case == "linear-deterministic" and device == "cuda" else "auto"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     p = make_problem(
         53, 48, 1031, dtype=dtype, device=device, seed=8, ignore_frac=0.1, padded_vocab=1040
@@ -133,7 +131,7 @@ def test_inductor_step_has_eager_bits(device, case):
         op, inputs, kwargs = _logits(p)
     else:
         deterministic = case == "linear-deterministic"
-        op, inputs, kwargs = _linear(p, backend=backend, deterministic=deterministic)
+        op, inputs, kwargs = _linear(p, backend="auto", deterministic=deterministic)
         if deterministic:
             kwargs["deterministic_tile"] = 256
     g = _weights(p.targets)

@@ -52,7 +52,7 @@ def _upstream(n):
     return g, g.flip(0), torch.full((n,), 0.3)
 
 
-def _rank(rank, world, problem, bounds, backend, tile=128, chunk=None):
+def _rank(rank, world, problem, bounds, backend, tile=128, chunk=None, rows=None):
     if chunk is not None:  # a smaller vocabulary chunk: the same code paths as large tiles
         import dataclasses
 
@@ -69,7 +69,7 @@ def _rank(rank, world, problem, bounds, backend, tile=128, chunk=None):
     out = linear_logprob(
         h, w, problem.targets, tp_group=dist.group.WORLD, vocab_start=start,
         deterministic=True, deterministic_tile=tile, return_entropy=True, return_lse=True,
-        backend=backend, **problem.op_kwargs(),
+        backend=backend, chunk_size=rows, **problem.op_kwargs(),
     )  # fmt: skip
     g_lp, g_ent, g_lse = _upstream(problem.n)
     (out.logprob * g_lp + out.entropy * g_ent + out.lse * g_lse).sum().backward()
@@ -114,8 +114,6 @@ def test_deterministic_parity_awkward_shapes(shape, tol, tile, device, backend):
     """deterministic=True is as accurate as the default path: every dtype, all options,
     the default tile and a wider one (384: not a multiple of the forward's 256-column
     logit tiles)."""
-    if backend == "torch" and device == "cuda":
-        pytest.skip("deterministic=True with the torch backend is CPU-only (NotImplementedError)")
     if backend == "triton" and device == "cpu" and (shape.v > 2000 or tile != 128):
         pytest.skip("Triton's interpreter only at tiny sizes in CI; the GPU run covers it")
     problem = make_problem(
@@ -157,7 +155,8 @@ WIDE_CASES = {  # name -> (tile, vocab chunk [, token chunk] of the interpreter 
     "tile256-multi": (256, None, 1024, ["tp1", "tp2", "tp4", "tp3-w256", "tp2-x", "tp3-x"]),
     "tile256-per-tile": (256, 256, 1024, ["tp1", "tp2", "tp4", "tp3-w256", "tp2-x"]),
     "tile384-cut": (384, 256, 1152, ["tp1", "tp3-w384", "tp2-w384", "tp4-x", "tp3-x384"]),
-    # and token chunks of 16 rows: grad_W summed over them, pieces cut across shards
+    # and token chunks of 16 rows: grad_W summed over them, pieces cut across shards (the
+    # torch backend: chunk_size=16)
     "tile384-cut-rows": (384, (256, 16), 1152, ["tp1", "tp4-x", "tp3-x384"]),
     # fp32 weights: grad_W of a piece that runs into the halo in fp32 scratch, with one
     # token chunk and with several
@@ -187,6 +186,7 @@ def test_wider_tiles_bitwise_identical_across_layouts(case, backend):
     grid or not (uneven ones included), on each backward plan, and still as accurate as
     the default path."""
     tile, chunk, v_pad, layouts, *dtype = WIDE_CASES[case]
+    rows = chunk[1] if backend == "torch" and isinstance(chunk, tuple) else None
     problem = make_problem(
         37, 24, 1000, dtype=dtype[0] if dtype else torch.bfloat16, seed=5, ignore_frac=0.1,
         padded_vocab=v_pad, temperature=0.8,
@@ -195,7 +195,9 @@ def test_wider_tiles_bitwise_identical_across_layouts(case, backend):
     results = {}
     for layout in layouts:
         bounds = WIDE_LAYOUTS[layout](v_pad)
-        per_rank = run_ranks(_rank, len(bounds), problem, bounds, backend, tile, chunk, timeout=180)
+        per_rank = run_ranks(
+            _rank, len(bounds), problem, bounds, backend, tile, chunk, rows, timeout=180
+        )
         for rank in range(1, len(bounds)):
             for k in range(4):
                 assert_bitwise_equal(per_rank[rank][k], per_rank[0][k], f"{layout} rank {rank}")
@@ -211,6 +213,51 @@ def test_wider_tiles_bitwise_identical_across_layouts(case, backend):
     for name, got in zip(names, results["tp1"], strict=True):
         scale = float(truth[name].abs().max())
         assert_close(got, truth[name], rtol=2e-2, atol=2e-2 * scale, name=f"{name} vs fp64")
+
+
+def _torch_chunk_rank(rank, world, problem, bounds, tile):
+    """A torch-backend rank with the default token chunk, recording the chunk it used."""
+    from lp_kernels.backends import torch_deterministic as td
+
+    used = set()
+    original = td.scaled_logits_chunks
+
+    def spy(hidden, w, p, *args, **kwargs):
+        used.add(p.chunk_size)
+        return original(hidden, w, p, *args, **kwargs)
+
+    td.scaled_logits_chunks = spy
+    return used, _rank(rank, world, problem, bounds, "torch", tile)
+
+
+def test_torch_token_chunk_is_the_same_on_every_layout():
+    """The torch backend's default token chunk comes from the tile's width, not the
+    shard's: its GEMMs and reductions then have one shape per tile on every layout, which
+    is what keeps cuBLAS' and torch's CUDA kernels (they choose their summation order by
+    shape) on the same bits. A 262144-column tile, whose chunk (128 rows on CPU) is
+    smaller than the 200 rows, on shards of 524288, 262144, 393216 and 131072 columns (by
+    width, chunks of 64, 128, 64 and 256 rows); the uneven layout crosses the tile."""
+    tile, v_pad = 262144, 524288
+    problem = make_problem(
+        200, 4, v_pad - 7, dtype=torch.float32, seed=9, ignore_frac=0.1, padded_vocab=v_pad,
+        temperature=0.8,
+    )  # fmt: skip
+    layouts = {
+        "tp1": [(0, v_pad)],
+        "tp2": [(0, tile), (tile, tile)],
+        "tp2-x": [(0, 393216), (393216, 131072)],
+    }
+    results, chunks = {}, set()
+    for name, bounds in layouts.items():
+        per_rank = run_ranks(_torch_chunk_rank, len(bounds), problem, bounds, tile, timeout=180)
+        chunks |= set().union(*(used for used, _ in per_rank))
+        outs = [got for _, got in per_rank]
+        results[name] = (*outs[0][:4], torch.cat([r[4] for r in outs]))
+    assert chunks == {128}, f"token chunks used: {sorted(chunks)}; want 128 on every layout"
+    names = ("logprob", "entropy", "lse", "grad_hidden", "grad_weight")
+    for layout, got in results.items():
+        for name, a, b in zip(names, got, results["tp1"], strict=True):
+            assert_bitwise_equal(a, b, f"{name}: {layout} vs tp1")
 
 
 def _halo_copy_rank(rank, world, problem, bounds, chunk):

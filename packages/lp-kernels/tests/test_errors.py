@@ -76,14 +76,6 @@ def test_bad_arguments(over, exc, match):
         _call(**over)
 
 
-def test_deterministic_torch_backend_on_cuda_is_refused():
-    from lp_kernels.linear_logprob import _resolve_backend
-
-    # checked from the device type alone, so this needs no GPU
-    with pytest.raises(NotImplementedError, match="backend='triton'"):
-        _resolve_backend("torch", torch.device("cuda"), deterministic=True)
-
-
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # read per call, in one place
     with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):

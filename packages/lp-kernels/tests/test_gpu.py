@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lp_kernels import linear_logprob
+from lp_kernels import linear_logprob, vocab_parallel_logprob
 from lp_testing import assert_bitwise_equal, assert_close, make_problem, run_ranks, split_vocab
 
 
@@ -384,18 +384,19 @@ def check_s2_head(world: int, shape=S2_HEAD, device="cuda", dist_backend="nccl")
                     partial += got[3].float()
             if not reduce:
                 assert_close(partial, want[3].float(), rtol=1e-2, atol=1e-2, name="sum")
-    want = _s2_reference("triton", True, **kw)
     differ = []
-    for megatron in (False, True):  # shards on the default tile's grid, then Megatron's
-        results = run_ranks(
-            _s2_rank, world, "triton", True, True, backend=dist_backend, timeout=300,
-            megatron=megatron, **kw,
-        )  # fmt: skip
-        for rank, ((start, size), *got) in enumerate(results):
-            pairs = list(zip((*names, "grad_hidden"), got[:4], want[:4], strict=True))
-            pairs.append(("grad_weight", got[4], want[4][start : start + size]))
-            tag = f"{'megatron ' if megatron else ''}rank {rank}"
-            differ += [f"{tag} {n}" for n, a, b in pairs if not torch.equal(a, b)]
+    for backend in ("triton", "torch"):
+        want = _s2_reference(backend, True, **kw)
+        for megatron in (False, True):  # shards on the default tile's grid, then Megatron's
+            results = run_ranks(
+                _s2_rank, world, backend, True, True, backend=dist_backend, timeout=300,
+                megatron=megatron, **kw,
+            )  # fmt: skip
+            for rank, ((start, size), *got) in enumerate(results):
+                pairs = list(zip((*names, "grad_hidden"), got[:4], want[:4], strict=True))
+                pairs.append(("grad_weight", got[4], want[4][start : start + size]))
+                tag = f"{backend} {'megatron ' if megatron else ''}rank {rank}"
+                differ += [f"{tag} {n}" for n, a, b in pairs if not torch.equal(a, b)]
     assert not differ, f"deterministic TP{world} not bitwise equal to one device: {differ}"
 
 
@@ -424,7 +425,7 @@ def _shared_layout(kind: str, world: int, tile: int) -> list[tuple[int, int]]:
     return split_vocab(S2_HEAD["v_padded"], world, mode="even", multiple=tile)
 
 
-def _shared_gpu_rank(rank, world, tile, kind):
+def _shared_gpu_rank(rank, world, tile, kind, backend="triton", chunk=None):
     """One gloo rank of the S2 head on GPU 0, which every rank shares (see below)."""
     from lp_testing import gloo_cuda_via_host
 
@@ -437,20 +438,33 @@ def _shared_gpu_rank(rank, world, tile, kind):
         out = linear_logprob(
             h, w, problem.targets.to(dev), tp_group=dist.group.WORLD, vocab_start=start,
             return_entropy=True, return_lse=True, deterministic=True, deterministic_tile=tile,
-            **problem.op_kwargs(),
+            backend=backend, chunk_size=chunk, **problem.op_kwargs(),
         )  # fmt: skip
         g = torch.linspace(-1, 1, problem.n, device=dev)
         (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.5).sum().backward()
     return (start, size), out.logprob, out.entropy, out.lse, h.grad, w.grad
 
 
+_SHARED_CASES = [  # (backend, tile, layout kind, torch token chunk)
+    ("triton", 128, "grid", None),
+    ("triton", 31104, "grid", None),
+    ("triton", 31104, "megatron", None),
+    ("triton", 4096, "megatron", None),
+    ("triton", 31104, "inside", None),
+    ("torch", 128, "grid", None),
+    ("torch", 31104, "megatron", None),
+    ("torch", 4096, "megatron", 256),
+    ("torch", 31104, "inside", 256),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "tile, kind",
-    [(128, "grid"), (31104, "grid"), (31104, "megatron"), (4096, "megatron"), (31104, "inside")],
-    ids=["tile128", "tile31104", "tile31104-megatron", "tile4096-megatron", "tile31104-inside"],
+    "backend, tile, kind, chunk",
+    _SHARED_CASES,
+    ids=[f"{b}-tile{t}-{k}" + (f"-chunk{c}" if c else "") for b, t, k, c in _SHARED_CASES],
 )
-def test_deterministic_tp_layouts_sharing_one_gpu(tile, kind):
+def test_deterministic_tp_layouts_sharing_one_gpu(backend, tile, kind, chunk):
     """The S2 head (V_pad 248832) split 2, 4 and 8 ways over gloo ranks that all run on one
     GPU: the triton kernels of each shard, on the GPU, give bitwise the single-process
     result, with the default tile and with V_pad / 8 = 31104 (the widest for TP 1-8) on
@@ -460,11 +474,13 @@ def test_deterministic_tp_layouts_sharing_one_gpu(tile, kind):
     4096), and (``inside``, TP 4 only) on uneven shards one of which lies inside a tile
     that starts on the rank before it. It checks the kernels' layout invariance where fewer GPUs
     than ranks are present; the NCCL runs (test_nccl_s2_head) check the same with one GPU
-    per rank."""
+    per rank. The torch backend too (cuBLAS GEMMs and torch reductions on one tile's shape),
+    with its default token chunk (all 1031 rows) and with 256-row chunks (grad_weight summed
+    over five)."""
     p = _s2_problem(S2_HEAD).to("cuda").with_grad()
     ref = linear_logprob(
         p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, deterministic=True,
-        deterministic_tile=tile, **p.op_kwargs(),
+        deterministic_tile=tile, backend=backend, chunk_size=chunk, **p.op_kwargs(),
     )  # fmt: skip
     g = torch.linspace(-1, 1, p.n, device="cuda")
     (ref.logprob * g + ref.entropy * g.flip(0) + ref.lse * 0.5).sum().backward()
@@ -474,9 +490,63 @@ def test_deterministic_tp_layouts_sharing_one_gpu(tile, kind):
     names = ("logprob", "entropy", "lse", "grad_hidden")
     differ = []
     for world in (4,) if kind == "inside" else (2, 4, 8):
-        results = run_ranks(_shared_gpu_rank, world, tile, kind, timeout=300)
+        results = run_ranks(_shared_gpu_rank, world, tile, kind, backend, chunk, timeout=300)
         for rank, ((start, size), *got) in enumerate(results):
             pairs = list(zip(names, got[:4], want, strict=True))
             pairs.append(("grad_weight", got[4], grad_w[start : start + size]))
+            differ += [f"TP{world} rank {rank} {n}" for n, a, b in pairs if not torch.equal(a, b)]
+    assert not differ, f"deterministic_tile={tile}: not bitwise equal to one process: {differ}"
+
+
+def _s2_logits(dev):
+    """The S2 head's logits ``[1031, 248832]`` bf16, from one GEMM (the same bits in
+    every process)."""
+    problem = _s2_problem(S2_HEAD)
+    return problem, problem.hidden.to(dev) @ problem.weight.to(dev).T
+
+
+def _logits_step(logits, problem, dev, tile, **tp):
+    logits = logits.detach().requires_grad_()
+    out = vocab_parallel_logprob(
+        logits, problem.targets.to(dev), return_entropy=True, return_lse=True,
+        deterministic=True, deterministic_tile=tile, **problem.op_kwargs(), **tp,
+    )  # fmt: skip
+    g = torch.linspace(-1, 1, problem.n, device=dev)
+    (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.5).sum().backward()
+    return [x.detach().cpu() for x in (out.logprob, out.entropy, out.lse, logits.grad)]
+
+
+def _shared_gpu_logits_rank(rank, world, tile):
+    from lp_testing import gloo_cuda_via_host
+
+    dev = torch.device("cuda", 0)
+    problem, logits = _s2_logits(dev)
+    start, size = _megatron_layout(S2_HEAD["v"], world)[rank]
+    with gloo_cuda_via_host():
+        got = _logits_step(
+            logits[:, start : start + size], problem, dev, tile, tp_group=dist.group.WORLD,
+            vocab_start=start,
+        )  # fmt: skip
+    return (start, size), *got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [128, 31104])
+def test_vocab_parallel_deterministic_layouts_sharing_one_gpu(tile):
+    """``vocab_parallel_logprob(deterministic=True)`` on CUDA: the S2 head's logits split
+    2, 4 and 8 ways on Megatron's shards (on the 128-column grid; at 31104 only TP 8's are
+    on the tile grid) over gloo ranks sharing one GPU give bitwise the single-process
+    outputs and logits gradient."""
+    problem, logits = _s2_logits(torch.device("cuda"))
+    want = _logits_step(logits, problem, logits.device, tile)
+    del logits
+    names = ("logprob", "entropy", "lse")
+    differ = []
+    for world in (2, 4, 8) if tile == 128 else (8,):
+        for rank, ((start, size), *got) in enumerate(
+            run_ranks(_shared_gpu_logits_rank, world, tile, timeout=300)
+        ):
+            pairs = list(zip(names, got[:3], want[:3], strict=True))
+            pairs.append(("grad_logits", got[3], want[3][:, start : start + size]))
             differ += [f"TP{world} rank {rank} {n}" for n, a, b in pairs if not torch.equal(a, b)]
     assert not differ, f"deterministic_tile={tile}: not bitwise equal to one process: {differ}"

@@ -106,8 +106,6 @@ def test_leading_dims_and_int32_targets(device, backend):
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 def test_empty_input(device, backend, deterministic):
-    if deterministic and backend == "torch" and device == "cuda":
-        pytest.skip("deterministic=True with the torch backend is CPU-only")
     p = make_problem(0, 8, 31, device=device).with_grad()
     out = linear_logprob(
         p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend=backend,

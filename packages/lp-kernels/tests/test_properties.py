@@ -65,8 +65,6 @@ def problems(draw):
 )
 def test_random_problems_match_fp64(case, entropy, lse, backend, chunk, deterministic):
     problem, tol = case
-    if deterministic and backend == "torch" and DEVICE == "cuda":
-        backend = "triton"  # deterministic=True with torch is CPU-only
     check_against_fp64(
         problem, tol, entropy=entropy, lse=lse, chunk_size=chunk, backend=backend,
         deterministic=deterministic,

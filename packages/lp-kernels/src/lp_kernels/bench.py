@@ -414,8 +414,6 @@ def provider_available(name: str, device: str) -> str | None:
             return f"{PEERS[name]} is not importable"
         if device != "cuda":
             return "peers run on CUDA only"
-    if name == "lp-torch-det" and device == "cuda":
-        return "deterministic=True with the torch backend runs on CPU only"
     if name in ("lp-triton", "lp-triton-det", "lp-triton-det128"):
         if importlib.util.find_spec("triton") is None:
             return "triton is not importable"

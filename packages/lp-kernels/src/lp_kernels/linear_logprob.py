@@ -47,12 +47,6 @@ def _resolve_backend(
     if backend == "torch":
         if not deterministic:
             return LinearLogprobTorch
-        if device.type != "cpu":
-            raise NotImplementedError(
-                "deterministic=True with the torch backend runs on CPU only: on CUDA its "
-                "cuBLAS GEMMs pick their summation order from the shard shape. Use "
-                "backend='triton' (or 'auto') on a GPU of compute capability >= 8.0"
-            )
         from lp_kernels.backends.torch_deterministic import LinearLogprobTorchDeterministic
 
         return LinearLogprobTorchDeterministic
@@ -134,9 +128,9 @@ def linear_logprob(
             (e.g. a sequence-parallel reduce-scatter).
         deterministic: tensor-parallel invariance: outputs and both gradients are
             bitwise identical for any TP degree and any layout whose shard bounds are
-            multiples of 128 (else ``ValueError`` on every rank). Provided by the
-            triton backend (GPU; CPU under the interpreter) and the torch backend on
-            CPU; the torch backend on CUDA raises ``NotImplementedError``. With
+            multiples of 128 (else ``ValueError`` on every rank), on both backends
+            (the torch backend with the same ``chunk_size`` on each layout; its
+            default is). With
             ``reduce_grad_hidden=False`` the returned partial is exact per rank, but
             the caller's own reduction decides the bits of the sum.
         deterministic_tile: width of the global vocabulary tiles of
@@ -154,9 +148,9 @@ def linear_logprob(
         backend: ``"torch"`` (chunked torch ops, CPU and GPU), ``"triton"`` (the
             fused kernel; CUDA, or CPU under ``TRITON_INTERPRET=1``), or ``"auto"``:
             triton on CUDA devices of compute capability >= 8.0, else torch.
-        chunk_size: token rows per step (memory knob, at least 16 are used);
-            None = backend default, which depends on the shard width and device,
-            never on N.
+        chunk_size: token rows per step of the torch backend (memory knob, at least
+            16 are used); None = a default from the shard width (with
+            ``deterministic``: the tile width) and the device, never from N.
         validate: check target ids (one host sync). False: no host sync at all.
 
     Returns:
@@ -168,7 +162,6 @@ def linear_logprob(
         ValueError: shape mismatches, bad options, targets out of range (with
             ``validate=True``), an inconsistent shard layout (on every rank), shard
             bounds off multiples of 128 with ``deterministic=True``.
-        NotImplementedError: ``deterministic=True`` with ``backend="torch"`` on CUDA.
 
     Example:
         >>> import torch
@@ -225,6 +218,11 @@ def linear_logprob(
         _checks.validate_targets(targets, vocab_size, ignore_index)
     # after the layout check, so ranks that disagree on `deterministic` all raise there
     function = _resolve_backend(backend, hidden.device, deterministic=bool(deterministic))
+    # the torch backend's token chunk: from this shard's width, or in deterministic mode
+    # from the tile's, which every layout shares (its GEMMs must have the same shapes)
+    chunk_width = max(0, min(weight.shape[0], vocab_size - vocab_start))
+    if deterministic:
+        chunk_width = deterministic_tile
     params = LogprobParams(
         temperature=temperature,
         ignore_index=ignore_index,
@@ -232,10 +230,7 @@ def linear_logprob(
         return_lse=bool(return_lse),
         vocab_start=vocab_start,
         vocab_size=vocab_size,
-        chunk_size=chunk_size
-        or default_chunk_rows(
-            max(0, min(weight.shape[0], vocab_size - vocab_start)), hidden.device
-        ),
+        chunk_size=chunk_size or default_chunk_rows(chunk_width, hidden.device),
         tp_group=tp_group,
         tp_size=layout.world_size,
         max_v_local=max(layout.sizes),

@@ -52,6 +52,30 @@ def _scaled_chunk(
     return z
 
 
+def _tile_groups(logits: torch.Tensor, r0: int, r1: int, rows: int, v_real: int, p):
+    """``deterministic=True``: yield ``(j, lead, slots, z)`` for each group of
+    ``group_tiles`` global tiles, on that grid, that holds this shard's tiles ``[j, j +
+    slots)``: ``z [rows, width]`` is fp32 with those tiles from column ``lead * tile`` on
+    (``logits / T``, zero-padded rows) and zeros elsewhere. Every group's reductions thus
+    run on one shape on every layout (the vocabulary's last group: narrower, on all)."""
+    from lp_kernels.backends.torch_deterministic import group_tiles
+
+    tile = p.deterministic_tile
+    g = group_tiles(tile)
+    first = p.vocab_start // tile  # shard bounds lie on the tile grid
+    count = -(-v_real // tile)
+    for gi in range(first // g, (first + count + g - 1) // g):
+        k0, k1 = max(gi * g, first), min((gi + 1) * g, first + count)
+        width = min(g * tile, p.vocab_size - gi * g * tile)
+        c0, c1 = (k0 - first) * tile, min((k1 - first) * tile, v_real)
+        lead = k0 - gi * g
+        z = torch.zeros((rows, width), dtype=torch.float32, device=logits.device)
+        z[: r1 - r0, lead * tile : lead * tile + c1 - c0] = logits[r0:r1, c0:c1]
+        if p.temperature != 1.0:
+            z.mul_(p.inv_temperature)
+        yield k0 - first, lead, k1 - k0, z
+
+
 class VocabParallelLogprob(torch.autograd.Function):
     """Chunked fp32 log-probs from logits with a streaming backward buffer."""
 
@@ -64,13 +88,12 @@ class VocabParallelLogprob(torch.autograd.Function):
         if p.deterministic:
             from lp_kernels.backends.torch_deterministic import merged_tile_stats
 
-            z_chunks = (
-                (r0, r1, rows, _scaled_chunk(logits, r0, r1, rows, v_real, p.inv_temperature))
+            blocks = (
+                (r0, r1, rows, j, lead, slots, z)
                 for r0, r1, rows in chunks(n, p.chunk_size)
+                for j, lead, slots, z in _tile_groups(logits, r0, r1, rows, v_real, p)
             )
-            lse, mean_z, zt, ent = merged_tile_stats(
-                z_chunks, t_local, in_shard, n, p, logits.device
-            )
+            lse, mean_z, zt, ent = merged_tile_stats(blocks, t_local, in_shard, n, p, logits.device)
             ctx.save_for_backward(logits, targets, lse, mean_z)
             ctx.params = p
             return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
@@ -217,6 +240,11 @@ def vocab_parallel_logprob(
     if validate:
         _checks.validate_targets(targets, vocab_size, ignore_index)
     v_real = max(0, min(v_local, vocab_size - vocab_start))
+    chunk_width = v_real  # deterministic: one group of tiles, the same on every layout
+    if deterministic:
+        from lp_kernels.backends.torch_deterministic import group_tiles
+
+        chunk_width = group_tiles(deterministic_tile) * deterministic_tile
     params = LogprobParams(
         temperature=temperature,
         ignore_index=ignore_index,
@@ -224,7 +252,7 @@ def vocab_parallel_logprob(
         return_lse=bool(return_lse),
         vocab_start=vocab_start,
         vocab_size=vocab_size,
-        chunk_size=chunk_size or default_chunk_rows(v_real, logits.device),
+        chunk_size=chunk_size or default_chunk_rows(chunk_width, logits.device),
         tp_group=tp_group,
         tp_size=layout.world_size,
         max_v_local=max(layout.sizes),

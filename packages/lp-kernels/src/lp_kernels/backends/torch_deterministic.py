@@ -1,31 +1,39 @@
-"""``deterministic=True`` for the torch backend: bitwise tensor-parallel invariance (CPU).
+"""``deterministic=True`` for the torch backend: bitwise tensor-parallel invariance.
 
 Outputs and both gradients are bitwise identical for any TP degree and any shard
-layout whose bounds are multiples of 128, for any tile width ``w = deterministic_tile``
-(128 by default). A rank owns the global w-column tiles that start in its shard and
-computes each whole, with the next shards' rows lent to it where a tile crosses its end
+layout whose bounds are multiples of 128, for any tile width ``w = deterministic_tile``.
+A rank owns the global w-column tiles that start in its shard and computes each whole,
+with the next shards' rows lent to it where a tile crosses its end
 (``_dist.tile_ownership``, ``_dist.exchange_halo``). Data flow::
 
-    forward   halo rows from the next ranks; W_o = the owned tiles' rows
-              per chunk of rows, z = (h W_o^T) / T                 [C, V_o] fp32
-              per owned w-column tile: (m, s, a, t)                 [C, T_r, 4]
+    forward   halo rows from the next ranks
+              per owned tile W_j (a view of the shard's rows; the crossing tile a copy
+              of its rows here joined to the halo), per chunk of C token rows:
+                z = (h_c W_j^T) / T                                 [C, w] fp32
+                (m, s, a, t) of the tile                            [C, 4]
               all-gather -> keep each rank's owned tiles, in rank order
                          =  the global tile sequence             [N, T_global, 4]
               merge over the tile axis (one shape for every layout) -> outputs
-    backward  d l as in the default path (rounded to the input dtype for the GEMMs), over
-              the shard's real rows and the halo
-              grad_W_r += d l^T h_c                                 (local rows, fp32)
-              grad_h: each owned w-column tile's contribution d l[:, tile] @ W[tile] is
-                      computed in fp32 from zero, scaled by 2^e_n and rounded to int64,
-                      and summed in int64: exact, so the order (and the TP all-reduce)
-                      cannot change the bits; one rounding back at the end.
+    backward  per owned tile and chunk, d l as in the default path (rounded to the input
+              dtype for the GEMMs)
+              grad_W_j += d l^T h_c              (fp32, the tile's rows; the halo's rows
+                                                  go back to their shards afterwards)
+              grad_h: the tile's contribution d l @ W_j is computed in fp32 from zero,
+                      scaled by 2^e_n and rounded to int64, and summed in int64: exact,
+                      so the order (and the TP all-reduce) cannot change the bits; one
+                      rounding back at the end.
 
-The fixed-point scale per row comes from a bound that every rank computes alike
+Why it holds on CUDA as on CPU: every GEMM and every reduction runs on a tensor of one
+tile's shape, ``[C, w]`` (the vocabulary's last tile: narrower, the same on every
+layout), and C is a function of the tile, not of the shard
+(:func:`deterministic_chunk_rows`). cuBLAS and torch's reduction kernels choose their
+summation order from the shape, so the same tile gets the same kernel, and the same
+bits, on every layout. Element-wise ops do not depend on the shape. The fixed-point
+scale per row comes from a bound that every rank computes alike
 (``lp_kernels._fixed_point``, shared with the triton backend).
 
-Scope: the torch backend on CPU, where the per-row results of these GEMMs and
-reductions do not depend on the shard width (tested). On CUDA the torch backend's GEMMs
-are not shape-invariant, so ``deterministic=True`` there needs the triton backend.
+Not batch-invariant on CUDA (a row's bits may depend on the other rows of its chunk, as
+for the default torch path there); on CPU it is.
 """
 
 from __future__ import annotations
@@ -33,43 +41,49 @@ from __future__ import annotations
 import torch
 
 from lp_kernels._compile import backend_backward
-from lp_kernels._dist import (
-    RowSums,
-    gather_stats,
-    owned_weight,
-    tile_ownership,
-    with_halo,
-)
+from lp_kernels._dist import RowSums, gather_stats, owned_halo, return_halo_grad, tile_ownership
 from lp_kernels._fixed_point import from_fixed_point, row_exponents
 from lp_kernels._matmul import addmm_f32_, mm_f32
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream, target_columns
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends.torch_linear import (
+    default_chunk_rows,
     logits_grad_chunks,
     padded_rows,
     scaled_logits_chunks,
 )
 
+GROUP_COLUMNS = 4096
+"""``vocab_parallel_logprob``'s reductions take this many columns (``GROUP_COLUMNS //
+tile`` whole tiles, at least one) per call: blocks on the global grid of such groups."""
 
-def _tiles(real: int, tile: int) -> int:
-    return -(-real // tile)
+
+def deterministic_chunk_rows(width: int, device: torch.device) -> int:
+    """Token rows per chunk in deterministic mode: from the width of one block of tile
+    columns (the same on every layout), never from the shard or N."""
+    return default_chunk_rows(width, device)
 
 
-def _tile_stats(z: torch.Tensor, t_local, in_shard, tile: int, *, entropy: bool) -> torch.Tensor:
-    """``[C, T_r, 4]`` partials of each ``tile``-column tile of ``z [C, V_r]`` (overwritten)."""
-    rows, v_real = z.shape
-    n_tiles = _tiles(v_real, tile)
+def group_tiles(tile: int) -> int:
+    """Tiles per block of :data:`GROUP_COLUMNS` columns (at least one)."""
+    return max(1, GROUP_COLUMNS // tile)
+
+
+def _tile_stats(z: torch.Tensor, t_rel, hit, tile: int, *, entropy: bool) -> torch.Tensor:
+    """``[C, T, 4]`` partials of each ``tile``-column tile of ``z [C, width]``; ``t_rel``
+    is the target's column in ``z`` where ``hit``."""
+    rows, width = z.shape
+    n_tiles = -(-width // tile)
     out = torch.zeros((rows, n_tiles, N_STATS), dtype=torch.float32, device=z.device)
-    if n_tiles == 0:
-        return out
-    zt = torch.where(in_shard, z.gather(1, torch.where(in_shard, t_local, 0)[:, None])[:, 0], 0.0)
-    tile_of_t = torch.where(in_shard, t_local // tile, 0)
-    out[torch.arange(rows, device=z.device), tile_of_t, 3] = zt
-    zz = torch.full((rows, n_tiles * tile), float("-inf"), dtype=torch.float32, device=z.device)
-    zz[:, :v_real] = z
-    zz = zz.view(rows, n_tiles, tile)
+    zt = torch.where(hit, z.gather(1, torch.where(hit, t_rel, 0)[:, None])[:, 0], 0.0)
+    out[torch.arange(rows, device=z.device), torch.where(hit, t_rel // tile, 0), 3] = zt
+    if width != n_tiles * tile:  # the vocabulary's last tile: -inf past its end
+        zz = torch.full((rows, n_tiles * tile), float("-inf"), dtype=z.dtype, device=z.device)
+        zz[:, :width] = z
+        z = zz
+    zz = z.view(rows, n_tiles, tile)
     m = zz.amax(dim=2)
-    d = zz - m[..., None]  # -inf on padding columns of the last tile
+    d = zz - m[..., None]  # -inf past the vocabulary's end
     e = torch.exp(d)
     out[..., 0] = m
     out[..., 1] = e.sum(dim=2)
@@ -102,33 +116,46 @@ def _rank_tiles(p: LogprobParams) -> list[int]:
     ]
 
 
-def _global_tiles(gathered: torch.Tensor, p: LogprobParams) -> torch.Tensor:
+def _global_tiles(gathered: torch.Tensor, tiles: list[int]) -> torch.Tensor:
     """``[P, N, T_max, 4]`` -> ``[N, T_global, 4]``: each rank's owned tiles, in rank order."""
-    parts = [gathered[r, :, :tiles] for r, tiles in enumerate(_rank_tiles(p))]
-    return torch.cat(parts, dim=1)
+    return torch.cat([gathered[r, :, :count] for r, count in enumerate(tiles)], dim=1)
 
 
-def merged_tile_stats(z_chunks, t_local, in_shard, n: int, p: LogprobParams, device):
-    """Tile partials of every ``(r0, r1, rows, z)`` chunk, exchanged and merged in tile order.
+def merged_tile_stats(blocks, t_own, in_own, n: int, p: LogprobParams, device):
+    """Tile partials of every block, exchanged and merged in global tile order.
 
-    ``z`` holds the columns of this rank's owned tiles (from the first one's start).
-    Returns ``(lse, E or None, target logit, entropy or None)``, each ``[N]`` fp32. Shared
-    with ``vocab_parallel_logprob(deterministic=True)`` (shard bounds on the tile grid,
-    so each rank owns the tiles of its own columns).
+    ``blocks`` yields ``(r0, r1, rows, j, lead, slots, z)``: token rows ``[r0, r1)`` padded
+    to ``rows``, and ``z [rows, width]``, the scaled logits of consecutive tiles of which
+    tiles ``[lead, lead + slots)`` are this rank's owned tiles from ``j`` on (the first
+    owned tile is 0); the others are ignored. ``t_own`` / ``in_own``:
+    the target's column counted from the first owned tile's start, and whether it is an
+    owned column. Returns ``(lse, E or None, target logit, entropy or None)``, each
+    ``[N]`` fp32. Shared with ``vocab_parallel_logprob(deterministic=True)``.
     """
-    t_max = max(_rank_tiles(p))
-    stats = torch.zeros((n, t_max, N_STATS), dtype=torch.float32, device=device)
-    for r0, r1, rows, z in z_chunks:
-        part = _tile_stats(
-            z,
-            padded_rows(t_local, r0, r1, rows),
-            padded_rows(in_shard, r0, r1, rows, False),
-            p.deterministic_tile,
-            entropy=p.return_entropy,
-        )
-        stats[r0:r1, : part.shape[1]] = part[: r1 - r0]
-    tiles = _global_tiles(gather_stats(stats, p.tp_group, p.tp_size), p)
-    return _merge_tiles(tiles, entropy=p.return_entropy)
+    tile = p.deterministic_tile
+    tiles = _rank_tiles(p)
+    stats = torch.zeros((n, max(tiles), N_STATS), dtype=torch.float32, device=device)
+    for r0, r1, rows, j, lead, slots, z in blocks:
+        t_rel = padded_rows(t_own, r0, r1, rows) - (j - lead) * tile  # z's column
+        in_z = (t_rel >= lead * tile) & (t_rel < (lead + slots) * tile)
+        hit = padded_rows(in_own, r0, r1, rows, False) & in_z  # (a view: not in place)
+        part = _tile_stats(z, t_rel, hit, tile, entropy=p.return_entropy)
+        stats[r0:r1, j : j + slots] = part[: r1 - r0, lead : lead + slots]
+    merged = _global_tiles(gather_stats(stats, p.tp_group, p.tp_size), tiles)
+    return _merge_tiles(merged, entropy=p.return_entropy)
+
+
+def _owned_tiles(w_real: torch.Tensor, halo: torch.Tensor, own, tile: int):
+    """``[(begin, W_j)]`` for each owned tile: its first column in this shard and its
+    weight rows, a view of ``w_real``; the tile that runs into the halo is a copy of its
+    rows here joined to the halo (never the whole shard)."""
+    v_real = w_real.shape[0]
+    out = []
+    for begin in range(own.skip, own.skip + own.ext, tile):
+        end = min(begin + tile, own.skip + own.ext)
+        w_j = w_real[begin:end] if end <= v_real else torch.cat([w_real[begin:], halo])
+        out.append((begin, w_j))
+    return out
 
 
 class LinearLogprobTorchDeterministic(torch.autograd.Function):
@@ -139,14 +166,18 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         n = hidden.shape[0]
         v_real = p.local_real_columns(weight.shape[0])
-        own, w_all = owned_weight(weight[:v_real], p)
-        w_own = w_all[own.skip : own.skip + own.ext]
-        t_local, in_shard, ignored = target_columns(
+        own, halo = owned_halo(weight[:v_real], p)
+        t_own, in_own, ignored = target_columns(
             targets, p.ignore_index, p.vocab_start + own.skip, own.ext
         )
-        z_chunks = (c[:3] + c[4:] for c in scaled_logits_chunks(hidden, w_own, p))
-        lse, mean_z, zt, ent = merged_tile_stats(z_chunks, t_local, in_shard, n, p, hidden.device)
-        ctx.save_for_backward(hidden, weight, targets, lse, mean_z, w_all[v_real:])
+        tiles = _owned_tiles(weight[:v_real], halo, own, p.deterministic_tile)
+        blocks = (
+            (r0, r1, rows, j, 0, 1, z)
+            for j, (_, w_j) in enumerate(tiles)
+            for r0, r1, rows, _, z in scaled_logits_chunks(hidden, w_j, p)
+        )
+        lse, mean_z, zt, ent = merged_tile_stats(blocks, t_own, in_own, n, p, hidden.device)
+        ctx.save_for_backward(hidden, weight, targets, lse, mean_z, halo)
         ctx.params = p
         return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
@@ -157,35 +188,54 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         p: LogprobParams = ctx.params
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n, h_dim = hidden.shape
+        dev = hidden.device
         v_real = p.local_real_columns(weight.shape[0])
+        w_real = weight[:v_real]
         own = p.tile_ownership()
-        # this shard's real rows, then the halo: d_logits of all of them (columns past
-        # v_real feed only grad_h, the first `skip` only grad_W)
-        w_all = with_halo(weight[:v_real], halo)
+        tiles = _owned_tiles(w_real, halo, own, p.deterministic_tile)
         ignored = targets == p.ignore_index
         g_lp_, g_ent_, g_lse_ = masked_upstream(ignored, g_lp, g_ent, g_lse)
-        scale = bad = None
+        scale = bad = acc_h = None
         if need_h:
-            scale, bad = row_exponents(hidden, w_all, lse, ignored, g_lp_, g_ent_, g_lse_, p)
-            acc_h = torch.zeros((n, h_dim), dtype=torch.int64, device=hidden.device)
+            scale, bad = row_exponents(hidden, w_real, lse, ignored, g_lp_, g_ent_, g_lse_, p)
+            acc_h = torch.zeros((n, h_dim), dtype=torch.int64, device=dev)
         acc_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        sums = RowSums(acc_h if need_h else None, p.tp_group, p.tp_size,
-                       enabled=p.reduce_grad_hidden)  # fmt: skip
-        for r0, r1, h_c, dl in logits_grad_chunks(
-            hidden, w_all, targets, lse, mean_z, (g_lp, g_ent, g_lse), p
-        ):
-            if need_h:
-                exp2 = torch.exp2(padded_rows(scale, r0, r1, dl.shape[0]))[:, None]
-                tile = p.deterministic_tile
-                for c0 in range(own.skip, own.skip + own.ext, tile):
-                    leaf = mm_f32(dl[:, c0 : c0 + tile], w_all[c0 : c0 + tile]).double()
+        # the halo's grad_W rows are computed here, with their tile, and go back to the
+        # ranks that hold them; this shard's first `skip` rows arrive from their owner
+        back = need_w and p.tp_size > 1
+        grad_halo = None
+        if back:
+            grad_halo = torch.zeros((own.halo, h_dim), dtype=torch.float32, device=dev)
+        sums = RowSums(acc_h, p.tp_group, p.tp_size, enabled=p.reduce_grad_hidden)
+        for j, (begin, w_j) in enumerate(tiles):
+            rows_here = min(w_j.shape[0], v_real - begin)  # the rest are halo rows
+            if need_w:
+                acc = acc_w[begin : begin + w_j.shape[0]]
+                if rows_here < w_j.shape[0]:
+                    acc = torch.zeros((w_j.shape[0], h_dim), dtype=torch.float32, device=dev)
+            last = j == len(tiles) - 1
+            for r0, r1, h_c, dl in logits_grad_chunks(
+                hidden, w_j, targets, lse, mean_z, (g_lp, g_ent, g_lse), p, p.vocab_start + begin
+            ):
+                if need_h:
+                    exp2 = torch.exp2(padded_rows(scale, r0, r1, dl.shape[0]))[:, None]
+                    leaf = mm_f32(dl, w_j).double()
                     acc_h[r0:r1] += torch.round(leaf * exp2)[: r1 - r0].to(torch.int64)
-                sums.ready(r1)  # rows [0, r1) are final
-            if need_w and v_real > 0:
-                addmm_f32_(acc_w[:v_real], dl[:, :v_real].T, h_c)
+                    if last:
+                        sums.ready(r1)  # rows [0, r1) are final
+                if need_w:
+                    addmm_f32_(acc, dl.T, h_c)
+            if need_w and rows_here < w_j.shape[0]:
+                acc_w[begin:v_real] = acc[:rows_here]
+                grad_halo.copy_(acc[rows_here:])
         grad_h = None
         if need_h:
             sums.finish()
             grad_h = from_fixed_point(acc_h, scale, bad, hidden.dtype)
+        if back:  # after every all-reduce: the same order of collectives on every rank
+            return_halo_grad(
+                grad_halo, acc_w, p.shard_starts, p.shard_sizes, p.vocab_size,
+                p.deterministic_tile, p.tp_rank, p.tp_group,
+            )  # fmt: skip
         grad_w = acc_w.to(weight.dtype) if need_w else None
         return grad_h, grad_w, None, None

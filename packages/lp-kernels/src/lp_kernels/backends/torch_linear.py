@@ -165,14 +165,18 @@ class LinearLogprobTorch(torch.autograd.Function):
         return grad_h, grad_w, None, None
 
 
-def logits_grad_chunks(hidden, w_real, targets, lse, mean_z, upstream, p: LogprobParams):
+def logits_grad_chunks(
+    hidden, w_real, targets, lse, mean_z, upstream, p: LogprobParams, vocab_start=None
+):
     """Yield ``(r0, r1, h_c, d_l)`` per chunk: the padded hidden rows and ``d loss / d logits``.
 
     ``d_l [rows, V_r]`` is rounded to the input dtype, ready for the two gradient GEMMs;
-    padding rows and ignored rows have zero upstream gradient.
+    padding rows and ignored rows have zero upstream gradient. ``w_real``'s first row is
+    vocabulary id ``vocab_start`` (default: the shard's start).
     """
     v_real = w_real.shape[0]
-    t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
+    start = p.vocab_start if vocab_start is None else vocab_start
+    t_local, in_shard, ignored = target_columns(targets, p.ignore_index, start, v_real)
     g_lp, g_ent, g_lse = masked_upstream(ignored, *upstream)
     if g_ent is not None and mean_z is None:
         raise RuntimeError("entropy gradient without return_entropy (internal error)")
