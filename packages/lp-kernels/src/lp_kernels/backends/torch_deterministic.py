@@ -25,11 +25,11 @@ with the next shards' rows lent to it where a tile crosses its end
 
 Why it holds on CUDA as on CPU: every GEMM and every reduction runs on a tensor of one
 tile's shape, ``[C, w]`` (the vocabulary's last tile: narrower, the same on every
-layout), and C is a function of the tile, not of the shard
-(:func:`deterministic_chunk_rows`). cuBLAS and torch's reduction kernels choose their
-summation order from the shape, so the same tile gets the same kernel, and the same
-bits, on every layout. Element-wise ops do not depend on the shape. The fixed-point
-scale per row comes from a bound that every rank computes alike
+layout), and C is a function of the tile, not of the shard (``linear_logprob`` passes
+``default_chunk_rows(w)``). cuBLAS and torch's reduction kernels choose their summation
+order from the shape, so the same tile gets the same kernel, and the same bits, on every
+layout. Element-wise ops do not depend on the shape. The fixed-point scale per row comes
+from a bound that every rank computes alike
 (``lp_kernels._fixed_point``, shared with the triton backend).
 
 Not batch-invariant on CUDA (a row's bits may depend on the other rows of its chunk, as
@@ -47,7 +47,6 @@ from lp_kernels._matmul import addmm_f32_, mm_f32
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream, target_columns
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends.torch_linear import (
-    default_chunk_rows,
     logits_grad_chunks,
     padded_rows,
     scaled_logits_chunks,
@@ -56,12 +55,6 @@ from lp_kernels.backends.torch_linear import (
 GROUP_COLUMNS = 4096
 """``vocab_parallel_logprob``'s reductions take this many columns (``GROUP_COLUMNS //
 tile`` whole tiles, at least one) per call: blocks on the global grid of such groups."""
-
-
-def deterministic_chunk_rows(width: int, device: torch.device) -> int:
-    """Token rows per chunk in deterministic mode: from the width of one block of tile
-    columns (the same on every layout), never from the shard or N."""
-    return default_chunk_rows(width, device)
 
 
 def group_tiles(tile: int) -> int:
