@@ -48,8 +48,7 @@ class LogprobHeadConfig:
     without sequence parallel. With it, the head returns each rank's partial gradient
     and Megatron's reduce-scatter sums them, so those bits are Megatron's. (Megatron's
     decoder layers do not give the same hidden state at every TP degree themselves.)
-    Provided by the triton backend on GPUs and both backends on CPU; the torch backend on
-    CUDA raises at the first :meth:`LogprobHead.logprobs` call."""
+    Provided by both backends, on CPU and on GPUs."""
 
     deterministic_tile: int | None = None
     """Passed as ``deterministic_tile=`` with ``deterministic=True``: the width of the global

@@ -277,8 +277,6 @@ class LogprobHead:
         Raises:
             RuntimeError: the head was removed, this stage has no output layer, or the
                 model has not run forward since install.
-            NotImplementedError: ``config.deterministic=True`` with ``backend="torch"``
-                on CUDA (lp_kernels provides it with the triton backend there).
         """
         if not self._installed:
             raise RuntimeError("this LogprobHead was removed; install_logprob_head() again")
