@@ -37,26 +37,26 @@ def _run(p, hidden, *, backend, deterministic):
         h, w, p.targets, return_entropy=True, return_lse=True, backend=backend,
         deterministic=deterministic, **p.op_kwargs(),
     )  # fmt: skip
-    g = torch.linspace(-1, 1, p.n)
+    g = torch.linspace(-1, 1, p.n, device=hidden.device)
     (out.logprob * g + out.entropy * g.flip(0) + 0.5 * out.lse).sum().backward()
     return out, h.grad, w.grad
 
 
-def _problem():
-    p = make_problem(11, 16, 300, seed=5, padded_vocab=384)
+def _problem(device="cpu"):
+    p = make_problem(11, 16, 300, seed=5, padded_vocab=384, device=device)
     p.targets[IGN] = p.ignore_index
     return p
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
-def test_non_finite_hidden_reaches_only_its_row(backend, deterministic, value):
-    p = _problem()
+def test_non_finite_hidden_reaches_only_its_row(device, backend, deterministic, value):
+    p = _problem(device)
     clean_out, clean_gh, _ = _run(p, p.hidden, backend=backend, deterministic=deterministic)
     hidden = p.hidden.clone()
     hidden[BAD, 2] = value
     out, gh, gw = _run(p, hidden, backend=backend, deterministic=deterministic)
-    others = torch.tensor([i for i in range(p.n) if i != BAD])
+    others = torch.tensor([i for i in range(p.n) if i != BAD], device=device)
     for name in ("logprob", "entropy", "lse"):
         got = getattr(out, name)
         assert torch.isnan(got[BAD]), f"{name}[{BAD}] = {float(got[BAD])}, expected NaN"
@@ -67,8 +67,8 @@ def test_non_finite_hidden_reaches_only_its_row(backend, deterministic, value):
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-def test_nan_in_an_ignored_row_stays_out_of_outputs_and_grad_hidden(backend, deterministic):
-    p = _problem()
+def test_nan_in_an_ignored_row_stays_out_of_outputs_and_grad_hidden(device, backend, deterministic):
+    p = _problem(device)
     clean_out, clean_gh, _ = _run(p, p.hidden, backend=backend, deterministic=deterministic)
     hidden = p.hidden.clone()
     hidden[IGN] = float("nan")
@@ -82,8 +82,8 @@ def test_nan_in_an_ignored_row_stays_out_of_outputs_and_grad_hidden(backend, det
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-def test_non_finite_weight_makes_every_row_nan(backend, deterministic):
-    p = _problem()
+def test_non_finite_weight_makes_every_row_nan(device, backend, deterministic):
+    p = _problem(device)
     weight = p.weight.clone()
     weight[17, 4] = float("nan")
     h = p.hidden.clone().requires_grad_()
@@ -99,12 +99,12 @@ def test_non_finite_weight_makes_every_row_nan(backend, deterministic):
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-def test_all_logits_very_negative_stay_exact(backend, deterministic):
+def test_all_logits_very_negative_stay_exact(device, backend, deterministic):
     """Every logit near -1e4 (a large shared offset): lse and entropy keep full accuracy."""
-    p = make_problem(9, 16, 257, seed=6)
+    p = make_problem(9, 16, 257, seed=6, device=device)
     p.hidden[:, 0] = 100.0
     p.weight[:, 0] = -100.0  # z = -1e4 + O(10) for every token and row
-    g = torch.linspace(-1, 1, p.n)
+    g = torch.linspace(-1, 1, p.n, device=device)
     h = p.hidden.clone().requires_grad_()
     w = p.weight.clone().requires_grad_()
     out = linear_logprob(
@@ -113,7 +113,7 @@ def test_all_logits_very_negative_stay_exact(backend, deterministic):
     )  # fmt: skip
     assert float(out.lse.max()) < -9000
     (out.logprob * g + out.entropy + out.lse * g.flip(0)).sum().backward()
-    upstream = {"grad_logprob": g, "grad_entropy": torch.ones(p.n), "grad_lse": g.flip(0)}
+    upstream = {"grad_logprob": g, "grad_entropy": torch.ones_like(g), "grad_lse": g.flip(0)}
     truth = reference_all(p.hidden, p.weight, p.targets, **upstream)
     fp32 = materialized_baseline(p.hidden, p.weight, p.targets, **upstream)
     got = {
