@@ -383,8 +383,12 @@ def test_vocab_parallel_logprob_needs_bounds_on_the_tile_grid():
     assert text.count("ValueError") >= 2 and "multiples of 256" in text
 
 
-def _logits_rank(rank, world, logits, targets, bounds, tile):
+def _logits_rank(rank, world, logits, targets, bounds, tile, group=None):
     from lp_kernels import vocab_parallel_logprob
+    from lp_kernels.backends import torch_deterministic
+
+    if group is not None:  # tiles per reduction call: group // tile
+        torch_deterministic.GROUP_COLUMNS = group
 
     start, size = bounds[rank]
     x = logits[:, start : start + size].clone().requires_grad_()
@@ -399,18 +403,26 @@ def _logits_rank(rank, world, logits, targets, bounds, tile):
 
 
 @pytest.mark.parametrize(
-    "tile, layouts",
-    [(128, ("tp1", "tp2-uneven", "tp3-uneven", "tp8")), (256, ("tp1", "tp2", "tp4"))],
-    ids=["tile128", "tile256"],
+    "tile, layouts, group",
+    [
+        (128, ("tp1", "tp2-uneven", "tp3-uneven", "tp8"), None),
+        (256, ("tp1", "tp2", "tp4"), None),
+        (128, ("tp1", "tp2-uneven", "tp3-uneven", "tp4-uneven"), 384),
+    ],
+    ids=["tile128", "tile256", "tile128-groups-of-3"],
 )
-def test_vocab_parallel_logprob_bitwise_identical_across_tp(tile, layouts):
+def test_vocab_parallel_logprob_bitwise_identical_across_tp(tile, layouts, group):
+    """Bitwise equal on every layout, and as accurate as the default mode. Groups of 3
+    tiles per reduction: shards of 8, 7, 1, 5, 2, 3 and 1 tiles make full groups, groups
+    with unused tiles, and the vocabulary's last tile (cut at 1000) at several positions
+    of its group."""
     p = _problem(torch.bfloat16)
     logits = (p.hidden.float() @ p.weight.float().T).to(torch.bfloat16)  # [37, 1024]
     results = {}
     for name in layouts:
         bounds = LAYOUTS[name]
         per_rank = run_ranks(
-            _logits_rank, len(bounds), logits, p.targets, bounds, tile, timeout=120
+            _logits_rank, len(bounds), logits, p.targets, bounds, tile, group, timeout=120
         )
         for rank in range(1, len(bounds)):
             for k in range(3):

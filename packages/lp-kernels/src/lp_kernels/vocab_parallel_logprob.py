@@ -53,27 +53,31 @@ def _scaled_chunk(
 
 
 def _tile_groups(logits: torch.Tensor, r0: int, r1: int, rows: int, v_real: int, p):
-    """``deterministic=True``: yield ``(j, lead, slots, z)`` for each group of
-    ``group_tiles`` global tiles, on that grid, that holds this shard's tiles ``[j, j +
-    slots)``: ``z [rows, width]`` is fp32 with those tiles from column ``lead * tile`` on
-    (``logits / T``, zero-padded rows) and zeros elsewhere. Every group's reductions thus
-    run on one shape on every layout (the vocabulary's last group: narrower, on all)."""
+    """``deterministic=True``: yield ``(j, 0, slots, z)`` for this shard's tiles in groups of
+    ``g = group_tiles(tile)``, from its first tile: ``z [rows, g * tile]`` fp32 holds tiles
+    ``[j, j + slots)`` (``logits / T``, zero-padded rows; ``-inf`` past the vocabulary's
+    end in its last tile) and zeros in the ``g - slots`` unused tiles after them. Every
+    reduction then has one shape, ``[rows, g, tile]``, on every layout; a tile's position
+    in its group may differ between layouts, which a reduction over its own row of
+    ``tile`` values does not see."""
     from lp_kernels.backends.torch_deterministic import group_tiles
 
     tile = p.deterministic_tile
     g = group_tiles(tile)
-    first = p.vocab_start // tile  # shard bounds lie on the tile grid
     count = -(-v_real // tile)
-    for gi in range(first // g, (first + count + g - 1) // g):
-        k0, k1 = max(gi * g, first), min((gi + 1) * g, first + count)
-        width = min(g * tile, p.vocab_size - gi * g * tile)
-        c0, c1 = (k0 - first) * tile, min((k1 - first) * tile, v_real)
-        lead = k0 - gi * g
-        z = torch.zeros((rows, width), dtype=torch.float32, device=logits.device)
-        z[: r1 - r0, lead * tile : lead * tile + c1 - c0] = logits[r0:r1, c0:c1]
+    dev = logits.device
+    for j in range(0, count, g):
+        c0, c1 = j * tile, min((j + g) * tile, v_real)
+        real = c1 - c0
+        z = torch.empty((rows, g * tile), dtype=torch.float32, device=dev)
+        z[: r1 - r0, :real] = logits[r0:r1, c0:c1]
+        z[r1 - r0 :, :real] = 0.0
+        cut = -(-real // tile) * tile  # the end of the last tile with real columns
+        z[:, real:cut] = float("-inf")  # the vocabulary's last tile, past its end
+        z[:, cut:] = 0.0
         if p.temperature != 1.0:
             z.mul_(p.inv_temperature)
-        yield k0 - first, lead, k1 - k0, z
+        yield j, 0, min(g, count - j), z
 
 
 class VocabParallelLogprob(torch.autograd.Function):

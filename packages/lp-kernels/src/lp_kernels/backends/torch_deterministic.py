@@ -52,9 +52,9 @@ from lp_kernels.backends.torch_linear import (
     scaled_logits_chunks,
 )
 
-GROUP_COLUMNS = 4096
+GROUP_COLUMNS = 16384
 """``vocab_parallel_logprob``'s reductions take this many columns (``GROUP_COLUMNS //
-tile`` whole tiles, at least one) per call: blocks on the global grid of such groups."""
+tile`` whole tiles, at least one) per call."""
 
 
 def group_tiles(tile: int) -> int:
