@@ -53,7 +53,7 @@ def _scaled_chunk(
 
 
 def _tile_groups(logits: torch.Tensor, r0: int, r1: int, rows: int, v_real: int, p):
-    """``deterministic=True``: yield ``(j, 0, slots, z)`` for this shard's tiles in groups of
+    """``deterministic=True``: yield ``(j, slots, z)`` for this shard's tiles in groups of
     ``g = group_tiles(tile)``, from its first tile: ``z [rows, g * tile]`` fp32 holds tiles
     ``[j, j + slots)`` (``logits / T``, zero-padded rows; ``-inf`` past the vocabulary's
     end in its last tile) and zeros in the ``g - slots`` unused tiles after them. Every
@@ -77,7 +77,7 @@ def _tile_groups(logits: torch.Tensor, r0: int, r1: int, rows: int, v_real: int,
         z[:, cut:] = 0.0
         if p.temperature != 1.0:
             z.mul_(p.inv_temperature)
-        yield j, 0, min(g, count - j), z
+        yield j, min(g, count - j), z
 
 
 class VocabParallelLogprob(torch.autograd.Function):
@@ -93,9 +93,9 @@ class VocabParallelLogprob(torch.autograd.Function):
             from lp_kernels.backends.torch_deterministic import merged_tile_stats
 
             blocks = (
-                (r0, r1, rows, j, lead, slots, z)
+                (r0, r1, rows, j, slots, z)
                 for r0, r1, rows in chunks(n, p.chunk_size)
-                for j, lead, slots, z in _tile_groups(logits, r0, r1, rows, v_real, p)
+                for j, slots, z in _tile_groups(logits, r0, r1, rows, v_real, p)
             )
             lse, mean_z, zt, ent = merged_tile_stats(blocks, t_local, in_shard, n, p, logits.device)
             ctx.save_for_backward(logits, targets, lse, mean_z)

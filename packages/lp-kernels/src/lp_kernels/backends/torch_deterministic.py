@@ -117,23 +117,23 @@ def _global_tiles(gathered: torch.Tensor, tiles: list[int]) -> torch.Tensor:
 def merged_tile_stats(blocks, t_own, in_own, n: int, p: LogprobParams, device):
     """Tile partials of every block, exchanged and merged in global tile order.
 
-    ``blocks`` yields ``(r0, r1, rows, j, lead, slots, z)``: token rows ``[r0, r1)`` padded
-    to ``rows``, and ``z [rows, width]``, the scaled logits of consecutive tiles of which
-    tiles ``[lead, lead + slots)`` are this rank's owned tiles from ``j`` on (the first
-    owned tile is 0); the others are ignored. ``t_own`` / ``in_own``:
-    the target's column counted from the first owned tile's start, and whether it is an
-    owned column. Returns ``(lse, E or None, target logit, entropy or None)``, each
-    ``[N]`` fp32. Shared with ``vocab_parallel_logprob(deterministic=True)``.
+    ``blocks`` yields ``(r0, r1, rows, j, slots, z)``: token rows ``[r0, r1)`` padded to
+    ``rows``, and ``z [rows, width]``, the scaled logits of consecutive tiles whose first
+    ``slots`` are this rank's owned tiles ``[j, j + slots)`` (the first owned tile is 0);
+    any after them are ignored. ``t_own`` / ``in_own``: the target's column counted from
+    the first owned tile's start, and whether it is an owned column. Returns ``(lse, E or
+    None, target logit, entropy or None)``, each ``[N]`` fp32. Shared with
+    ``vocab_parallel_logprob(deterministic=True)``.
     """
     tile = p.deterministic_tile
     tiles = _rank_tiles(p)
     stats = torch.zeros((n, max(tiles), N_STATS), dtype=torch.float32, device=device)
-    for r0, r1, rows, j, lead, slots, z in blocks:
-        t_rel = padded_rows(t_own, r0, r1, rows) - (j - lead) * tile  # z's column
-        in_z = (t_rel >= lead * tile) & (t_rel < (lead + slots) * tile)
+    for r0, r1, rows, j, slots, z in blocks:
+        t_rel = padded_rows(t_own, r0, r1, rows) - j * tile  # z's column
+        in_z = (t_rel >= 0) & (t_rel < slots * tile)
         hit = padded_rows(in_own, r0, r1, rows, False) & in_z  # (a view: not in place)
         part = _tile_stats(z, t_rel, hit, tile, entropy=p.return_entropy)
-        stats[r0:r1, j : j + slots] = part[: r1 - r0, lead : lead + slots]
+        stats[r0:r1, j : j + slots] = part[: r1 - r0, :slots]
     merged = _global_tiles(gather_stats(stats, p.tp_group, p.tp_size), tiles)
     return _merge_tiles(merged, entropy=p.return_entropy)
 
@@ -165,7 +165,7 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         )
         tiles = _owned_tiles(weight[:v_real], halo, own, p.deterministic_tile)
         blocks = (
-            (r0, r1, rows, j, 0, 1, z)
+            (r0, r1, rows, j, 1, z)
             for j, (_, w_j) in enumerate(tiles)
             for r0, r1, rows, _, z in scaled_logits_chunks(hidden, w_j, p)
         )
