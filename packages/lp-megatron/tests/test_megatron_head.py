@@ -737,10 +737,11 @@ def test_deterministic_head_bitwise_across_tp() -> None:
 
 
 @pytest.mark.multigpu
-def test_deterministic_head_bitwise_across_tp_nccl() -> None:
-    """The same on GPUs with the triton backend: TP 1 on one GPU, TP 2 over NCCL."""
-    one = lp_testing.run_ranks(_invariance_rank, 1, "cuda", "triton", backend="nccl", timeout=300)
-    two = lp_testing.run_ranks(_invariance_rank, 2, "cuda", "triton", backend="nccl", timeout=300)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_deterministic_head_bitwise_across_tp_nccl(backend: str) -> None:
+    """The same on GPUs, with either backend: TP 1 on one GPU, TP 2 over NCCL."""
+    one = lp_testing.run_ranks(_invariance_rank, 1, "cuda", backend, backend="nccl", timeout=300)
+    two = lp_testing.run_ranks(_invariance_rank, 2, "cuda", backend, backend="nccl", timeout=300)
     _check_invariance(one[0][False], two)
 
 
