@@ -193,7 +193,8 @@ def vocab_parallel_logprob(
         vocab_size: the real global vocabulary; columns ``>= vocab_size`` are
             padding, excluded from the softmax, and get zero gradient.
         chunk_size: token rows per step (at least 16 are used); None = a default
-            from the shard width and device, never from N.
+            from the shard width (with ``deterministic``: from the width of its groups
+            of tiles, the same on every layout) and device, never from N.
         validate: check target ids (one host sync); False = no host sync.
         deterministic: tensor-parallel invariance: outputs and the logits gradient are
             bitwise identical for any TP degree and any layout whose shard bounds are
