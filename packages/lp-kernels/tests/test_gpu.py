@@ -92,6 +92,7 @@ STEADY_MODES = {  # (backend, deterministic)
     "triton": ("triton", False),
     "torch": ("torch", False),
     "triton-deterministic": ("triton", True),
+    "torch-deterministic": ("torch", True),
 }
 
 
@@ -260,14 +261,15 @@ DET_LAYOUTS = {
 }
 
 
-def _det_rank(rank, world, problem, bounds):
+def _det_rank(rank, world, problem, bounds, backend="auto"):
     dev = torch.device("cuda", rank)
     start, size = bounds[rank]
     h = problem.hidden.to(dev).requires_grad_()
     w = problem.weight[start : start + size].to(dev).requires_grad_()
     out = linear_logprob(
         h, w, problem.targets.to(dev), tp_group=dist.group.WORLD, vocab_start=start,
-        return_entropy=True, return_lse=True, deterministic=True, **problem.op_kwargs(),
+        return_entropy=True, return_lse=True, deterministic=True, backend=backend,
+        **problem.op_kwargs(),
     )  # fmt: skip
     g = torch.linspace(-1, 1, problem.n, device=dev)
     (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.5).sum().backward()
@@ -275,10 +277,11 @@ def _det_rank(rank, world, problem, bounds):
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_nccl_deterministic_bitwise_across_tp(dtype):
+def test_nccl_deterministic_bitwise_across_tp(dtype, backend):
     """TP = 1 (one GPU), 2, 4 and 8 (when present), even and uneven: the same bits
-    everywhere."""
+    everywhere, with either backend."""
     problem = make_problem(
         1031, 256, DET_VOCAB, dtype=dtype, seed=3, ignore_frac=0.1, padded_vocab=DET_PADDED,
         temperature=0.9,
@@ -286,7 +289,7 @@ def test_nccl_deterministic_bitwise_across_tp(dtype):
     p = problem.to("cuda").with_grad()
     ref = linear_logprob(
         p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, deterministic=True,
-        **p.op_kwargs(),
+        backend=backend, **p.op_kwargs(),
     )  # fmt: skip
     g = torch.linspace(-1, 1, p.n, device="cuda")
     (ref.logprob * g + ref.entropy * g.flip(0) + ref.lse * 0.5).sum().backward()
@@ -296,7 +299,9 @@ def test_nccl_deterministic_bitwise_across_tp(dtype):
     differ = []
     for world in degrees:
         for mode, bounds in DET_LAYOUTS[world].items():
-            results = run_ranks(_det_rank, world, problem, bounds, backend="nccl", timeout=120)
+            results = run_ranks(
+                _det_rank, world, problem, bounds, backend, backend="nccl", timeout=120
+            )
             grad_w = torch.cat([r[4] for r in results])
             pairs = [(f"{name} rank {rank}", a, b) for rank, got in enumerate(results)
                      for name, a, b in zip(names, got[:4], want, strict=True)]  # fmt: skip
