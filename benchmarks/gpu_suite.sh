@@ -2,13 +2,15 @@
 # The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
 #   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [bench] [sweep] [profile-det]
-#       [profile-step] [clock] [anatomy] [ncu] [tp]
+#       [profile-step] [clock] [anatomy] [ncu] [tp] [ab-tp]
 #   (default: tests megatron bench sweep)
 # SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help);
 # STEP_SHAPES (default S1,S4) and STEP_TRACE=1 (chrome traces, large) to profile-step;
 # STEP_SHAPES also to clock (default S1,S4), to anatomy (default S1,S2,S3,S4) and to ncu
 # (default S2,S1; Nsight Compute's counters, on hosts where ncu can read them);
-# BENCH_BACKENDS to bench (lp bench --backends); MARK to the pytest stages (default
+# BENCH_BACKENDS to bench (lp bench --backends); AB_OLD to ab-tp (an older tree's
+# packages/lp-kernels/src, e.g. made by `git archive REV packages/lp-kernels/src | tar -x -C
+# _old` before the call and carried with it); MARK to the pytest stages (default
 # "gpu or multigpu"; MARK=gpu skips the NCCL tests, e.g. tests-core after tp on -x2).
 # Writes logs, JUnit XML and bench.json/bench.png under $OUT (default ./gpu-out).
 # megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
@@ -73,6 +75,19 @@ for stage in $stages; do
       torchrun --standalone --nproc-per-node "$gpus" -m lp_kernels.cli bench --tp "$gpus" \
         --shapes S2 --backends lp-triton,lp-triton-det --reps 3 --warmup 1 --out "$OUT/tp" \
         2>&1 | tee "$OUT/tp/bench.log" | tail -n 15 || status=1 ;;
+    ab-tp)  # A/B of the TP step against an older tree (AB_OLD), alternating, 4 runs each
+      gpus=$(nvidia-smi -L | wc -l)
+      for i in 1 2 3 4; do
+        for tag in new old; do
+          src=$pk/lp-kernels/src
+          [ "$tag" = old ] && src=$PWD/${AB_OLD:?AB_OLD: the older tree\'s lp-kernels src}
+          PYTHONPATH=$src:$pk/lp-testing/src:$pk/lp-megatron/src${PYTHONPATH:+:$PYTHONPATH} \
+            torchrun --standalone --nproc-per-node "$gpus" -m lp_kernels.cli bench --tp "$gpus" \
+            --shapes S2 --backends lp-triton,lp-triton-det --reps 5 --warmup 1 \
+            --out "$OUT/ab-$tag-$i" > "$OUT/ab-$tag-$i.log" 2>&1 || status=1
+          echo "$tag $i: $(grep -E 'lp-triton' "$OUT/ab-$tag-$i.log" | tr -s ' ' | cut -c1-120 | tr '\n' ';')"
+        done
+      done ;;
     clock)  # protocol check: floor and lp step timed in four orders, SM clock sampled
       (cd benchmarks && python3 clock_check.py --shapes ${STEP_SHAPES:-S1,S4} --reps 10 \
         --out "$OUT/clock.json") 2>&1 | tee "$OUT/clock.log" | tail -n 12 || status=1 ;;
