@@ -38,6 +38,8 @@ for the default torch path there); on CPU it is.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from lp_kernels._compile import backend_backward
@@ -51,6 +53,9 @@ from lp_kernels.backends.torch_linear import (
     padded_rows,
     scaled_logits_chunks,
 )
+
+MANY_TILES = 128
+"""A CUDA call with more owned tiles than this warns: each tile makes its own calls."""
 
 GROUP_COLUMNS = 16384
 """``vocab_parallel_logprob``'s reductions take this many columns (``GROUP_COLUMNS //
@@ -160,6 +165,16 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         n = hidden.shape[0]
         v_real = p.local_real_columns(weight.shape[0])
         own, halo = owned_halo(weight[:v_real], p)
+        if hidden.is_cuda and own.tiles > MANY_TILES:
+            warnings.warn(
+                f"deterministic=True with backend='torch' on CUDA makes its GEMMs and "
+                f"reductions tile by tile: this shard has {own.tiles} tiles of "
+                f"deterministic_tile={p.deterministic_tile} columns, and the step is bound by "
+                "kernel launches (128-column tiles: 2.3 s at S4 on H200, about 40 x the "
+                "default tile's time). Use the default tile (deterministic_tile=None) or "
+                "backend='triton'",
+                stacklevel=2,
+            )
         t_own, in_own, ignored = target_columns(
             targets, p.ignore_index, p.vocab_start + own.skip, own.ext
         )
