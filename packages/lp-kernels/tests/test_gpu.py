@@ -561,14 +561,15 @@ def test_vocab_parallel_deterministic_layouts_sharing_one_gpu(tile):
 def test_torch_deterministic_warns_about_many_narrow_tiles_on_cuda():
     """The torch backend's deterministic mode makes its calls tile by tile: with more than
     MANY_TILES tiles per shard on CUDA (here 313 tiles of 128 columns) it says so and what
-    to use; with the default tile it is silent."""
+    to use, at the caller's line; with the default tile it is silent."""
     import warnings
 
     p = make_problem(64, 32, 40000, dtype=torch.bfloat16, device="cuda", seed=2)
     kw = {"backend": "torch", "deterministic": True, **p.op_kwargs()}
     match = r"313 tiles of deterministic_tile=128 .* backend='triton'"
-    with pytest.warns(UserWarning, match=match):
+    with pytest.warns(UserWarning, match=match) as record:
         linear_logprob(p.hidden, p.weight, p.targets, deterministic_tile=128, **kw)
+    assert [w.filename for w in record] == [__file__]  # it points at the caller's line
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         linear_logprob(p.hidden, p.weight, p.targets, **kw)

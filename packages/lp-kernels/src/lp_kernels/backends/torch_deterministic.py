@@ -38,6 +38,7 @@ for the default torch path there); on CPU it is.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -56,6 +57,11 @@ from lp_kernels.backends.torch_linear import (
 
 MANY_TILES = 128
 """A CUDA call with more owned tiles than this warns: each tile makes its own calls."""
+
+_NOT_THE_CALLER = (  # lp_kernels' and torch's own frames (warnings.warn skips them)
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+)
 
 GROUP_COLUMNS = 16384
 """``vocab_parallel_logprob``'s reductions take this many columns (``GROUP_COLUMNS //
@@ -173,7 +179,7 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
                 "kernel launches (128-column tiles: 2.3 s at S4 on H200, about 40 x the "
                 "default tile's time). Use the default tile (deterministic_tile=None) or "
                 "backend='triton'",
-                stacklevel=2,
+                skip_file_prefixes=_NOT_THE_CALLER,  # point at the caller's line
             )
         t_own, in_own, ignored = target_columns(
             targets, p.ignore_index, p.vocab_start + own.skip, own.ext
