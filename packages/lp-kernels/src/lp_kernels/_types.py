@@ -45,7 +45,9 @@ class LogprobParams:
     vocab_size: int
     """Real global vocabulary; ids >= vocab_size are padding and never enter the softmax."""
     chunk_size: int
-    """Token rows processed per step (memory knob; never changes any row's result)."""
+    """Token rows per step of the torch paths (a memory knob). A row's results do not
+    depend on it on CPU; on CUDA cuBLAS picks kernels by shape, so the deterministic
+    mode takes it from the tile (the same on every layout), never from the shard."""
     tp_group: Any = None
     """The ``torch.distributed`` group the vocabulary is sharded over, or None."""
     tp_size: int = 1
