@@ -10,7 +10,8 @@
 # (default S2,S1; Nsight Compute's counters, on hosts where ncu can read them);
 # BENCH_BACKENDS to bench (lp bench --backends); AB_OLD to ab-tp (an older tree's
 # packages/lp-kernels/src, e.g. made by `git archive REV packages/lp-kernels/src | tar -x -C
-# _old` before the call and carried with it); MARK to the pytest stages (default
+# _old` before the call and carried with it; AB_SHAPES, AB_BACKENDS: its lp bench
+# options); MARK to the pytest stages (default
 # "gpu or multigpu"; MARK=gpu skips the NCCL tests, e.g. tests-core after tp on -x2).
 # Writes logs, JUnit XML and bench.json/bench.png under $OUT (default ./gpu-out).
 # megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
@@ -81,11 +82,13 @@ for stage in $stages; do
         for tag in new old; do
           src=$pk/lp-kernels/src
           [ "$tag" = old ] && src=$PWD/${AB_OLD:?AB_OLD: the older tree\'s lp-kernels src}
+          [ "$i" = 1 ] && echo "$tag: $(PYTHONPATH=$src python3 -c \
+            'import lp_kernels; print(lp_kernels.__file__)')"
           PYTHONPATH=$src:$pk/lp-testing/src:$pk/lp-megatron/src${PYTHONPATH:+:$PYTHONPATH} \
             torchrun --standalone --nproc-per-node "$gpus" -m lp_kernels.cli bench --tp "$gpus" \
-            --shapes S2 --backends lp-triton,lp-triton-det --reps 5 --warmup 1 \
-            --out "$OUT/ab-$tag-$i" > "$OUT/ab-$tag-$i.log" 2>&1 || status=1
-          echo "$tag $i: $(grep -E 'lp-triton' "$OUT/ab-$tag-$i.log" | tr -s ' ' | cut -c1-120 | tr '\n' ';')"
+            --shapes "${AB_SHAPES:-S2}" --backends "${AB_BACKENDS:-lp-triton,lp-triton-det}" \
+            --reps 5 --warmup 1 --out "$OUT/ab-$tag-$i" > "$OUT/ab-$tag-$i.log" 2>&1 || status=1
+          echo "$tag $i: $(grep -E '^ *[^ ]+ +[^ ]+ +lp-' "$OUT/ab-$tag-$i.log" | tr -s ' ' | tr '\n' ';')"
         done
       done ;;
     clock)  # protocol check: floor and lp step timed in four orders, SM clock sampled
