@@ -232,9 +232,11 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
                 hidden, w_j, targets, lse, mean_z, (g_lp, g_ent, g_lse), p, p.vocab_start + begin
             ):
                 if need_h:
-                    exp2 = torch.exp2(padded_rows(scale, r0, r1, dl.shape[0]))[:, None]
-                    leaf = mm_f32(dl, w_j).double()
-                    acc_h[r0:r1] += torch.round(leaf * exp2)[: r1 - r0].to(torch.int64)
+                    # 2^e_n is an fp32 power of two (|e_n| <= 126) and |leaf| 2^e_n < 2^61
+                    # (the bound): the scaling is exact in fp32, the integers those of fp64
+                    exp2 = torch.exp2(padded_rows(scale, r0, r1, dl.shape[0])).float()
+                    leaf = mm_f32(dl, w_j).mul_(exp2[:, None]).round_()
+                    acc_h[r0:r1] += leaf[: r1 - r0].to(torch.int64)
                     if last:
                         sums.ready(r1)  # rows [0, r1) are final
                 if need_w:
