@@ -52,18 +52,26 @@ def _scaled_chunk(
     return z
 
 
+GROUP_COLUMNS = 16384
+"""``deterministic=True``: the reductions take this many columns (``GROUP_COLUMNS // tile``
+whole tiles, at least one) per call."""
+
+
+def _group_tiles(tile: int) -> int:
+    """Tiles per group of :data:`GROUP_COLUMNS` columns (at least one)."""
+    return max(1, GROUP_COLUMNS // tile)
+
+
 def _tile_groups(logits: torch.Tensor, r0: int, r1: int, rows: int, v_real: int, p):
     """``deterministic=True``: yield ``(j, slots, z)`` for this shard's tiles in groups of
-    ``g = group_tiles(tile)``, from its first tile: ``z [rows, g * tile]`` fp32 holds tiles
+    ``g = _group_tiles(tile)``, from its first tile: ``z [rows, g * tile]`` fp32 holds tiles
     ``[j, j + slots)`` (``logits / T``, zero-padded rows; ``-inf`` past the vocabulary's
     end in its last tile) and zeros in the ``g - slots`` unused tiles after them. Every
     reduction then has one shape, ``[rows, g, tile]``, on every layout; a tile's position
     in its group may differ between layouts, which a reduction over its own row of
     ``tile`` values does not see."""
-    from lp_kernels.backends.torch_deterministic import group_tiles
-
     tile = p.deterministic_tile
-    g = group_tiles(tile)
+    g = _group_tiles(tile)
     count = -(-v_real // tile)
     dev = logits.device
     for j in range(0, count, g):
@@ -247,9 +255,7 @@ def vocab_parallel_logprob(
     v_real = max(0, min(v_local, vocab_size - vocab_start))
     chunk_width = v_real  # deterministic: one group of tiles, the same on every layout
     if deterministic:
-        from lp_kernels.backends.torch_deterministic import group_tiles
-
-        chunk_width = group_tiles(deterministic_tile) * deterministic_tile
+        chunk_width = _group_tiles(deterministic_tile) * deterministic_tile
     params = LogprobParams(
         temperature=temperature,
         ignore_index=ignore_index,

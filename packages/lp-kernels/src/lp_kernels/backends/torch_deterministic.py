@@ -63,15 +63,6 @@ _NOT_THE_CALLER = (  # lp_kernels' and torch's own frames (warnings.warn skips t
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
 )
 
-GROUP_COLUMNS = 16384
-"""``vocab_parallel_logprob``'s reductions take this many columns (``GROUP_COLUMNS //
-tile`` whole tiles, at least one) per call."""
-
-
-def group_tiles(tile: int) -> int:
-    """Tiles per block of :data:`GROUP_COLUMNS` columns (at least one)."""
-    return max(1, GROUP_COLUMNS // tile)
-
 
 def _tile_stats(z: torch.Tensor, t_rel, hit, tile: int, *, entropy: bool) -> torch.Tensor:
     """``[C, T, 4]`` partials of each ``tile``-column tile of ``z [C, width]``; ``t_rel``
