@@ -19,12 +19,12 @@ import json
 import statistics
 
 import torch
-from protocol import SHAPES, make_inputs, time_cuda
+from protocol import make_inputs, time_cuda
 
 import lp_kernels.backends.triton_deterministic as tdet
 import lp_kernels.backends.triton_linear as tlin
 from lp_kernels import linear_logprob
-from lp_kernels.bench import floor_call, steady_warmup, tile_arg
+from lp_kernels.bench import floor_call, parse_shapes, steady_warmup, tile_arg
 
 # "old": the launch order and loads pinned up to session 2 (no grouping, pointer loads,
 # 128 x 128 tiles). Keys starting with "fixed" set the fixed-point GEMM's tiles of
@@ -48,6 +48,7 @@ VARIANTS = {
     "fx128x64-w4": {"fixed": (128, 64, 64), "fixed_warps": 4},
     "fxpipe": {"fixed_pipe": True},
     "vs4k": {"v_split": 4096},
+    "vs2k": {"v_split": 2048},
     "bv128-w4": {"block_v": 128, "logit_warps": 4},
     "fx64x128-pipe": {"fixed": (64, 128, 64), "fixed_pipe": True},
     "fxsplit": {"fixed_convert": "split"},
@@ -143,7 +144,7 @@ def check_bits(base, base_fixed) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="S1,S4")
+    ap.add_argument("--shapes", default="S1,S4", help="names (S1-S4) or NxHxV, comma-separated")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--det", action="store_true", help="also time deterministic=True")
     ap.add_argument(
@@ -175,8 +176,7 @@ def main() -> None:
     rows = []
     if args.bits:
         rows = check_bits(base, base_fixed)
-    for s in args.shapes.split(","):
-        n, h, v = SHAPES[s]
+    for s, n, h, v in parse_shapes(args.shapes):
         hidden, weight, targets, grad_out = make_inputs(n, h, v)
 
         def timed(fn):  # median ms at steady clocks, as lp bench times
