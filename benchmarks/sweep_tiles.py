@@ -49,6 +49,8 @@ VARIANTS = {
     "fxpipe": {"fixed_pipe": True},
     "vs4k": {"v_split": 4096},
     "vs2k": {"v_split": 2048},
+    "mm64": {"mm_block_m": 64},
+    "bn64": {"block_n": 64},
     "bv128-w4": {"block_v": 128, "logit_warps": 4},
     "fx64x128-pipe": {"fixed": (64, 128, 64), "fixed_pipe": True},
     "fxsplit": {"fixed_convert": "split"},
@@ -114,6 +116,11 @@ ORDER_ONLY = {
     # each tile rounded on its own, whatever the group (with --det-tile tp8: 8 tiles)
     "rg1": {"round_group": 1},
     "rg3": {"round_group": 3},
+    # other output tiles with the same MMA per element and the same K order: equal if the
+    # tensor cores' sum of one element does not depend on the instruction's N (or on M)
+    "mm128": {"mm_block_n": 128},
+    "mm64": {"mm_block_m": 64},
+    "bn64": {"block_n": 64},
 }
 
 
