@@ -51,6 +51,9 @@ VARIANTS = {
     "vs2k": {"v_split": 2048},
     "mm64": {"mm_block_m": 64},
     "bn64": {"block_n": 64},
+    # the GEMM's output tile never narrowed by the grid (triton_linear.mm_block_n): the
+    # pinned 128 x 256 everywhere, as before session 14
+    "mmwide": {"narrow_cost": float("inf")},
     "bv128-w4": {"block_v": 128, "logit_warps": 4},
     "fx64x128-pipe": {"fixed": (64, 128, 64), "fixed_pipe": True},
     "fxsplit": {"fixed_convert": "split"},
@@ -67,7 +70,8 @@ VARIANTS = {
     "rg4": {"round_group": 4},
 }
 _ROUND_GROUP = tdet.ROUND_GROUP  # the pinned value
-_NOT_CONFIG = ("c_tma", "round_group")  # variant keys that are not TileConfig fields
+_NOT_CONFIG = ("c_tma", "round_group", "narrow_cost")  # variant keys: not TileConfig fields
+_NARROW_COST = tlin.NARROW_TILE_COST  # the pinned value
 
 
 def _apply(base, base_fixed, variant: dict) -> None:
@@ -81,6 +85,7 @@ def _apply(base, base_fixed, variant: dict) -> None:
     tdet.FIXED_CONVERT = variant.get("fixed_convert", "cvt")
     tdet.FIXED_LOOP = variant.get("fixed_loop", "flat")
     tlin.C_TMA = variant.get("c_tma", True)
+    tlin.NARROW_TILE_COST = variant.get("narrow_cost", _NARROW_COST)
     tdet.ROUND_GROUP = variant.get("round_group", _ROUND_GROUP)
 
 
@@ -121,6 +126,8 @@ ORDER_ONLY = {
     "mm128": {"mm_block_n": 128},
     "mm64": {"mm_block_m": 64},
     "bn64": {"block_n": 64},
+    # the GEMM's pinned 128 x 256 tile where the grid would pick the narrow one
+    "mmwide": {"narrow_cost": float("inf")},
 }
 
 

@@ -58,6 +58,11 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
     ]  # fmt: skip
     assert acc, lines
     assert all("C_TMA=True" in line and " 0 B stack" in line for line in acc), acc
+    # ... in both output tile widths (triton_linear.mm_block_n: the narrow one on small
+    # grids, the pinned one under the "wide" experiment)
+    assert {"BLOCK_N=128", "BLOCK_N=256"} <= {
+        m.group(0) for x in acc if (m := re.search(r"BLOCK_N=\d+", x))
+    }
     # No launch falls off a register cliff. Until session 8 every fp32-input kernel compiled
     # to 32 registers and a 6-13 KB stack frame (ptxas giving up on 128 x 256 FMA tiles;
     # 19 x slower on H200); today's largest frame is about 1.1 KB (pointer-load paths).

@@ -77,3 +77,34 @@ def test_deterministic_tile_for_rejects_bad_arguments():
     for args in ((0, 8), (1000, 0), (1000, 2.0), (True, 8)):
         with pytest.raises(ValueError, match="must be a positive int"):
             deterministic_tile_for(*args)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "width"),
+    [
+        (1024, 2048, 128),  # 64 tiles of 128 x 256 for 132 SMs: the narrow grid, one wave
+        (1024, 4096, 256),  # 128 wide tiles: one wave either way
+        (2048, 2048, 256),
+        (1152, 4096, 128),  # 144 wide tiles: two waves, the second almost empty
+        (16384, 2048, 256),  # S2's grad_hidden: 1024 tiles
+        (8192, 4096, 256),  # S1's
+        (1, 2048, 128),
+        (300, 100, 128),
+    ],
+)
+def test_gemm_output_tile_follows_the_grid(m, n, width, monkeypatch):
+    """lp's GEMM takes the narrow output tile only where the pinned one leaves the GPU
+    mostly idle (a wave model with the narrow program's measured cost). This is the one tile
+    chosen by size: it does not change the bits (test_determinism, test_gpu)."""
+    import lp_kernels.backends.triton_linear as tri
+
+    monkeypatch.setattr(tri, "smem_per_block", lambda device: 227 << 10)
+    monkeypatch.setattr(tri, "sm_count", lambda device: 132)
+    dev = torch.device("cuda", 0)
+    bf16, fp32 = tri.config_for(dev, torch.bfloat16), tri.config_for(dev, torch.float32)
+    assert tri.mm_block_n(bf16, m, n, dev) == width
+    assert tri.mm_block_n(fp32, m, n, dev) == fp32.mm_block_n  # already narrow: never halved
+    monkeypatch.setattr(tri, "sm_count", lambda device: None)  # the interpreter: no waves
+    assert tri.mm_block_n(bf16, m, n, dev) == bf16.mm_block_n
+    monkeypatch.undo()
+    assert tri.sm_count(torch.device("cpu")) is None

@@ -140,11 +140,12 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
     dtype, deterministic, device, monkeypatch
 ):
     """Tensor-descriptor loads against pointer loads, the grouped launch order against
-    another grouping, and (deterministic, tile 128 or 384 with a cut last tile) the
-    fixed-point GEMM's nested loop (leaves around K steps) against its flat one, its
-    pipelined leaves and its split rounding: the same products in the same order (and the
-    same integers), so the same bits (the load path is chosen by H, dtype and alignment;
-    see triton_linear.tma_ok)."""
+    another grouping, the GEMM's pinned output tile against its narrow one (chosen by the
+    grid: triton_linear.mm_block_n), and (deterministic, tile 128 or 384 with a cut last
+    tile) the fixed-point GEMM's nested loop (leaves around K steps) against its flat one,
+    its pipelined leaves and its split rounding: the same products in the same order (and
+    the same integers), so the same bits (the load path is chosen by H, dtype and
+    alignment; see triton_linear.tma_ok)."""
     import dataclasses
 
     import lp_kernels.backends.triton_deterministic as tdet
@@ -152,17 +153,24 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
 
     name = "INTERPRET_CONFIG" if device == "cpu" else "GPU_CONFIG"
     base = getattr(tri, name)
+    by_grid = tri.mm_block_n
     p = make_problem(
         67, 64, 1031, dtype=dtype, device=device, seed=5, ignore_frac=0.1, padded_vocab=1152
     )
     results = []
     changes = [{}, {"tma": False}, {"group": 1}, {"group": 0, "tma": False}]
+    if device == "cpu" or base.mm_block_n >= 256:  # the widths mm_block_n chooses from
+        changes += [{"gemm": 1}, {"gemm": 2}, {"gemm": 2, "tma": False}]
     if deterministic:  # and the fixed-point GEMM's loops, leaf pipelining, split rounding
         changes += [{"loop": "nested"}, {"pipe": True}, {"convert": "split"}]
     for change in changes:
         monkeypatch.setattr(tdet, "FIXED_LOOP", change.pop("loop", "flat"))
         monkeypatch.setattr(tdet, "FIXED_PIPELINE", change.pop("pipe", False))
         monkeypatch.setattr(tdet, "FIXED_CONVERT", change.pop("convert", "cvt"))
+        # the GEMM's output tile: chosen by the grid (None), the config's width or its half
+        div = change.pop("gemm", None)
+        width = by_grid if div is None else (lambda cfg, *_, d=div: cfg.mm_block_n // d)
+        monkeypatch.setattr(tri, "mm_block_n", width)
         monkeypatch.setattr(tri, name, dataclasses.replace(base, **change))
         h = p.hidden.detach().clone().requires_grad_()
         w = p.weight.detach().clone().requires_grad_()

@@ -237,6 +237,46 @@ def test_large_index_products(n, h, v, backend):
     assert rel < 1e-2, f"grad_hidden relative error {rel:.2e}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+def test_gemm_tile_chosen_by_the_grid_keeps_batch_invariance(deterministic, dtype, monkeypatch):
+    """The one size-dependent tile: lp's GEMM takes its narrow output tile where the pinned
+    grid leaves the GPU mostly idle (triton_linear.mm_block_n). At H = 2048, grad_hidden of
+    1,024 rows takes it and 8,192 rows the pinned one; a row's outputs and its grad_hidden
+    row are the same bits either way, and as a single row."""
+    import lp_kernels.backends.triton_linear as tri
+
+    n, h, v = 8192, 2048, 5003
+    by_grid, widths = tri.mm_block_n, {}
+
+    def spy(cfg, m, cols, device):
+        width = by_grid(cfg, m, cols, device)
+        if cols == h:  # grad_hidden's GEMM ([rows, H]; grad_weight's has the tile's rows)
+            widths.setdefault(m, set()).add(width)
+        return width
+
+    monkeypatch.setattr(tri, "mm_block_n", spy)
+    p = make_problem(n, h, v, dtype=dtype, device="cuda", seed=4, ignore_frac=0.05)
+    up = torch.randn(n, generator=torch.Generator().manual_seed(1)).to("cuda")
+
+    def run(rows):
+        hid = p.hidden[rows].detach().clone().requires_grad_()
+        out = linear_logprob(
+            hid, p.weight, p.targets[rows], return_entropy=True, backend="triton",
+            deterministic=deterministic, deterministic_tile=5120,  # one tile: fp32 leaves
+        )  # fmt: skip
+        (out.logprob * up[rows] + out.entropy * up[rows].abs()).sum().backward()
+        return out.logprob, out.entropy, hid.grad
+
+    full = run(torch.arange(n, device="cuda"))
+    for rows in (torch.arange(3, n, 8, device="cuda"), torch.tensor([4321], device="cuda")):
+        got = run(rows)
+        for name, a, b in zip(("logprob", "entropy", "grad_hidden"), full, got, strict=True):
+            assert_bitwise_equal(b, a[rows], f"{name}, {rows.numel()} rows")
+    assert widths[n] == {256} and widths[n // 8] == {128} and widths[1] == {128}, widths
+
+
 # deterministic=True over NCCL: shard bounds on multiples of 128 of V_pad = 20480
 DET_VOCAB, DET_PADDED = 20011, 20480
 DET_LAYOUTS = {

@@ -64,9 +64,15 @@ _DET = "lp_kernels.backends.triton_deterministic"
 _LIN = "lp_kernels.backends.triton_linear"
 # Experimental switches compiled by ``--variants all``: name -> the (module, attribute,
 # new value or a function of the old value) settings it makes.
+# Streaming multiprocessors of the pretend GPU (triton_linear.sm_count): H200's. With it
+# the small problems below take the GEMM's narrow output tile (triton_linear.mm_block_n);
+# the "wide" experiment prices the narrow tile out, so they take the pinned one.
+SMS = 132
+
 EXPERIMENTS = {
     "split": [(_DET, "FIXED_CONVERT", "split")],
     "pipe": [(_DET, "FIXED_PIPELINE", True)],
+    "wide": [(_LIN, "NARROW_TILE_COST", float("inf"))],
 }
 
 
@@ -155,6 +161,7 @@ def gpu_launches(tier: str = "large") -> Iterator[list]:
         (JITFunction, "run", run),
         (api, "_triton_interpreting", lambda: True),
         (tri, "gpu_tier", lambda device: tier),
+        (tri, "sm_count", lambda device: SMS),
         (tri, "config_for", lambda device, dtype=torch.bfloat16: tri_config(fake, dtype)),
         (
             tdet,

@@ -127,6 +127,7 @@ IGNORED = -2  # target code of an ignored row in the kernels (see target_codes)
 LARGE_SMEM = 200 << 10
 MID_SMEM = 160 << 10
 _SMEM: dict[int, int] = {}
+_SMS: dict[int, int] = {}
 
 
 def smem_per_block(device: torch.device) -> int:
@@ -139,6 +140,17 @@ def smem_per_block(device: torch.device) -> int:
             smem = (227 << 10) if props.major >= 9 else (163 << 10)
         _SMEM[index] = int(smem)
     return _SMEM[index]
+
+
+def sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device (cached per device); None elsewhere (the
+    interpreter has no waves of programs)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def gpu_tier(device: torch.device) -> str:
@@ -619,6 +631,34 @@ def _dlogits(hidden, w_real, t_col, lse, mean, g_lp, g_ent, c0, out, v_begin, v_
     )  # fmt: skip
 
 
+# A 128 x 128 program of the GEMM costs about this fraction of a 128 x 256 one's time
+# (H200, session 14: 2-4 % slower steps with it at S2 and S4, where both grids fill the GPU
+# many times over, i.e. 10-20 % slower per GEMM).
+NARROW_TILE_COST = 0.575
+
+
+def mm_block_n(cfg: TileConfig, m: int, n: int, device: torch.device) -> int:
+    """Output tile width of lp's GEMM ``C [m, n] (+)= A @ B``: the config's ``mm_block_n``, or
+    half of it where the pinned grid would leave much of the GPU idle in its last wave
+    (grad_hidden at about a thousand tokens and H = 2048 has 64 tiles of 128 x 256 for 132
+    SMs: half the GPU idles, and the step took 1.5-2.0 x the floor; docs/benchmarks.md,
+    session 14).
+
+    Unlike every other tile of this backend, this one follows the sizes, because it does not
+    change the bits: each element of C gets the same MMAs in the same K order in a 128- or
+    a 256-wide tile (checked bitwise on H200, both modes, and tested: test_gpu.py). So a
+    row's grad_hidden stays the same whatever N, and batch invariance holds.
+    """
+    wide = cfg.mm_block_n
+    sms = sm_count(device)
+    if sms is None or wide < 256:
+        return wide
+    rows = triton.cdiv(m, cfg.mm_block_m)
+    waves_wide = triton.cdiv(rows * triton.cdiv(n, wide), sms)
+    waves_narrow = triton.cdiv(rows * triton.cdiv(n, wide // 2), sms)
+    return wide // 2 if waves_narrow * NARROW_TILE_COST < waves_wide else wide
+
+
 def _matmul_acc_(
     c: torch.Tensor,
     a: torch.Tensor,
@@ -640,13 +680,14 @@ def _matmul_acc_(
     m_a = m if m_a is None else m_a
     k_a = k if k_a is None else k_a
     blocks_m = triton.cdiv(m, cfg.mm_block_m)
-    a_src, b_src, tma = gemm_sources(a, b, m_a, k_a, a_t, cfg, cfg.mm_block_m, cfg.mm_block_n)
+    block_n = mm_block_n(cfg, m, n, a.device)
+    a_src, b_src, tma = gemm_sources(a, b, m_a, k_a, a_t, cfg, cfg.mm_block_m, block_n)
     c_tma = tma and C_TMA and accumulate and tma_ok(c)
-    c_arg = _desc(c, m, n, (cfg.mm_block_m, cfg.mm_block_n)) if c_tma else c
-    kernel[(blocks_m * triton.cdiv(n, cfg.mm_block_n),)](
+    c_arg = _desc(c, m, n, (cfg.mm_block_m, block_n)) if c_tma else c
+    kernel[(blocks_m * triton.cdiv(n, block_n),)](
         a_src, b_src, c_arg, m, m_a, n, max(k, k_a), k_a, k, _group(cfg, blocks_m),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        BLOCK_M=cfg.mm_block_m, BLOCK_N=cfg.mm_block_n, BLOCK_K=cfg.mm_block_k,
+        BLOCK_M=cfg.mm_block_m, BLOCK_N=block_n, BLOCK_K=cfg.mm_block_k,
         INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, A_T=a_t, ACC=accumulate,
         C_TMA=c_tma,
         **_launch_opts(cfg, a.device),
