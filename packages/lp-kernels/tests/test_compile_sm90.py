@@ -63,6 +63,17 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
     assert {"BLOCK_N=128", "BLOCK_N=256"} <= {
         m.group(0) for x in acc if (m := re.search(r"BLOCK_N=\d+", x))
     }
+    # The grouped backward's GEMM (several vocabulary chunks per launch) holds C's tile and
+    # the chunk's sum: on the narrow tile, without spilling on the descriptor path, first
+    # group (C written) or later (C read through a descriptor).
+    multi = [
+        line for line in lines
+        if " _matmul_acc_body[" in line and "MULTI=True" in line and line.endswith("; TMA]")
+    ]  # fmt: skip
+    assert all("BLOCK_N=128" in line and " 0 B stack" in line for line in multi), multi
+    assert {"ACC=False", "ACC=True"} <= {
+        m.group(0) for x in multi if (m := re.search(r"ACC=\w+", x))
+    }
     # No launch falls off a register cliff. Until session 8 every fp32-input kernel compiled
     # to 32 registers and a 6-13 KB stack frame (ptxas giving up on 128 x 256 FMA tiles;
     # 19 x slower on H200); today's largest frame is about 1.1 KB (pointer-load paths).

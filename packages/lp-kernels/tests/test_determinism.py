@@ -188,6 +188,49 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
             assert_bitwise_equal(a, b)
 
 
+@pytest.mark.parametrize("h", [48, 50], ids=["tma", "pointers"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_vocabulary_chunk_groups_do_not_change_bits(dtype, h, device, monkeypatch):
+    """At small N the default backward takes several vocabulary chunks per launch
+    (triton_linear.chunk_group, chosen by N): the outputs and grad_hidden are bitwise those
+    of one launch per chunk, for groups that divide the shard's chunks or not and a last
+    chunk cut short (padded vocabulary, ignored rows, temperature, entropy), through tensor
+    descriptors (one GEMM launch per group) or pointers (H = 50: rows not 16-byte aligned;
+    one GEMM launch per chunk). grad_weight takes one cuBLAS GEMM per group on CUDA (its
+    kernel may follow the shape), so it is compared to fp32 accuracy there."""
+    import lp_kernels.backends.triton_linear as tri
+
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if (device == "cpu") != interpreting:
+        pytest.skip("the triton kernels run under the interpreter on CPU, compiled on CUDA")
+    chunk = tri.config_for(torch.device(device), dtype).vocab_chunk
+    v_real, v_pad = 3 * chunk + 700, 3 * chunk + 768
+    p = make_problem(
+        13, h, v_real, dtype=dtype, device=device, seed=8, ignore_frac=0.15, padded_vocab=v_pad
+    )
+    assert tri.tma_ok(p.hidden, p.weight) == (h == 48)
+    by_n = tri.chunk_group
+    assert by_n(13, v_real, tri.config_for(torch.device(device), dtype)) == 4
+    results = {}
+    for group in (1, 2, 3, 4):
+        monkeypatch.setattr(tri, "chunk_group", lambda n, v, cfg, g=group: g)
+        h = p.hidden.detach().clone().requires_grad_()
+        w = p.weight.detach().clone().requires_grad_()
+        out = linear_logprob(
+            h, w, p.targets, return_entropy=True, return_lse=True, temperature=0.9,
+            vocab_size=v_real, backend="triton",
+        )  # fmt: skip
+        g = torch.linspace(-1, 1, p.n, device=device)
+        (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.25).sum().backward()
+        results[group] = (out.logprob, out.entropy, out.lse, h.grad, w.grad)
+    names = ("logprob", "entropy", "lse", "grad_hidden")
+    for group in (2, 3, 4):
+        for name, a, b in zip(names, results[1], results[group], strict=False):
+            assert_bitwise_equal(b, a, f"{name}, {group} chunks per launch")
+        a, b = results[1][4].double(), results[group][4].double()
+        assert float((a - b).norm() / a.norm()) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_gemm_c_tile_through_descriptor_or_pointers(dtype, device, monkeypatch):
     """The grad_hidden GEMM's accumulating form (every vocabulary chunk after the first)

@@ -73,6 +73,7 @@ EXPERIMENTS = {
     "split": [(_DET, "FIXED_CONVERT", "split")],
     "pipe": [(_DET, "FIXED_PIPELINE", True)],
     "wide": [(_LIN, "NARROW_TILE_COST", float("inf"))],
+    "group2": [(_LIN, "chunk_group", lambda old: lambda n, v_real, cfg: 2)],
 }
 
 
@@ -199,6 +200,10 @@ def _problems():
     for dtype in (torch.bfloat16, torch.float32):
         for tile, v in ((384, 1000), (4224, 9000), (8320, 17000)):
             yield dtype, True, True, 256, tile, v
+        # several vocabulary chunks at small N: the default backward's chunk groups (the
+        # grad_hidden GEMM summing each chunk apart in one launch: MULTI; with "group2",
+        # two groups of two, the second accumulating)
+        yield dtype, False, True, 256, 128, 25000
 
 
 def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Launch, object]:

@@ -446,16 +446,21 @@ def _operand_ptrs(
 
 
 def _matmul_acc_body(
-    a_src, b_src, c_ptr, M, M_A, N, K, K_A, K_B, group,
+    a_src, b_src, c_ptr, M, M_A, N, K, K_A, K_B, group, chunk_k,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
-    ACC: tl.constexpr, C_TMA: tl.constexpr,
+    ACC: tl.constexpr, C_TMA: tl.constexpr, MULTI: tl.constexpr,
 ):  # fmt: skip
     """C[:M] (fp32) = C + A @ B (``ACC``; else C = A @ B, without reading C). One program
     per C tile: A @ B summed over K in a fixed order from +0.0, then C added once. No
     atomics. (Before session 8 the sum started from C; the bits of a multi-chunk
     grad_hidden differ from then in the last place.)
+
+    ``MULTI``: K is several chunks of ``chunk_k`` columns, each summed from +0.0 and added
+    to C in order: exactly the arithmetic of one call per chunk, in one launch (the
+    backward's vocabulary chunks at small N; see ``chunk_group``). The running C tile then
+    sits in registers beside the chunk's sum, which the narrow tile affords.
 
     A's rows are bounded by M_A and its columns by K_A, B's rows by K_B; the loop runs to
     K, which may pass K_B over columns where A holds exact zeros. The bound of A's
@@ -475,7 +480,10 @@ def _matmul_acc_body(
     p_a, p_b = _operand_ptrs(
         a_src, b_src, o_m, o_n, o_k, stride_am, stride_ak, stride_bk, stride_bn, TMA
     )
-    for k0 in range(0, K, BLOCK_K):
+    k_end = K
+    if MULTI:
+        k_end = tl.minimum(chunk_k, K)  # the first chunk
+    for k0 in range(0, k_end, BLOCK_K):
         b_acc = _gemm_step(
             b_acc, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B,
             stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, A_T,
@@ -487,11 +495,22 @@ def _matmul_acc_body(
     # would need its own shared memory under Triton 3.6 (over Hopper's 227 KiB).
     if C_TMA:
         b_acc += c_ptr.load([i_m * BLOCK_M, i_n * BLOCK_N])
+    elif ACC:
+        p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
+        b_acc += tl.load(p_c, mask=m_m[:, None] & m_n[None, :], other=0.0)
+    if MULTI:  # the further chunks, each summed from +0.0, then added: C + P0 + P1 + ..
+        for k_lo in range(chunk_k, K, chunk_k):
+            b_part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(k_lo, tl.minimum(k_lo + chunk_k, K), BLOCK_K):
+                b_part = _gemm_step(
+                    b_part, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B,
+                    stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, A_T,
+                )  # fmt: skip
+            b_acc += b_part
+    if C_TMA:
         c_ptr.store([i_m * BLOCK_M, i_n * BLOCK_N], b_acc)
     else:
         p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
-        if ACC:
-            b_acc += tl.load(p_c, mask=m_m[:, None] & m_n[None, :], other=0.0)
         tl.store(p_c, b_acc, mask=m_m[:, None] & m_n[None, :])
 
 
@@ -499,11 +518,11 @@ def _matmul_acc_body(
 # specialized; the padded bound of A's contiguous dimension is (it is always a multiple
 # of 128, so every call vectorizes alike).
 # A = d_logits [rows, cols] (grad_hidden): contiguous along K, bounded by K_A (padded).
-_matmul_acc_kernel = triton.jit(do_not_specialize=["M", "M_A", "K", "K_B", "group"])(
+_matmul_acc_kernel = triton.jit(do_not_specialize=["M", "M_A", "K", "K_B", "group", "chunk_k"])(
     _matmul_acc_body
 )
 # A = d_logits^T [cols, rows] (grad_weight): contiguous along M, bounded by M_A (padded).
-_matmul_acc_t_kernel = triton.jit(do_not_specialize=["M", "K", "K_A", "K_B", "group"])(
+_matmul_acc_t_kernel = triton.jit(do_not_specialize=["M", "K", "K_A", "K_B", "group", "chunk_k"])(
     _matmul_acc_body
 )
 
@@ -668,11 +687,18 @@ def _matmul_acc_(
     m_a: int | None = None,
     k_a: int | None = None,
     accumulate: bool = True,
+    chunk_k: int | None = None,
 ) -> None:
     """``c += a @ b`` (fp32 ``c``; ``accumulate=False``: ``c = a @ b``, bitwise as into a
     zeroed ``c``). ``a`` may extend, with exact zeros, to ``m_a`` rows or ``k_a`` columns
     past its shape: the padded bound of its contiguous dimension (give exactly one of
-    them; ``m_a`` means ``a`` is a transposed d_logits buffer)."""
+    them; ``m_a`` means ``a`` is a transposed d_logits buffer).
+
+    ``chunk_k``: K is consecutive chunks of that many columns, and the result is bitwise
+    that of one call per chunk in order (``c += a_0 @ b_0``, then ``c += a_1 @ b_1``, ..),
+    in one launch, on the narrow output tile (the same bits: :func:`mm_block_n`). Where
+    tensor descriptors do not apply it makes those calls one by one instead: the pointer
+    path with two fp32 tiles live spills (1.2 KB per thread on sm_90, ``lp_testing.aot``)."""
     m, k = a.shape
     n = b.shape[1]
     a_t = m_a is not None
@@ -680,16 +706,28 @@ def _matmul_acc_(
     m_a = m if m_a is None else m_a
     k_a = k if k_a is None else k_a
     blocks_m = triton.cdiv(m, cfg.mm_block_m)
-    block_n = mm_block_n(cfg, m, n, a.device)
+    multi = chunk_k is not None and max(k, k_a) > chunk_k
+    if multi:  # two fp32 tiles live (C's and the chunk's): the narrow one
+        block_n = cfg.mm_block_n // 2 if cfg.mm_block_n >= 256 else cfg.mm_block_n
+    else:
+        block_n = mm_block_n(cfg, m, n, a.device)
     a_src, b_src, tma = gemm_sources(a, b, m_a, k_a, a_t, cfg, cfg.mm_block_m, block_n)
+    if multi and not tma:
+        for k0 in range(0, max(k, k_a), chunk_k):
+            _matmul_acc_(
+                c, a[:, k0 : k0 + chunk_k], b[k0 : k0 + chunk_k], cfg,
+                k_a=min(k_a - k0, chunk_k), accumulate=accumulate or k0 > 0,
+            )  # fmt: skip
+        return
     c_tma = tma and C_TMA and accumulate and tma_ok(c)
     c_arg = _desc(c, m, n, (cfg.mm_block_m, block_n)) if c_tma else c
     kernel[(blocks_m * triton.cdiv(n, block_n),)](
         a_src, b_src, c_arg, m, m_a, n, max(k, k_a), k_a, k, _group(cfg, blocks_m),
+        chunk_k if multi else max(k, k_a),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         BLOCK_M=cfg.mm_block_m, BLOCK_N=block_n, BLOCK_K=cfg.mm_block_k,
         INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, A_T=a_t, ACC=accumulate,
-        C_TMA=c_tma,
+        C_TMA=c_tma, MULTI=multi,
         **_launch_opts(cfg, a.device),
     )  # fmt: skip
 
@@ -788,6 +826,22 @@ def dlogits_blocks(
         yield v_begin, v_count, blocks(v_begin, v_count)
 
 
+def chunk_group(n: int, v_real: int, cfg: TileConfig) -> int:
+    """Vocabulary chunks the default backward handles per launch: 1, or, when its N rows
+    fill at most half a token chunk, as many chunks as a full token chunk's d_logits buffer
+    holds (``token_chunk // N``; the same scratch bound), at most the shard's.
+
+    At a thousand tokens the host, issuing four launches per 8192-column chunk, set the
+    step's pace: 14 ms per step at H 2048 and V 248k, where the GPU needs 7.5 ms
+    (docs/benchmarks.md, session 14). A group makes one d_logits launch, one grad_W GEMM
+    and one grad_hidden GEMM whose ``chunk_k`` keeps each chunk's sum and the order of
+    the additions: a row's bits are those of one launch per chunk, whatever N.
+    """
+    if n == 0 or 2 * n > cfg.token_chunk:
+        return 1
+    return max(1, min(cfg.token_chunk // n, triton.cdiv(v_real, cfg.vocab_chunk)))
+
+
 def _grad_weight_slice(dl: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor) -> None:
     """``out = dl^T @ hidden`` in the input dtype with fp32 accumulation (one GEMM over
     all tokens), written in place on CUDA."""
@@ -853,8 +907,13 @@ class LinearLogprobTriton(torch.autograd.Function):
         # Under TP, the last vocabulary chunk computes each token block's grad_h first and
         # starts that block's all-reduce, which then runs beside the block's grad_W GEMM.
         sums = RowSums(grad_h32, p.tp_group, p.tp_size, rows, need_h and p.reduce_grad_hidden)
+        pieces = None  # one vocabulary chunk per launch, or (small N) a group of them
+        span = chunk_group(n, v_real, cfg) * cfg.vocab_chunk
+        if span > cfg.vocab_chunk:
+            spans = [(b, min(span, v_real - b)) for b in range(0, v_real, span)]
+            pieces = (spans, min(span, pad128(v_real)))
         for v_begin, v_count, blocks in dlogits_blocks(
-            hidden, w_real, t_col, lse, mean_z, grads, p, cfg
+            hidden, w_real, t_col, lse, mean_z, grads, p, cfg, pieces
         ):
             w_chunk = w_real[v_begin : v_begin + v_count]
             gw_slice = grad_w[v_begin : v_begin + v_count] if need_w else None
@@ -865,15 +924,16 @@ class LinearLogprobTriton(torch.autograd.Function):
             for r0, r1, dl, cols in blocks:
                 # dl's zero columns up to cols keep K_A vectorized
                 gh = (grad_h32[r0:r1], dl, w_chunk, cfg) if need_h else None
+                kw = {"k_a": cols, "accumulate": v_begin > 0, "chunk_k": cfg.vocab_chunk}
                 if early:
-                    _matmul_acc_(*gh, k_a=cols, accumulate=v_begin > 0)
+                    _matmul_acc_(*gh, **kw)
                     sums.ready(r1)
                 if need_w and rows == n:  # one token chunk: the slice in one GEMM
                     _grad_weight_slice(dl, hidden, gw_slice)
                 elif need_w:  # the first token chunk overwrites acc
                     addmm_f32_(acc, dl.T, hidden[r0:r1], accumulate=r0 > 0)
                 if need_h and not early:
-                    _matmul_acc_(*gh, k_a=cols, accumulate=v_begin > 0)
+                    _matmul_acc_(*gh, **kw)
             if need_w and acc_w is not None:
                 gw_slice.copy_(acc)
         grad_h = None
