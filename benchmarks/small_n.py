@@ -12,8 +12,9 @@ pace. For each shape and variant this times, at steady clocks:
 - ``gemm``: one grad_hidden GEMM ``C [N, H] += A [N, 8192] @ B [8192, H]`` alone, repeated
   back to back (GPU-bound), in both output tile widths (triton_linear.mm_block_n).
 
-Variants: ``pinned``, ``mmwide`` (the GEMM's 128 x 256 tile everywhere, as before session
-14) and ``vs4k`` (forward splits of 4096 columns). GPU only::
+Variants: ``pinned``, ``nogroup`` (one vocabulary chunk per backward launch), ``before``
+(that and the GEMM's 128 x 256 tile everywhere: session 13's launches) and ``vs4k``
+(forward splits of 4096 columns). GPU only::
 
     python benchmarks/small_n.py --shapes 1024x2048x248320,S4 [--out small_n.json]
 """
@@ -34,16 +35,18 @@ from lp_kernels.bench import floor_call, make_inputs, parse_shapes, steady_warmu
 
 VARIANTS = {
     "pinned": {},
-    "mmwide": {"narrow_cost": float("inf")},
+    "nogroup": {"group": False},
+    "before": {"group": False, "narrow_cost": float("inf")},  # as session 13
     "vs4k": {"v_split": 4096},
 }
-_BASE, _COST = tlin.GPU_CONFIG, tlin.NARROW_TILE_COST
+_BASE, _COST, _GROUP = tlin.GPU_CONFIG, tlin.NARROW_TILE_COST, tlin.chunk_group
 
 
 def _apply(variant: dict) -> None:
-    fields = {k: v for k, v in variant.items() if k != "narrow_cost"}
+    fields = {k: v for k, v in variant.items() if k not in ("narrow_cost", "group")}
     tlin.GPU_CONFIG = dataclasses.replace(_BASE, **fields)
     tlin.NARROW_TILE_COST = variant.get("narrow_cost", _COST)
+    tlin.chunk_group = _GROUP if variant.get("group", True) else (lambda n, v_real, cfg: 1)
 
 
 def _median_ms(fn, warm_s: float, reps: int) -> float:

@@ -238,16 +238,19 @@ def test_large_index_products(n, h, v, backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("v", [5003, 3 * 8192 + 5003], ids=["one-chunk", "four-chunks"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
-def test_gemm_tile_chosen_by_the_grid_keeps_batch_invariance(deterministic, dtype, monkeypatch):
-    """The one size-dependent tile: lp's GEMM takes its narrow output tile where the pinned
-    grid leaves the GPU mostly idle (triton_linear.mm_block_n). At H = 2048, grad_hidden of
-    1,024 rows takes it and 8,192 rows the pinned one; a row's outputs and its grad_hidden
-    row are the same bits either way, and as a single row."""
+def test_size_dependent_launches_keep_batch_invariance(deterministic, dtype, v, monkeypatch):
+    """What follows N without changing the bits: lp's GEMM takes its narrow output tile
+    where the pinned grid leaves the GPU mostly idle (triton_linear.mm_block_n), and the
+    default backward takes several vocabulary chunks per launch at small N
+    (triton_linear.chunk_group). At H = 2048, 8,192 rows take the pinned tile, one chunk per
+    launch; 1,024 rows and a single row the narrow tile, and (four chunks) one group. A
+    row's outputs and its grad_hidden row are the same bits in all three."""
     import lp_kernels.backends.triton_linear as tri
 
-    n, h, v = 8192, 2048, 5003
+    n, h = 8192, 2048
     by_grid, widths = tri.mm_block_n, {}
 
     def spy(cfg, m, cols, device):
@@ -274,7 +277,11 @@ def test_gemm_tile_chosen_by_the_grid_keeps_batch_invariance(deterministic, dtyp
         got = run(rows)
         for name, a, b in zip(("logprob", "entropy", "grad_hidden"), full, got, strict=True):
             assert_bitwise_equal(b, a[rows], f"{name}, {rows.numel()} rows")
-    assert widths[n] == {256} and widths[n // 8] == {128} and widths[1] == {128}, widths
+    if v < 8192:  # one vocabulary chunk (with several, the grouped GEMM is narrow anyway)
+        assert widths[n] == {256} and widths[n // 8] == {128} and widths[1] == {128}, widths
+    else:
+        cfg = tri.config_for(torch.device("cuda"), dtype)
+        assert [tri.chunk_group(m, v, cfg) for m in (n, n // 8, 1)] == [1, 4, 4]
 
 
 # deterministic=True over NCCL: shard bounds on multiples of 128 of V_pad = 20480
