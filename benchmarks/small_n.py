@@ -13,8 +13,8 @@ pace. For each shape and variant this times, at steady clocks:
   back to back (GPU-bound), in both output tile widths (triton_linear.mm_block_n).
 
 Variants: ``pinned``, ``nogroup`` (one vocabulary chunk per backward launch), ``before``
-(that and the GEMM's 128 x 256 tile everywhere: session 13's launches) and ``vs4k``
-(forward splits of 4096 columns). GPU only::
+(that, the GEMM's 128 x 256 tile everywhere and 8192-column splits: session 13) and ``vs8k``
+(the forward's splits of 8192 columns, as before session 14). GPU only::
 
     python benchmarks/small_n.py --shapes 1024x2048x248320,S4 [--out small_n.json]
 """
@@ -36,8 +36,8 @@ from lp_kernels.bench import floor_call, make_inputs, parse_shapes, steady_warmu
 VARIANTS = {
     "pinned": {},
     "nogroup": {"group": False},
-    "before": {"group": False, "narrow_cost": float("inf")},  # as session 13
-    "vs4k": {"v_split": 4096},
+    "before": {"group": False, "narrow_cost": float("inf"), "v_split": 8192},  # session 13
+    "vs8k": {"v_split": 8192},  # the forward's splits before session 14
 }
 _BASE, _COST, _GROUP = tlin.GPU_CONFIG, tlin.NARROW_TILE_COST, tlin.chunk_group
 
@@ -46,7 +46,7 @@ def _apply(variant: dict) -> None:
     fields = {k: v for k, v in variant.items() if k not in ("narrow_cost", "group")}
     tlin.GPU_CONFIG = dataclasses.replace(_BASE, **fields)
     tlin.NARROW_TILE_COST = variant.get("narrow_cost", _COST)
-    tlin.chunk_group = _GROUP if variant.get("group", True) else (lambda n, v_real, cfg: 1)
+    tlin.chunk_group = _GROUP if variant.get("group", True) else (lambda *args: 1)
 
 
 def _median_ms(fn, warm_s: float, reps: int) -> float:

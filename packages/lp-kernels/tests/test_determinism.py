@@ -209,11 +209,11 @@ def test_triton_vocabulary_chunk_groups_do_not_change_bits(dtype, h, device, mon
         13, h, v_real, dtype=dtype, device=device, seed=8, ignore_frac=0.15, padded_vocab=v_pad
     )
     assert tri.tma_ok(p.hidden, p.weight) == (h == 48)
-    by_n = tri.chunk_group
-    assert by_n(13, v_real, tri.config_for(torch.device(device), dtype)) == 4
+    dev = torch.device(device)
+    assert tri.chunk_group(13, h, v_real, tri.config_for(dev, dtype), dev) == 4
     results = {}
     for group in (1, 2, 3, 4):
-        monkeypatch.setattr(tri, "chunk_group", lambda n, v, cfg, g=group: g)
+        monkeypatch.setattr(tri, "chunk_group", lambda *_, g=group: g)
         h = p.hidden.detach().clone().requires_grad_()
         w = p.weight.detach().clone().requires_grad_()
         out = linear_logprob(

@@ -281,7 +281,8 @@ def test_size_dependent_launches_keep_batch_invariance(deterministic, dtype, v, 
         assert widths[n] == {256} and widths[n // 8] == {128} and widths[1] == {128}, widths
     else:
         cfg = tri.config_for(torch.device("cuda"), dtype)
-        assert [tri.chunk_group(m, v, cfg) for m in (n, n // 8, 1)] == [1, 4, 4]
+        dev = torch.device("cuda")
+        assert [tri.chunk_group(m, h, v, cfg, dev) for m in (n, n // 8, 1)] == [1, 4, 4]
 
 
 # deterministic=True over NCCL: shard bounds on multiples of 128 of V_pad = 20480

@@ -73,7 +73,7 @@ EXPERIMENTS = {
     "split": [(_DET, "FIXED_CONVERT", "split")],
     "pipe": [(_DET, "FIXED_PIPELINE", True)],
     "wide": [(_LIN, "NARROW_TILE_COST", float("inf"))],
-    "group2": [(_LIN, "chunk_group", lambda old: lambda n, v_real, cfg: 2)],
+    "group2": [(_LIN, "chunk_group", lambda old: lambda *args: 2)],
 }
 
 

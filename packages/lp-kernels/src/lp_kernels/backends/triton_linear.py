@@ -105,7 +105,7 @@ class TileConfig:
 
 # Chosen by benchmarks/sweep_tiles.py on H200 (docs/benchmarks.md, session 3).
 GPU_CONFIG = TileConfig(
-    block_n=128, block_v=256, block_h=64, v_split=8192, vocab_chunk=8192, token_chunk=8192,
+    block_n=128, block_v=256, block_h=64, v_split=4096, vocab_chunk=8192, token_chunk=8192,
     mm_block_m=128, mm_block_n=256, mm_block_k=64, num_warps=8, num_stages=3,
     group=8, tma=True,
 )  # fmt: skip
@@ -826,18 +826,23 @@ def dlogits_blocks(
         yield v_begin, v_count, blocks(v_begin, v_count)
 
 
-def chunk_group(n: int, v_real: int, cfg: TileConfig) -> int:
+def chunk_group(n: int, h_dim: int, v_real: int, cfg: TileConfig, device) -> int:
     """Vocabulary chunks the default backward handles per launch: 1, or, when its N rows
-    fill at most half a token chunk, as many chunks as a full token chunk's d_logits buffer
-    holds (``token_chunk // N``; the same scratch bound), at most the shard's.
+    fill at most half a token chunk and grad_hidden's GEMM takes the narrow tile anyway
+    (:func:`mm_block_n`), as many chunks as a full token chunk's d_logits buffer holds
+    (``token_chunk // N``; the same scratch bound), at most the shard's.
 
-    At a thousand tokens the host, issuing four launches per 8192-column chunk, set the
-    step's pace: 14 ms per step at H 2048 and V 248k, where the GPU needs 7.5 ms
+    At a thousand tokens the host, issuing three to four launches per 8192-column chunk,
+    set the step's pace: 15 ms per step at H 2048 and V 248k, where the GPU needs 8 ms
     (docs/benchmarks.md, session 14). A group makes one d_logits launch, one grad_W GEMM
     and one grad_hidden GEMM whose ``chunk_k`` keeps each chunk's sum and the order of
-    the additions: a row's bits are those of one launch per chunk, whatever N.
+    the additions: a row's bits are those of one launch per chunk, whatever N. The grouped
+    GEMM needs the narrow tile; where the pinned one fills the GPU (N 2048 at H 2048, N
+    4096 at H 4096) grouping measured 3-5 % slower, the GPU being the bottleneck there.
     """
     if n == 0 or 2 * n > cfg.token_chunk:
+        return 1
+    if cfg.mm_block_n >= 256 and mm_block_n(cfg, n, h_dim, device) == cfg.mm_block_n:
         return 1
     return max(1, min(cfg.token_chunk // n, triton.cdiv(v_real, cfg.vocab_chunk)))
 
@@ -908,7 +913,7 @@ class LinearLogprobTriton(torch.autograd.Function):
         # starts that block's all-reduce, which then runs beside the block's grad_W GEMM.
         sums = RowSums(grad_h32, p.tp_group, p.tp_size, rows, need_h and p.reduce_grad_hidden)
         pieces = None  # one vocabulary chunk per launch, or (small N) a group of them
-        span = chunk_group(n, v_real, cfg) * cfg.vocab_chunk
+        span = chunk_group(n, h_dim, v_real, cfg, hidden.device) * cfg.vocab_chunk
         if span > cfg.vocab_chunk:
             spans = [(b, min(span, v_real - b)) for b in range(0, v_real, span)]
             pieces = (spans, min(span, pad128(v_real)))
