@@ -13,8 +13,8 @@ pace. For each shape and variant this times, at steady clocks:
   back to back (GPU-bound), in both output tile widths (triton_linear.mm_block_n).
 
 Variants: ``pinned``, ``nogroup`` (one vocabulary chunk per backward launch), ``before``
-(that, the GEMM's 128 x 256 tile everywhere and 8192-column splits: session 13) and ``vs8k``
-(the forward's splits of 8192 columns, as before session 14). GPU only::
+(that and the GEMM's 128 x 256 tile everywhere: session 13's launches) and ``vs4k``
+(the forward's splits of 4096 columns instead of 8192). GPU only::
 
     python benchmarks/small_n.py --shapes 1024x2048x248320,S4 [--out small_n.json]
 """
@@ -36,8 +36,8 @@ from lp_kernels.bench import floor_call, make_inputs, parse_shapes, steady_warmu
 VARIANTS = {
     "pinned": {},
     "nogroup": {"group": False},
-    "before": {"group": False, "narrow_cost": float("inf"), "v_split": 8192},  # session 13
-    "vs8k": {"v_split": 8192},  # the forward's splits before session 14
+    "before": {"group": False, "narrow_cost": float("inf")},  # session 13's launches
+    "vs4k": {"v_split": 4096},  # forward splits of 4096 columns (a lead: docs/benchmarks.md)
 }
 _BASE, _COST, _GROUP = tlin.GPU_CONFIG, tlin.NARROW_TILE_COST, tlin.chunk_group
 

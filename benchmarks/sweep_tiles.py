@@ -47,7 +47,6 @@ VARIANTS = {
     "fx64x256": {"fixed": (64, 256, 64)},
     "fx128x64-w4": {"fixed": (128, 64, 64), "fixed_warps": 4},
     "fxpipe": {"fixed_pipe": True},
-    "vs8k": {"v_split": 8192},  # pinned up to session 13
     "vs4k": {"v_split": 4096},
     "vs2k": {"v_split": 2048},
     "mm64": {"mm_block_m": 64},

@@ -105,7 +105,7 @@ class TileConfig:
 
 # Chosen by benchmarks/sweep_tiles.py on H200 (docs/benchmarks.md, session 3).
 GPU_CONFIG = TileConfig(
-    block_n=128, block_v=256, block_h=64, v_split=4096, vocab_chunk=8192, token_chunk=8192,
+    block_n=128, block_v=256, block_h=64, v_split=8192, vocab_chunk=8192, token_chunk=8192,
     mm_block_m=128, mm_block_n=256, mm_block_k=64, num_warps=8, num_stages=3,
     group=8, tma=True,
 )  # fmt: skip
@@ -660,8 +660,8 @@ def mm_block_n(cfg: TileConfig, m: int, n: int, device: torch.device) -> int:
     """Output tile width of lp's GEMM ``C [m, n] (+)= A @ B``: the config's ``mm_block_n``, or
     half of it where the pinned grid would leave much of the GPU idle in its last wave
     (grad_hidden at about a thousand tokens and H = 2048 has 64 tiles of 128 x 256 for 132
-    SMs: half the GPU idles, and the step took 1.5-2.0 x the floor; docs/benchmarks.md,
-    session 14).
+    SMs: half the GPU idles; the step's GPU time, measured in a CUDA graph, drops by 4-7 %
+    at N 512-1024 and 2 % at N 1152, H 4096; docs/benchmarks.md, session 14).
 
     Unlike every other tile of this backend, this one follows the sizes, because it does not
     change the bits: each element of C gets the same MMAs in the same K order in a 128- or
@@ -838,7 +838,7 @@ def chunk_group(n: int, h_dim: int, v_real: int, cfg: TileConfig, device) -> int
     and one grad_hidden GEMM whose ``chunk_k`` keeps each chunk's sum and the order of
     the additions: a row's bits are those of one launch per chunk, whatever N. The grouped
     GEMM needs the narrow tile; where the pinned one fills the GPU (N 2048 at H 2048, N
-    4096 at H 4096) grouping measured 3-5 % slower, the GPU being the bottleneck there.
+    4096 at H 4096) grouping measured 3-6 % slower, the GPU being the bottleneck there.
     """
     if n == 0 or 2 * n > cfg.token_chunk:
         return 1
