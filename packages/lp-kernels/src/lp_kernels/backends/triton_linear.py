@@ -16,6 +16,8 @@ Data flow for one rank (V_r = real columns of this shard, S = V_r / V_SPLIT spli
                 grad_W[chunk] = d l^T @ h          cuBLAS: one GEMM when N fits one token
                     chunk, else fp32 accumulation over token chunks ([VOCAB_CHUNK, H])
                 grad_h (fp32) += d l @ W[chunk]    _matmul_acc_kernel, each program owns its tile
+              (small N: a group of chunks per launch, each chunk still summed apart and
+              added in order: chunk_group, MULTI)
               grad_h all-reduced over tp_group (fp32) unless reduce_grad_hidden=False
 
 Launch and loads (``TileConfig.group`` / ``.tma``; neither changes a result). Every kernel
@@ -41,7 +43,9 @@ multiple of 16, the kernels take it padded to a multiple of 128 (``K_PAD``, ``v_
 the d_logits buffer holds exact zeros there) and the true bound separately.
 Tile sizes, ``V_SPLIT`` and ``VOCAB_CHUNK`` are pinned constants (never chosen from
 N), and each row's arithmetic involves only that row, so a row's outputs and its
-grad_hidden row do not depend on N, on the other rows or on ``chunk_size``.
+grad_hidden row do not depend on N, on the other rows or on ``chunk_size``. Two launch
+choices do follow N, because neither changes that arithmetic: the GEMM's output tile width
+(:func:`mm_block_n`) and the vocabulary chunks per backward launch (:func:`chunk_group`).
 
 On CPU the kernels run under ``TRITON_INTERPRET=1`` (tests). There the ``INTERPRET``
 flag swaps ``tl.dot`` for an fp32 broadcast-multiply-and-sum: the interpreter computes
