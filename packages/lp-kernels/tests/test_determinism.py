@@ -214,15 +214,15 @@ def test_triton_vocabulary_chunk_groups_do_not_change_bits(dtype, h, device, mon
     results = {}
     for group in (1, 2, 3, 4):
         monkeypatch.setattr(tri, "chunk_group", lambda *_, g=group: g)
-        h = p.hidden.detach().clone().requires_grad_()
+        hid = p.hidden.detach().clone().requires_grad_()
         w = p.weight.detach().clone().requires_grad_()
         out = linear_logprob(
-            h, w, p.targets, return_entropy=True, return_lse=True, temperature=0.9,
+            hid, w, p.targets, return_entropy=True, return_lse=True, temperature=0.9,
             vocab_size=v_real, backend="triton",
         )  # fmt: skip
         g = torch.linspace(-1, 1, p.n, device=device)
         (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.25).sum().backward()
-        results[group] = (out.logprob, out.entropy, out.lse, h.grad, w.grad)
+        results[group] = (out.logprob, out.entropy, out.lse, hid.grad, w.grad)
     names = ("logprob", "entropy", "lse", "grad_hidden")
     for group in (2, 3, 4):
         for name, a, b in zip(names, results[1], results[group], strict=False):
