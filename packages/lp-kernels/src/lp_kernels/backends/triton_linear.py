@@ -660,6 +660,12 @@ def _dlogits(hidden, w_real, t_col, lse, mean, g_lp, g_ent, c0, out, v_begin, v_
 NARROW_TILE_COST = 0.575
 
 
+def narrow_block_n(cfg: TileConfig) -> int:
+    """The GEMM's narrow output tile width: half the pinned 256, else the pinned width (the
+    configs of smaller GPUs, 4-byte inputs and the interpreter are narrow already)."""
+    return cfg.mm_block_n // 2 if cfg.mm_block_n >= 256 else cfg.mm_block_n
+
+
 def mm_block_n(cfg: TileConfig, m: int, n: int, device: torch.device) -> int:
     """Output tile width of lp's GEMM ``C [m, n] (+)= A @ B``: the config's ``mm_block_n``, or
     half of it where the pinned grid would leave much of the GPU idle in its last wave
@@ -672,14 +678,14 @@ def mm_block_n(cfg: TileConfig, m: int, n: int, device: torch.device) -> int:
     a 256-wide tile (checked bitwise on H200, both modes, and tested: test_gpu.py). So a
     row's grad_hidden stays the same whatever N, and batch invariance holds.
     """
-    wide = cfg.mm_block_n
+    wide, narrow = cfg.mm_block_n, narrow_block_n(cfg)
     sms = sm_count(device)
-    if sms is None or wide < 256:
+    if sms is None or narrow == wide:
         return wide
     rows = triton.cdiv(m, cfg.mm_block_m)
     waves_wide = triton.cdiv(rows * triton.cdiv(n, wide), sms)
-    waves_narrow = triton.cdiv(rows * triton.cdiv(n, wide // 2), sms)
-    return wide // 2 if waves_narrow * NARROW_TILE_COST < waves_wide else wide
+    waves_narrow = triton.cdiv(rows * triton.cdiv(n, narrow), sms)
+    return narrow if waves_narrow * NARROW_TILE_COST < waves_wide else wide
 
 
 def _matmul_acc_(
@@ -711,10 +717,8 @@ def _matmul_acc_(
     k_a = k if k_a is None else k_a
     blocks_m = triton.cdiv(m, cfg.mm_block_m)
     multi = chunk_k is not None and max(k, k_a) > chunk_k
-    if multi:  # two fp32 tiles live (C's and the chunk's): the narrow one
-        block_n = cfg.mm_block_n // 2 if cfg.mm_block_n >= 256 else cfg.mm_block_n
-    else:
-        block_n = mm_block_n(cfg, m, n, a.device)
+    # MULTI holds two fp32 tiles (C's and the chunk's): the narrow one
+    block_n = narrow_block_n(cfg) if multi else mm_block_n(cfg, m, n, a.device)
     a_src, b_src, tma = gemm_sources(a, b, m_a, k_a, a_t, cfg, cfg.mm_block_m, block_n)
     if multi and not tma:
         for k0 in range(0, max(k, k_a), chunk_k):
@@ -846,7 +850,7 @@ def chunk_group(n: int, h_dim: int, v_real: int, cfg: TileConfig, device) -> int
     """
     if n == 0 or 2 * n > cfg.token_chunk:
         return 1
-    if cfg.mm_block_n >= 256 and mm_block_n(cfg, n, h_dim, device) == cfg.mm_block_n:
+    if mm_block_n(cfg, n, h_dim, device) != narrow_block_n(cfg):
         return 1
     return max(1, min(cfg.token_chunk // n, triton.cdiv(v_real, cfg.vocab_chunk)))
 
