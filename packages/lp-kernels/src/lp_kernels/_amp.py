@@ -15,8 +15,12 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import torch
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -38,7 +42,7 @@ def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-def backward_without_autocast[**P, R](fn: Callable[P, R]) -> Callable[P, R]:
+def backward_without_autocast(fn: Callable[P, R]) -> Callable[P, R]:
     """Decorator for a ``backward(ctx, *grads)``: autocast off for the grads' device.
 
     ``loss.backward()`` may run inside an autocast region (on CPU the engine runs the

@@ -24,11 +24,15 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from lp_kernels._amp import backward_without_autocast
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _REASON = (
     "lp runs its ops eagerly under torch.compile: tracing them would change the bits "
@@ -48,7 +52,7 @@ def _disabled(name: str, fn: Callable) -> Callable:
     return wrapped
 
 
-def eager_under_compile[**P, R](fn: Callable[P, R]) -> Callable[P, R]:
+def eager_under_compile(fn: Callable[P, R]) -> Callable[P, R]:
     """Decorator: ``fn`` runs eagerly (a graph break) when ``torch.compile`` reaches it."""
     name = f"{fn.__module__}.{fn.__qualname__}"
 
