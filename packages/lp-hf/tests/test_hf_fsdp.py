@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+pytest.importorskip("transformers")  # the GPU hosts may lack it
+
 from _hf_models import GRAD_REL, grads, stock_logprobs, tiny_model
 
 from lp_testing import run_ranks, set_forkserver_preload
