@@ -211,9 +211,10 @@ def _checkpointed(model):
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        assert model.is_activation_checkpointing
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    assert model.is_gradient_checkpointing
+        assert model.is_gradient_checkpointing
     return model
 
 
