@@ -36,7 +36,7 @@ from lp_kernels._types import LogprobParams
 from lp_kernels.distributed.collectives import global_abs_max
 
 E_MIN, E_MAX = -126, 126
-_CONVERT_ELEMENTS = 1 << 24  # float64 elements per block of the final conversion (128 MiB)
+CONVERT_ELEMENTS = 1 << 24  # float64 elements per block of the final conversion (128 MiB)
 
 
 def row_exponents(
@@ -86,7 +86,7 @@ def from_fixed_point(
     """
     out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
     scale = torch.exp2(-e)
-    rows = max(1, _CONVERT_ELEMENTS // max(acc.shape[1], 1))
+    rows = max(1, CONVERT_ELEMENTS // max(acc.shape[1], 1))
     for r0 in range(0, acc.shape[0], rows):
         r1 = r0 + rows
         x = acc[r0:r1].double().mul_(scale[r0:r1, None])

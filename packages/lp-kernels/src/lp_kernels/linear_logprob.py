@@ -96,11 +96,10 @@ def linear_logprob(
             same one (the default is the same for one ``vocab_size`` everywhere). A tile
             that crosses a shard bound is computed whole by the rank where it starts,
             with the next ranks' weight rows sent to it (see docs/design.md). Wider
-            tiles cost less (fewer partials to merge, fewer fixed-point roundings):
-            128-column tiles cost about 1.4 x the default path on H200, the default
-            tile a few percent. The torch backend makes its calls tile by tile: on CUDA
-            keep the default tile (128-column tiles take 2.3 s at S4 on H200; it warns
-            above 128 tiles per shard).
+            tiles cost less (fewer partials to merge, fewer fixed-point roundings; the
+            costs are in docs/benchmarks.md). The torch backend makes its calls tile by
+            tile: on CUDA keep the default tile (it warns above 128 tiles per shard,
+            where kernel launches bound the step).
         backend: ``"torch"`` (chunked torch ops, CPU and GPU), ``"triton"`` (the
             fused kernel; CUDA, or CPU under ``TRITON_INTERPRET=1``), or ``"auto"``:
             triton on CUDA devices of compute capability >= 8.0, else torch.

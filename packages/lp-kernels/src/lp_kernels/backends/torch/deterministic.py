@@ -168,8 +168,7 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
                 f"deterministic=True with backend='torch' on CUDA makes its GEMMs and "
                 f"reductions tile by tile: this shard has {own.tiles} tiles of "
                 f"deterministic_tile={p.deterministic_tile} columns, and the step is bound by "
-                "kernel launches (128-column tiles: 2.3 s at S4 on H200, about 40 x the "
-                "default tile's time). Use the default tile (deterministic_tile=None) or "
+                "kernel launches. Use the default tile (deterministic_tile=None) or "
                 "backend='triton'",
                 skip_file_prefixes=_NOT_THE_CALLER,  # point at the caller's line
             )

@@ -35,8 +35,7 @@ def matmul_acc_body(
 ):  # fmt: skip
     """C[:M] (fp32) = C + A @ B (``ACC``; else C = A @ B, without reading C). One program
     per C tile: A @ B summed over K in a fixed order from +0.0, then C added once. No
-    atomics. (Before session 8 the sum started from C; the bits of a multi-chunk
-    grad_hidden differ from then in the last place.)
+    atomics.
 
     ``MULTI``: K is several chunks of ``chunk_k`` columns, each summed from +0.0 and added
     to C in order: exactly the arithmetic of one call per chunk, in one launch (the
