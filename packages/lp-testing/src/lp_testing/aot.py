@@ -168,7 +168,7 @@ def gpu_launches(tier: str = "large", config_fields: dict | None = None) -> Iter
     launches: list = []
     pinned, fixed_for = config.config_for, fixed_point.fixed_tiles_for
     opts, compile_opts = config.launch_opts, config.compile_opts
-    fields = dict(config_fields)
+    fields = dict(config_fields or {})
 
     def run(self, *args, grid, warmup, **kwargs):
         launches.append((self, _record(self, args, kwargs)))
