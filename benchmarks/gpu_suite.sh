@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
-#   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [bench] [sweep] [profile-det]
-#       [profile-step] [clock] [anatomy] [ncu] [tp] [ab-tp]
+#   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [bench] [sweep]
+#       [profile-step] [ncu] [tp] [ab-tp]
 #   (default: tests megatron bench sweep)
 # SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help);
 # STEP_SHAPES (default S1,S4) and STEP_TRACE=1 (chrome traces, large) to profile-step;
-# STEP_SHAPES also to clock (default S1,S4), to anatomy (default S1,S2,S3,S4) and to ncu
+# STEP_SHAPES also to ncu
 # (default S2,S1; Nsight Compute's counters, on hosts where ncu can read them);
 # BENCH_BACKENDS to bench (lp bench --backends); AB_OLD to ab-tp (an older tree's
 # packages/lp-kernels/src, e.g. made by `git archive REV packages/lp-kernels/src | tar -x -C
@@ -64,9 +64,6 @@ for stage in $stages; do
     sweep)
       python3 benchmarks/sweep_tiles.py ${SWEEP_ARGS:-} --out "$OUT/sweep${SWEEP_TAG:-}.json" 2>&1 \
         | tee "$OUT/sweep${SWEEP_TAG:-}.log" | tail -n 30 || status=1 ;;
-    profile-det)  # issue 4: deterministic=True cost per phase
-      (cd benchmarks && python3 profile_deterministic.py --shapes S1,S4 \
-        --out "$OUT/phases.json") 2>&1 | tee "$OUT/phases.log" | tail -n 20 || status=1 ;;
     tp)  # issues 4 and 8: every GPU of the host; NCCL parity and bitwise TP invariance at the
       # S2 head (TP 2/4/8 as present), then lp bench --tp over all GPUs at S2
       gpus=$(nvidia-smi -L | wc -l)
@@ -91,12 +88,6 @@ for stage in $stages; do
           echo "$tag $i: $(grep -E '^ *[^ ]+ +[^ ]+ +lp-' "$OUT/ab-$tag-$i.log" | tr -s ' ' | tr '\n' ';')"
         done
       done ;;
-    clock)  # protocol check: floor and lp step timed in four orders, SM clock sampled
-      (cd benchmarks && python3 clock_check.py --shapes ${STEP_SHAPES:-S1,S4} --reps 10 \
-        --out "$OUT/clock.json") 2>&1 | tee "$OUT/clock.log" | tail -n 12 || status=1 ;;
-    anatomy)  # issue 3: each kernel on one chunk against cuBLAS (benchmarks/anatomy.py)
-      (cd benchmarks && python3 anatomy.py --shapes ${STEP_SHAPES:-S1,S2,S3,S4} \
-        --out "$OUT/anatomy.json") 2>&1 | tee "$OUT/anatomy.log" | tail -n 12 || status=1 ;;
     ncu)  # issue 3: hardware counters of each chunk kernel against cuBLAS's (ncu_chunk.py)
       for s in $(echo "${STEP_SHAPES:-S2,S1}" | tr , ' '); do
         (cd benchmarks && ncu --clock-control none --nvtx --nvtx-include "measured/" \

@@ -18,26 +18,41 @@ ncu it just runs. ``ncu_summary.py`` turns the report's raw CSV into one line pe
 from __future__ import annotations
 
 import argparse
+import types
 
 import torch
-from anatomy import chunk_problem
+from lp_bench.protocol import make_inputs, parse_shapes
 
-import lp_kernels.backends.triton_linear as tri
+from lp_kernels.backends.triton.backward import dlogits
+from lp_kernels.backends.triton.config import config_for
+from lp_kernels.backends.triton.forward import forward_stats
+from lp_kernels.backends.triton.gemm import matmul_acc
+
+
+def chunk_problem(shape: str, device: str = "cuda") -> types.SimpleNamespace:
+    """The inputs of one backward chunk of ``shape`` (``token_chunk`` x ``vocab_chunk`` of the
+    pinned config; the first rows and columns), as lp's d_logits and GEMM kernels take
+    them, with a logprob-only upstream gradient (as ``lp bench``)."""
+    ((_, n, h_dim, v),) = parse_shapes(shape)
+    hidden, weight, targets, _ = make_inputs(n, h_dim, v, device=device)
+    cfg = config_for(hidden.device, hidden.dtype)
+    rows, cols = min(cfg.token_chunk, n), min(cfg.vocab_chunk, v)
+    h_c, w_c = hidden[:rows], weight[:cols]
+    with torch.no_grad():
+        lse = torch.logsumexp((h_c @ weight.T).float(), dim=1)
+    c0 = -torch.rand(rows, device=device)  # d logprob / d lse = -g_lp
+    return types.SimpleNamespace(
+        hidden=hidden, weight=weight, targets=targets, cfg=cfg, rows=rows, cols=cols,
+        h_dim=h_dim, h_c=h_c, w_c=w_c, lse=lse, c0=c0, g_lp=-c0,
+        t_col=torch.where(targets[:rows] < cols, targets[:rows], -1),
+        p=types.SimpleNamespace(inv_temperature=1.0, max_v_local=v, return_entropy=False),
+    )  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="S2")
     ap.add_argument("--forward", action="store_true", help="also the whole forward")
-    ap.add_argument(
-        "--gluon", action="store_true",
-        help="also the non-accumulating GEMM: cuBLAS, lp's Triton kernel and the Gluon "
-        "experiment's persistent and warp-specialized kernels (gluon_kernels.py)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--fixed", action="store_true",
-        help="also deterministic=True's fixed-point grad_hidden GEMM (fixed_gemm.py)",
-    )  # fmt: skip
     args = ap.parse_args()
     c = chunk_problem(args.shape)
     hidden, weight, targets, cfg, p = c.hidden, c.weight, c.targets, c.cfg, c.p
@@ -49,30 +64,15 @@ def main() -> None:
     acc = torch.zeros(rows, h_dim, dtype=torch.float32, device="cuda")
     calls = {
         "cublas_logits": lambda: torch.mm(h_c, w_c.T, out=out),
-        "lp_dlogits": lambda: tri._dlogits(
+        "lp_dlogits": lambda: dlogits(
             h_c, w_c, t_col, lse, None, g_lp, None, c0, out, 0, cols, p, cfg
         ),
         "cublas_addmm": lambda: torch.addmm(acc, out, w_c, out_dtype=torch.float32, out=acc),
-        "lp_grad_hidden_gemm": lambda: tri._matmul_acc_(acc, out, w_c, cfg, k_a=cols),
+        "lp_grad_hidden_gemm": lambda: matmul_acc(acc, out, w_c, cfg, k_a=cols),
     }
-    if args.gluon:
-        from gluon_anatomy import gluon_mm, gluon_ws_mm
-
-        calls["cublas_mm0"] = lambda: torch.addmm(
-            acc, out, w_c, beta=0, out_dtype=torch.float32, out=acc
-        )
-        calls["lp_mm0"] = lambda: tri._matmul_acc_(acc, out, w_c, cfg, k_a=cols, accumulate=False)
-        calls["gluon_mm0"] = lambda: gluon_mm(acc, out, w_c, cols, accumulate=False)
-        calls["gluon_ws_mm0"] = lambda: gluon_ws_mm(acc, out, w_c, cols, accumulate=False)
-    if args.fixed:  # deterministic=True's fixed-point GEMM, 1024-column leaves
-        from fixed_gemm import chunk_operands, fixed_call
-
-        a, acc_h, scale = chunk_operands(c)
-        calls["lp_fixed_leaf1024"] = fixed_call(c, a, acc_h, scale, 1024, "pinned")
-        calls["lp_fixed_leaf1024_nested"] = fixed_call(c, a, acc_h, scale, 1024, "nested")
     if args.forward:
         calls["cublas_full"] = lambda: hidden @ weight.T
-        calls["lp_forward"] = lambda: tri.forward_stats(hidden, weight, targets, p, cfg)
+        calls["lp_forward"] = lambda: forward_stats(hidden, weight, targets, p, cfg)
     for fn in calls.values():  # compile and warm up, outside the "measured" NVTX range
         fn()
         fn()

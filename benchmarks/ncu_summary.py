@@ -6,7 +6,7 @@
 ``--calls`` names the launches in order (``ncu_chunk.py`` prints them: one kernel per
 call). Per kernel: duration, tensor-pipe activity (% of elapsed cycles), L2 hit rate,
 registers, grid and block, and the five largest warp-stall reasons (warps stalled per
-issued instruction), the numbers docs/benchmarks.md ("session 8") reads.
+issued instruction), the numbers docs/benchmarks.md reads.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ largest idle gaps between kernels, and the busy time per kernel name, largest fi
 interpreter, as a smoke test of the script (CPU op times only).
 
 ``--tp P`` under ``torchrun --nproc-per-node P`` (NCCL; gloo on CPU) profiles one rank's
-step of the head split P ways on Megatron's layout (``lp_kernels.bench.tp_shard``): each
+step of the head split P ways on Megatron's layout (``lp_bench.protocol.tp_shard``): each
 rank's figures, collectives included, are printed and written by rank 0.
 """
 
@@ -29,11 +29,11 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from protocol import SHAPES, make_inputs, time_cuda
+from lp_bench.protocol import make_inputs, parse_shapes, tile_arg, tp_shard
+from lp_bench.timing import time_cpu, time_cuda
 from torch.profiler import ProfilerActivity, profile
 
 from lp_kernels import linear_logprob
-from lp_kernels.bench import tile_arg, time_cpu, tp_shard
 
 DET_TILE = {"tile": "128"}  # --det-tile: an int, or tpN (bench.tile_arg, per shape)
 TP: dict = {}  # --tp: linear_logprob's tp_group / vocab_start / vocab_size
@@ -191,11 +191,7 @@ def main() -> None:
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
         if dist.get_world_size() != args.tp:
             raise ValueError(f"--tp {args.tp} needs as many torchrun processes")
-    shapes = (
-        [(s, *SHAPES[s]) for s in args.shapes.split(",")]
-        if device == "cuda"
-        else [("tiny", 64, 32, 1000)]
-    )
+    shapes = parse_shapes(args.shapes) if device == "cuda" else [("tiny", 64, 32, 1000)]
     rows = [
         profile_shape(*s, device, det, args.trace)
         for s in shapes

@@ -1,14 +1,16 @@
 """Time Triton tile configurations of the lp triton backend (forward and backward apart).
 
-Tile configs are pinned in lp_kernels.backends.triton_linear (a different tile is a
+Tile configs are pinned in ``lp_kernels.backends.triton.config`` (a different tile is a
 different summation order); this script is how the pinned one was chosen. GPU only.
 
     python benchmarks/sweep_tiles.py --shapes S1,S4 [--variants a,b] [--det] [--out f.json]
 
-Each variant replaces fields of the pinned ``GPU_CONFIG`` (``deterministic=True`` derives
-its config from it at call time, so ``--det`` times that mode under the same variant).
-Before timing, ``--bits`` checks that tensor-descriptor (TMA) loads and pointer loads
-give bitwise the same outputs and gradients under the pinned config.
+Each variant replaces fields of the pinned bf16 config (``config_for``) and runs through
+``linear_logprob_with_config``, which takes the config as an argument (``deterministic=True``
+derives its own from it, so ``--det`` times that mode under the same variant). Before
+timing, ``--bits`` checks that the order-only variants (tensor-descriptor against pointer
+loads, launch grouping, other output tiles) give bitwise the pinned config's outputs and
+gradients.
 """
 
 from __future__ import annotations
@@ -19,16 +21,16 @@ import json
 import statistics
 
 import torch
-from protocol import make_inputs, time_cuda
+from lp_bench.protocol import make_inputs, parse_shapes, tile_arg
+from lp_bench.timing import floor_call, steady_warmup, time_cuda
 
-import lp_kernels.backends.triton_deterministic as tdet
-import lp_kernels.backends.triton_linear as tlin
-from lp_kernels import linear_logprob
-from lp_kernels.bench import floor_call, parse_shapes, steady_warmup, tile_arg
+from lp_kernels.backends.triton.config import TileConfig, config_for
+from lp_kernels.backends.triton.function import linear_logprob_with_config
 
-# "old": the launch order and loads pinned up to session 2 (no grouping, pointer loads,
-# 128 x 128 tiles). Keys starting with "fixed" set the fixed-point GEMM's tiles of
-# deterministic=True (BLOCK_M, BLOCK_N, BLOCK_K, optionally num_warps and leaf pipelining).
+# Each variant: TileConfig fields replaced in the pinned config. "old": no grouping,
+# pointer loads, 128 x 128 tiles. ``fixed_tiles`` sets the fixed-point GEMM's tiles of
+# deterministic=True (BLOCK_M, BLOCK_N, BLOCK_K); ``narrow_cost`` and ``round_group`` are
+# launch choices that never change the bits.
 VARIANTS = {
     "old": {"group": 0, "tma": False, "block_v": 128, "mm_block_n": 128},
     "pinned": {},
@@ -38,55 +40,30 @@ VARIANTS = {
     "g16": {"group": 16},
     "notma": {"tma": False},
     "bn256-bv128": {"block_n": 256, "block_v": 128},
-    "ws": {"warp_specialize": True},
     "chunk16k": {"vocab_chunk": 16384},
     "chunk24k": {"vocab_chunk": 24576},
     "tok16k": {"token_chunk": 16384},
     "mm256x128": {"mm_block_m": 256, "mm_block_n": 128},
-    "fx128x128": {"fixed": (128, 128, 64)},
-    "fx64x256": {"fixed": (64, 256, 64)},
-    "fx128x64-w4": {"fixed": (128, 64, 64), "fixed_warps": 4},
-    "fxpipe": {"fixed_pipe": True},
+    "fx128x128": {"fixed_tiles": (128, 128, 64)},
+    "fx64x256": {"fixed_tiles": (64, 256, 64)},
+    "fx64x128": {"fixed_tiles": (64, 128, 64)},
     "vs4k": {"v_split": 4096},
     "vs2k": {"v_split": 2048},
     "mm64": {"mm_block_m": 64},
     "bn64": {"block_n": 64},
-    # the GEMM's output tile never narrowed by the grid (triton_linear.mm_block_n): the
-    # pinned 128 x 256 everywhere, as before session 14
+    # the GEMM's output tile never narrowed by the grid (triton.gemm.mm_block_n)
     "mmwide": {"narrow_cost": float("inf")},
-    "bv128-w4": {"block_v": 128, "logit_warps": 4},
-    "fx64x128-pipe": {"fixed": (64, 128, 64), "fixed_pipe": True},
-    "fxsplit": {"fixed_convert": "split"},
-    "fx64x128-split": {"fixed": (64, 128, 64), "fixed_convert": "split"},
-    "fx64x128-w4": {"fixed": (64, 128, 64), "fixed_warps": 4},
-    "fx64x128-pipe-w4": {"fixed": (64, 128, 64), "fixed_pipe": True, "fixed_warps": 4},
-    "cptr": {"c_tma": False},
-    "fxnested": {"fixed_loop": "nested"},
     # tiles whose fp32 products are rounded into grad_hidden's int64 sum per pass (the
-    # default tile's plan; pinned: triton_deterministic.ROUND_GROUP)
+    # default tile's plan; pinned: TileConfig.round_group)
     "rg1": {"round_group": 1},
     "rg2": {"round_group": 2},
     "rg3": {"round_group": 3},
     "rg4": {"round_group": 4},
 }
-_ROUND_GROUP = tdet.ROUND_GROUP  # the pinned value
-_NOT_CONFIG = ("c_tma", "round_group", "narrow_cost")  # variant keys: not TileConfig fields
-_NARROW_COST = tlin.NARROW_TILE_COST  # the pinned value
 
 
-def _apply(base, base_fixed, variant: dict) -> None:
-    fields = {
-        k: v for k, v in variant.items() if not k.startswith("fixed") and k not in _NOT_CONFIG
-    }
-    tlin.GPU_CONFIG = dataclasses.replace(base, **fields)
-    tdet.FIXED_GPU = variant.get("fixed", base_fixed)
-    tdet.FIXED_WARPS = variant.get("fixed_warps")
-    tdet.FIXED_PIPELINE = variant.get("fixed_pipe", False)
-    tdet.FIXED_CONVERT = variant.get("fixed_convert", "cvt")
-    tdet.FIXED_LOOP = variant.get("fixed_loop", "flat")
-    tlin.C_TMA = variant.get("c_tma", True)
-    tlin.NARROW_TILE_COST = variant.get("narrow_cost", _NARROW_COST)
-    tdet.ROUND_GROUP = variant.get("round_group", _ROUND_GROUP)
+def _config(base: TileConfig, variant: dict) -> TileConfig:
+    return dataclasses.replace(base, **variant)
 
 
 DET_TILE = {"tile": "128"}  # --det-tile: ints or tpN (bench.tile_arg, per shape), comma-separated
@@ -97,10 +74,10 @@ def _det_tile(vocab: int, spec: str | None = None) -> int:
     return tile_arg(spec or DET_TILE["tile"].split(",")[0], vocab)
 
 
-def _run(hl, wl, targets, grad_out, det: str | None):
+def _run(cfg: TileConfig, hl, wl, targets, grad_out, det: str | None):
     hl.grad = wl.grad = None
-    out = linear_logprob(
-        hl, wl, targets, backend="triton", validate=False, return_entropy=True,
+    out = linear_logprob_with_config(
+        hl, wl, targets, cfg, validate=False, return_entropy=True,
         deterministic=det is not None,
         deterministic_tile=_det_tile(wl.shape[0], det or None) if det is not None else 128,
     )  # fmt: skip
@@ -113,11 +90,9 @@ def _run(hl, wl, targets, grad_out, det: str | None):
 ORDER_ONLY = {
     "pointer": {"tma": False},
     "ungrouped": {"group": 1},
-    "fxsplit": {"fixed_convert": "split"},  # the same integers (deterministic mode)
-    "fxnested": {"fixed_loop": "nested"},  # the same leaf products (deterministic mode)
-    # another fixed-point tile, pipelined: the same leaf products if the MMAs keep their
-    # K order (equal on H200, docs/benchmarks.md; not needed for TP invariance)
-    "fx64x128-pipe": {"fixed": (64, 128, 64), "fixed_pipe": True},
+    # another fixed-point tile: the same leaf products if the MMAs keep their K order
+    # (not needed for TP invariance)
+    "fx64x128": {"fixed_tiles": (64, 128, 64)},
     # each tile rounded on its own, whatever the group (with --det-tile tp8: 8 tiles)
     "rg1": {"round_group": 1},
     "rg3": {"round_group": 3},
@@ -131,7 +106,7 @@ ORDER_ONLY = {
 }
 
 
-def check_bits(base, base_fixed) -> list[dict]:
+def check_bits(base: TileConfig) -> list[dict]:
     """Order-only variants against the pinned config, bitwise, at an awkward N: the default
     mode, deterministic=True at the first --det-tile, and at 4224-column tiles (5 tiles,
     the last cut: the one-tile-per-piece plan of the GPU config's 8192-column chunks)."""
@@ -140,19 +115,16 @@ def check_bits(base, base_fixed) -> list[dict]:
     hl, wl = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
     for det in (None, "", "4224"):
         mode = det is not None and _det_tile(wl.shape[0], det or None)  # False or the tile
-        _apply(base, base_fixed, {})
-        ref = _run(hl, wl, targets, grad_out, det)
+        ref = _run(base, hl, wl, targets, grad_out, det)
         for name, fields in ORDER_ONLY.items():
-            _apply(base, base_fixed, fields)
             try:
-                got = _run(hl, wl, targets, grad_out, det)
+                got = _run(_config(base, fields), hl, wl, targets, grad_out, det)
                 same = [torch.equal(a, b) for a, b in zip(ref, got, strict=True)]
                 row = {"check": f"{name}_bits", "deterministic": mode, "equal": same}
             except Exception as exc:  # report and go on
                 row = {"check": f"{name}_bits", "deterministic": mode, "error": repr(exc)[:300]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    _apply(base, base_fixed, {})
     return rows
 
 
@@ -186,10 +158,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     DET_TILE["tile"] = args.det_tile
-    base, base_fixed = tlin.GPU_CONFIG, tdet.FIXED_GPU
+    base = config_for(torch.device("cuda"), torch.bfloat16)
     rows = []
     if args.bits:
-        rows = check_bits(base, base_fixed)
+        rows = check_bits(base)
     for s, n, h, v in parse_shapes(args.shapes):
         hidden, weight, targets, grad_out = make_inputs(n, h, v)
 
@@ -211,14 +183,14 @@ def main() -> None:
                 label = name + (f"/det{det}" if det else "")
                 if isinstance(times.get(label), str):
                     continue  # failed in an earlier round
-                _apply(base, base_fixed, VARIANTS[name])
+                cfg = _config(base, VARIANTS[name])
 
-                def fwd(hl=hl, wl=wl, targets=targets, det=det):
-                    return linear_logprob(
+                def fwd(hl=hl, wl=wl, targets=targets, det=det, cfg=cfg):
+                    return linear_logprob_with_config(
                         hl,
                         wl,
                         targets,
-                        backend="triton",
+                        cfg,
                         validate=False,
                         deterministic=det is not None,
                         deterministic_tile=_det_tile(wl.shape[0], det) if det else 128,
@@ -232,7 +204,6 @@ def main() -> None:
                     times.setdefault(label, []).append((timed(fwd), timed(step)))
                 except Exception as exc:  # report and go on: a variant may not compile
                     times[label] = repr(exc)[:300]
-        _apply(base, base_fixed, {})
         floor = statistics.median(times.pop("floor"))
         for label, got in times.items():
             if isinstance(got, str):
@@ -249,7 +220,6 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         del hidden, weight, hl, wl
         torch.cuda.empty_cache()
-    _apply(base, base_fixed, {})
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

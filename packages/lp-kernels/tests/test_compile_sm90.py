@@ -2,8 +2,8 @@
 
 The interpreter runs the kernels' Python bodies and misses what only Triton's compiler
 rejects (see ``lp_testing.aot``); this compiles each distinct launch of forward + backward,
-both modes, the large and mid shared-memory tiers and the experimental switches, ahead of
-time with the bundled ptxas. Nothing is launched.
+both modes, the large and mid shared-memory tiers and the launch variants of
+``lp_testing.aot``, ahead of time with the bundled ptxas. Nothing is launched.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-KERNELS = ("_fwd_stats_kernel", "_dlogits_kernel", "_matmul_acc_body", "_matmul_fixed_kernel")
+KERNELS = ("fwd_stats_kernel", "dlogits_kernel", "matmul_acc_body", "matmul_fixed_kernel")
 
 
 def test_every_gpu_launch_compiles_for_sm90(tmp_path):
@@ -34,31 +34,28 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
     assert done and done.group(1) == done.group(2), out[-3000:]
     lines = [line for line in out.splitlines() if line.startswith("ok ")]
     assert len(lines) == int(done.group(2))
-    # Both the tensor-descriptor and the pointer path of every main kernel, and the
-    # experimental fixed-point conversions, were among them.
+    # Both the tensor-descriptor and the pointer path of every main kernel were among them.
     for kernel in KERNELS:
         mine = [line for line in lines if f" {kernel}[" in line]
         assert any(line.endswith("; TMA]") for line in mine), kernel
         assert any(not line.endswith("; TMA]") for line in mine), kernel
-    fixed = [line for line in lines if " _matmul_fixed_kernel[" in line]
-    assert any("SPLIT=True" in line for line in fixed)
-    assert any("PIPE=True" in line for line in fixed)
+    fixed = [line for line in lines if " matmul_fixed_kernel[" in line]
     # deterministic_tile wider than 128: the looped per-tile K loop and the two
-    # elementwise kernels of the wide-tile plan (triton_deterministic.vocab_pieces)
+    # elementwise kernels of the wide-tile plan (triton.deterministic.vocab_pieces)
     assert any("LEAF=384" in line for line in fixed)
-    assert any(" _round_into_kernel[" in line for line in lines)
-    assert any(" _from_fixed_kernel[" in line for line in lines)
+    assert any(" round_into_kernel[" in line for line in lines)
+    assert any(" from_fixed_kernel[" in line for line in lines)
     # The grad_hidden GEMM that accumulates (every vocabulary chunk after the first) takes
-    # C through a tensor descriptor and spills no registers (with a pointer block it spilled
-    # about 1 KB per thread: docs/benchmarks.md, session 8).
+    # C through a tensor descriptor and spills no registers (a pointer block for C beside
+    # the accumulator would spill).
     acc = [
         line for line in lines
-        if " _matmul_acc_body[" in line and "BLOCK_K=64" in line and "A_T=False" in line
+        if " matmul_acc_body[" in line and "BLOCK_K=64" in line and "A_T=False" in line
         and "ACC=True" in line and line.endswith("; TMA]")
     ]  # fmt: skip
     assert acc, lines
     assert all("C_TMA=True" in line and " 0 B stack" in line for line in acc), acc
-    # ... in both output tile widths (triton_linear.mm_block_n: the narrow one on small
+    # ... in both output tile widths (triton.gemm.mm_block_n: the narrow one on small
     # grids, the pinned one under the "wide" experiment)
     assert {"BLOCK_N=128", "BLOCK_N=256"} <= {
         m.group(0) for x in acc if (m := re.search(r"BLOCK_N=\d+", x))
@@ -68,15 +65,15 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
     # group (C written) or later (C read through a descriptor).
     multi = [
         line for line in lines
-        if " _matmul_acc_body[" in line and "MULTI=True" in line and line.endswith("; TMA]")
+        if " matmul_acc_body[" in line and "MULTI=True" in line and line.endswith("; TMA]")
     ]  # fmt: skip
     assert all("BLOCK_N=128" in line and " 0 B stack" in line for line in multi), multi
     assert {"ACC=False", "ACC=True"} <= {
         m.group(0) for x in multi if (m := re.search(r"ACC=\w+", x))
     }
-    # No launch falls off a register cliff. Until session 8 every fp32-input kernel compiled
-    # to 32 registers and a 6-13 KB stack frame (ptxas giving up on 128 x 256 FMA tiles;
-    # 19 x slower on H200); today's largest frame is about 1.1 KB (pointer-load paths).
+    # No launch falls off a register cliff: ptxas giving up on too large a tile (e.g. 128 x
+    # 256 FMA tiles for fp32 inputs) compiles to a few registers and a stack frame of
+    # several KB; the pointer-load paths keep small frames.
     frames = [
         (int(m.group(2)), int(m.group(1)), line)
         for line in lines
@@ -84,6 +81,6 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
     ]
     assert len(frames) == len(lines), lines[:3]
     assert all(stack <= 2048 for stack, _, _ in frames), max(frames)
-    # Every launch pins FMA contraction (triton_linear.FP_FUSION), the merge's included.
+    # Every launch pins FMA contraction (triton.config.FP_FUSION), the merge's included.
     assert all("enable_fp_fusion=True" in line for line in lines)
-    assert any(" _merge_kernel[" in line for line in lines)
+    assert any(" merge_kernel[" in line for line in lines)

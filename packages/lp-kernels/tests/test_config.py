@@ -16,8 +16,9 @@ def test_triton_config_by_shared_memory(smem_kib, tier, monkeypatch):
     """The pinned tiles follow the GPU's shared memory and the dtype, never a size: Hopper
     gets the 128 x 256 tiles with tensor descriptors, smaller GPUs 128 x 128 tiles without
     (fewer stages below 160 KiB), 4-byte inputs (FMA dots) 64 x 128 tiles, K steps of 16."""
-    import lp_kernels.backends.triton_deterministic as tdet
-    import lp_kernels.backends.triton_linear as tri
+    import lp_kernels.backends.triton.config as tri
+    import lp_kernels.backends.triton.deterministic as tdet
+    import lp_kernels.backends.triton.fixed_point as tfix
 
     monkeypatch.setattr(tri, "smem_per_block", lambda device: smem_kib << 10)
     dev = torch.device("cuda", 0)
@@ -30,9 +31,9 @@ def test_triton_config_by_shared_memory(smem_kib, tier, monkeypatch):
         assert bf16.num_stages == (3 if tier == "mid" else 2)
     assert fp32 == dataclasses.replace(bf16, **tri.FP32_TILES)
     assert (fp32.block_n, fp32.block_v, fp32.block_h) == (64, 128, 16)
-    det_cfg, fixed = tdet.config_for(dev, torch.bfloat16)
+    det_cfg, fixed = tdet.deterministic_config(dev, torch.bfloat16)
     assert (det_cfg.block_v, det_cfg.v_split) == (128, 128)
-    assert fixed == (tdet.FIXED_GPU if tier == "large" else tdet.FIXED_SMALL)
+    assert fixed == (tfix.FIXED_GPU if tier == "large" else tfix.FIXED_SMALL)
     assert tri.config_for(torch.device("cpu"), torch.float32) == tri.INTERPRET_CONFIG
 
 
@@ -50,7 +51,7 @@ def test_triton_config_by_shared_memory(smem_kib, tier, monkeypatch):
 def test_deterministic_vocab_pieces(v_real, tile, chunk, spans, width):
     """The backward's pieces: tile-aligned, in order, covering the shard, and (one tile
     per piece or less) cut by the tile alone, so every layout cuts a global tile alike."""
-    import lp_kernels.backends.triton_deterministic as tdet
+    import lp_kernels.backends.triton.deterministic as tdet
 
     got, got_width = tdet.vocab_pieces(v_real, tile, chunk)
     assert (got, got_width) == (spans, width)
@@ -96,15 +97,16 @@ def test_gemm_output_tile_follows_the_grid(m, n, width, monkeypatch):
     """lp's GEMM takes the narrow output tile only where the pinned one leaves the GPU
     mostly idle (a wave model with the narrow program's measured cost). This is the one tile
     chosen by size: it does not change the bits (test_determinism, test_gpu)."""
-    import lp_kernels.backends.triton_linear as tri
+    import lp_kernels.backends.triton.config as tri
+    import lp_kernels.backends.triton.gemm as gemm
 
     monkeypatch.setattr(tri, "smem_per_block", lambda device: 227 << 10)
-    monkeypatch.setattr(tri, "sm_count", lambda device: 132)
+    monkeypatch.setattr(gemm, "sm_count", lambda device: 132)  # where mm_block_n reads it
     dev = torch.device("cuda", 0)
     bf16, fp32 = tri.config_for(dev, torch.bfloat16), tri.config_for(dev, torch.float32)
-    assert tri.mm_block_n(bf16, m, n, dev) == width
-    assert tri.mm_block_n(fp32, m, n, dev) == fp32.mm_block_n  # already narrow: never halved
-    monkeypatch.setattr(tri, "sm_count", lambda device: None)  # the interpreter: no waves
-    assert tri.mm_block_n(bf16, m, n, dev) == bf16.mm_block_n
+    assert gemm.mm_block_n(bf16, m, n, dev) == width
+    assert gemm.mm_block_n(fp32, m, n, dev) == fp32.mm_block_n  # already narrow: never halved
+    monkeypatch.setattr(gemm, "sm_count", lambda device: None)  # the interpreter: no waves
+    assert gemm.mm_block_n(bf16, m, n, dev) == bf16.mm_block_n
     monkeypatch.undo()
     assert tri.sm_count(torch.device("cpu")) is None

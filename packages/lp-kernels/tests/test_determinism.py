@@ -141,19 +141,19 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
 ):
     """Tensor-descriptor loads against pointer loads, the grouped launch order against
     another grouping, the GEMM's pinned output tile against its narrow one (chosen by the
-    grid: triton_linear.mm_block_n), and (deterministic, tile 128 or 384 with a cut last
-    tile) the fixed-point GEMM's nested loop (leaves around K steps) against its flat one,
-    its pipelined leaves and its split rounding: the same products in the same order (and
-    the same integers), so the same bits (the load path is chosen by H, dtype and
-    alignment; see triton_linear.tma_ok)."""
+    grid: triton.gemm.mm_block_n), in both modes (deterministic: tile 128, or 384 with a
+    cut last tile): the same products in the same order, so the same bits (the load path
+    is chosen by H, dtype and alignment; see triton.config.tma_ok). Each config is passed
+    to the call (linear_logprob_with_config)."""
     import dataclasses
 
-    import lp_kernels.backends.triton_deterministic as tdet
-    import lp_kernels.backends.triton_linear as tri
+    import lp_kernels.backends.triton.backward as tbwd
+    import lp_kernels.backends.triton.gemm as gemm
+    from lp_kernels.backends.triton.config import config_for, tma_ok
+    from lp_kernels.backends.triton.function import linear_logprob_with_config
 
-    name = "INTERPRET_CONFIG" if device == "cpu" else "GPU_CONFIG"
-    base = getattr(tri, name)
-    by_grid = tri.mm_block_n
+    base = config_for(torch.device(device), dtype)
+    by_grid = gemm.mm_block_n
     p = make_problem(
         67, 64, 1031, dtype=dtype, device=device, seed=5, ignore_frac=0.1, padded_vocab=1152
     )
@@ -161,28 +161,24 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
     changes = [{}, {"tma": False}, {"group": 1}, {"group": 0, "tma": False}]
     if device == "cpu" or base.mm_block_n >= 256:  # the widths mm_block_n chooses from
         changes += [{"gemm": 1}, {"gemm": 2}, {"gemm": 2, "tma": False}]
-    if deterministic:  # and the fixed-point GEMM's loops, leaf pipelining, split rounding
-        changes += [{"loop": "nested"}, {"pipe": True}, {"convert": "split"}]
     for change in changes:
-        monkeypatch.setattr(tdet, "FIXED_LOOP", change.pop("loop", "flat"))
-        monkeypatch.setattr(tdet, "FIXED_PIPELINE", change.pop("pipe", False))
-        monkeypatch.setattr(tdet, "FIXED_CONVERT", change.pop("convert", "cvt"))
         # the GEMM's output tile: chosen by the grid (None), the config's width or its half
         div = change.pop("gemm", None)
         width = by_grid if div is None else (lambda cfg, *_, d=div: cfg.mm_block_n // d)
-        monkeypatch.setattr(tri, "mm_block_n", width)
-        monkeypatch.setattr(tri, name, dataclasses.replace(base, **change))
+        monkeypatch.setattr(gemm, "mm_block_n", width)  # the GEMM's and chunk_group's
+        monkeypatch.setattr(tbwd, "mm_block_n", width)
         h = p.hidden.detach().clone().requires_grad_()
         w = p.weight.detach().clone().requires_grad_()
-        out = linear_logprob(
-            h, w, p.targets, return_entropy=True, return_lse=True, temperature=0.9,
+        out = linear_logprob_with_config(
+            h, w, p.targets, dataclasses.replace(base, **change), return_entropy=True,
+            return_lse=True, temperature=0.9,
             vocab_size=1031, backend="triton", deterministic=deterministic is not None,
             deterministic_tile=deterministic or 128,
         )  # fmt: skip
         g = torch.linspace(-1, 1, p.n, device=device)
         (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.25).sum().backward()
         results.append((out.logprob, out.entropy, out.lse, h.grad, w.grad))
-    assert tri.tma_ok(p.hidden, p.weight)  # the first run took the descriptor path
+    assert tma_ok(p.hidden, p.weight)  # the first run took the descriptor path
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             assert_bitwise_equal(a, b)
@@ -192,28 +188,30 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_vocabulary_chunk_groups_do_not_change_bits(dtype, h, device, monkeypatch):
     """At small N the default backward takes several vocabulary chunks per launch
-    (triton_linear.chunk_group, chosen by N): the outputs and grad_hidden are bitwise those
+    (triton.backward.chunk_group, chosen by N): the outputs and grad_hidden are bitwise those
     of one launch per chunk, for groups that divide the shard's chunks or not and a last
     chunk cut short (padded vocabulary, ignored rows, temperature, entropy), through tensor
     descriptors (one GEMM launch per group) or pointers (H = 50: rows not 16-byte aligned;
     one GEMM launch per chunk). grad_weight takes one cuBLAS GEMM per group on CUDA (its
     kernel may follow the shape), so it is compared to fp32 accuracy there."""
-    import lp_kernels.backends.triton_linear as tri
+    import lp_kernels.backends.triton.function as tfn
+    from lp_kernels.backends.triton.backward import chunk_group
+    from lp_kernels.backends.triton.config import config_for, tma_ok
 
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if (device == "cpu") != interpreting:
         pytest.skip("the triton kernels run under the interpreter on CPU, compiled on CUDA")
-    chunk = tri.config_for(torch.device(device), dtype).vocab_chunk
+    chunk = config_for(torch.device(device), dtype).vocab_chunk
     v_real, v_pad = 3 * chunk + 700, 3 * chunk + 768
     p = make_problem(
         13, h, v_real, dtype=dtype, device=device, seed=8, ignore_frac=0.15, padded_vocab=v_pad
     )
-    assert tri.tma_ok(p.hidden, p.weight) == (h == 48)
+    assert tma_ok(p.hidden, p.weight) == (h == 48)
     dev = torch.device(device)
-    assert tri.chunk_group(13, h, v_real, tri.config_for(dev, dtype), dev) == 4
+    assert chunk_group(13, h, v_real, config_for(dev, dtype), dev) == 4
     results = {}
     for group in (1, 2, 3, 4):
-        monkeypatch.setattr(tri, "chunk_group", lambda *_, g=group: g)
+        monkeypatch.setattr(tfn, "chunk_group", lambda *_, g=group: g)
         hid = p.hidden.detach().clone().requires_grad_()
         w = p.weight.detach().clone().requires_grad_()
         out = linear_logprob(
@@ -235,14 +233,16 @@ def test_triton_vocabulary_chunk_groups_do_not_change_bits(dtype, h, device, mon
 def test_triton_gemm_c_tile_through_descriptor_or_pointers(dtype, device, monkeypatch):
     """The grad_hidden GEMM's accumulating form (every vocabulary chunk after the first)
     sums A @ B over K from +0.0 and then adds C once, reading and writing C through a
-    tensor descriptor (``C_TMA``) or through pointers: the same bits either way, and C +
-    A @ B to fp32 accuracy. M and N are not multiples of the tiles (clipped stores)."""
-    import lp_kernels.backends.triton_linear as tri
+    tensor descriptor (``C_TMA``: C allows one) or through pointers (C's base not 16-byte
+    aligned): the same bits either way, and C + A @ B to fp32 accuracy. M and N are not
+    multiples of the tiles (clipped stores)."""
+    from lp_kernels.backends.triton.config import config_for, tma_ok
+    from lp_kernels.backends.triton.gemm import matmul_acc
 
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if (device == "cpu") != interpreting:
         pytest.skip("the triton kernels run under the interpreter on CPU, compiled on CUDA")
-    cfg = tri.config_for(torch.device(device), dtype)
+    cfg = config_for(torch.device(device), dtype)
     gen = torch.Generator().manual_seed(11)
     m, k, n = 131, 256, 200
     a = torch.randn(m, k, generator=gen).to(device, dtype)
@@ -250,62 +250,65 @@ def test_triton_gemm_c_tile_through_descriptor_or_pointers(dtype, device, monkey
     c0 = torch.randn(m, n, generator=gen).to(device)
     out = {}
     for c_tma in (True, False):
-        monkeypatch.setattr(tri, "C_TMA", c_tma)
-        c = c0.clone()
-        tri._matmul_acc_(c, a, b, cfg, k_a=k, accumulate=True)
+        # an element's offset from a 16-byte boundary rules out a descriptor over C
+        store = torch.empty(m * n + 1, device=device)
+        c = store[: m * n] if c_tma else store[1:]
+        c = c.view(m, n)
+        c.copy_(c0)
+        assert tma_ok(c) == c_tma
+        matmul_acc(c, a, b, cfg, k_a=k, accumulate=True)
         out[c_tma] = c
-    assert cfg.tma and tri.tma_ok(a, b, c0)  # the first call took the descriptor path
+    assert cfg.tma and tma_ok(a, b, c0)  # the first call took the descriptor path
     assert_bitwise_equal(out[True], out[False])
     ref = c0.double() + a.double() @ b.double()
     assert float((out[True].double() - ref).norm() / ref.norm()) < 1e-6
 
 
 def test_round_group_within_its_memory_budget(monkeypatch):
-    """Groups of ROUND_GROUP tiles, fewer where the rank owns fewer tiles or the buffers
-    past the first would pass ROUND_EXTRA_BYTES (4 bytes per element of [N, H])."""
-    import lp_kernels.backends.triton_deterministic as tdet
+    """Groups of TileConfig.round_group tiles, fewer where the rank owns fewer tiles or
+    the buffers past the first would pass ROUND_EXTRA_BYTES (4 bytes per element of [N, H])."""
+    import lp_kernels.backends.triton.deterministic as tdet
 
-    monkeypatch.setattr(tdet, "ROUND_GROUP", 4)
     monkeypatch.setattr(tdet, "ROUND_EXTRA_BYTES", 512 << 20)
-    assert tdet.round_slots(8, 16384, 2048) == 4  # S4: 3 x 128 MiB
-    assert tdet.round_slots(8, 32768, 4096) == 2  # S3: 1 x 512 MiB
-    assert tdet.round_slots(8, 65536, 8192) == 1  # 2 GiB per buffer: one at a time
-    assert tdet.round_slots(3, 16384, 2048) == 3  # as many as the rank's tiles
-    assert tdet.round_slots(0, 0, 2048) == 1
+    assert tdet.round_slots(8, 16384, 2048, 4) == 4  # S4: 3 x 128 MiB
+    assert tdet.round_slots(8, 32768, 4096, 4) == 2  # S3: 1 x 512 MiB
+    assert tdet.round_slots(8, 65536, 8192, 4) == 1  # 2 GiB per buffer: one at a time
+    assert tdet.round_slots(3, 16384, 2048, 4) == 3  # as many as the rank's tiles
+    assert tdet.round_slots(0, 0, 2048, 4) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_round_group_does_not_change_bits(dtype, device, monkeypatch):
     """deterministic=True with tiles wider than half a vocabulary chunk: the fp32 products
-    of ROUND_GROUP tiles are rounded into grad_hidden's int64 sum in one pass. Each tile
+    of TileConfig.round_group tiles are rounded into grad_hidden's int64 sum in one pass. Each tile
     is still rounded on its own, so groups of 1, 2, 3 and 5 tiles (5 tiles here, the last
     cut by the vocabulary; 3 token chunks) give the same bits; and a group of 2 writes
     every element (NaN-poisoned allocations)."""
     import dataclasses
 
-    import lp_kernels.backends.triton_deterministic as tdet
-    import lp_kernels.backends.triton_linear as tri
+    import lp_kernels.backends.triton.deterministic as tdet
     from lp_kernels._matmul import scratch
+    from lp_kernels.backends.triton.config import config_for
+    from lp_kernels.backends.triton.function import linear_logprob_with_config
 
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if (device == "cpu") != interpreting:
         pytest.skip("the triton kernels run under the interpreter on CPU, compiled on CUDA")
-    name = "INTERPRET_CONFIG" if device == "cpu" else "GPU_CONFIG"
-    cfg = dataclasses.replace(getattr(tri, name), vocab_chunk=256, token_chunk=32)
-    monkeypatch.setattr(tri, name, cfg)
+    base = config_for(torch.device(device), dtype)
+    base = dataclasses.replace(base, vocab_chunk=256, token_chunk=32)
     p = make_problem(
         67, 64, 1031, dtype=dtype, device=device, seed=7, ignore_frac=0.1, padded_vocab=1152
     )
     results = []
     for group, poison in ((1, False), (2, False), (3, False), (5, False), (2, True)):
-        monkeypatch.setattr(tdet, "ROUND_GROUP", group)
-        assert tdet.round_slots(5, p.n, p.hidden.shape[1]) == group
+        cfg = dataclasses.replace(base, round_group=group)
+        assert tdet.round_slots(5, p.n, p.hidden.shape[1], cfg.round_group) == group
         monkeypatch.setattr(scratch, "poison", poison)
         h = p.hidden.detach().clone().requires_grad_()
         w = p.weight.detach().clone().requires_grad_()
-        out = linear_logprob(
-            h, w, p.targets, return_entropy=True, return_lse=True, temperature=0.9,
-            vocab_size=1031, backend="triton", deterministic=True, deterministic_tile=256,
+        out = linear_logprob_with_config(
+            h, w, p.targets, cfg, return_entropy=True, return_lse=True, temperature=0.9,
+            vocab_size=1031, deterministic=True, deterministic_tile=256,
         )  # fmt: skip
         g = torch.linspace(-1, 1, p.n, device=device)
         (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.25).sum().backward()
@@ -351,12 +354,13 @@ def test_dlogits_buffer_is_exactly_zero_past_the_chunk(deterministic, device, mo
     in their padded columns [v_count, cols) (the kernels' padded K bound assumes them) and
     in ignored rows, even where those rows' hidden is NaN, while the real columns of live
     rows are written."""
-    import lp_kernels.backends.triton_linear as tri
+    import lp_kernels.backends.triton.deterministic as tdet
+    import lp_kernels.backends.triton.function as tfn
     from lp_kernels._matmul import scratch
 
     monkeypatch.setattr(scratch, "poison", True)
     seen = []  # (v_count, rows r0:r1, the block with its padded columns)
-    real = tri.dlogits_blocks
+    real = tfn.dlogits_blocks
 
     def spy(*args, **kwargs):
         for v_begin, v_count, blocks in real(*args, **kwargs):
@@ -369,7 +373,8 @@ def test_dlogits_buffer_is_exactly_zero_past_the_chunk(deterministic, device, mo
 
             yield v_begin, v_count, record()
 
-    monkeypatch.setattr(tri, "dlogits_blocks", spy)
+    monkeypatch.setattr(tfn, "dlogits_blocks", spy)  # where each mode's backward reads it
+    monkeypatch.setattr(tdet, "dlogits_blocks", spy)
     p = make_problem(128, 16, 1031, device=device, seed=3, padded_vocab=1152, temperature=0.9)
     targets = p.targets.clone()
     targets[70::5] = p.ignore_index  # ignored rows only in the second half (row blocks

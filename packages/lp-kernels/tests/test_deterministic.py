@@ -56,7 +56,7 @@ def _rank(rank, world, problem, bounds, backend, tile=128, chunk=None, rows=None
     if chunk is not None:  # a smaller vocabulary chunk: the same code paths as large tiles
         import dataclasses
 
-        from lp_kernels.backends import triton_linear as tri
+        from lp_kernels.backends.triton import config as tri
 
         vocab_chunk, token_chunk = chunk if isinstance(chunk, tuple) else (chunk, None)
         tri.INTERPRET_CONFIG = dataclasses.replace(
@@ -148,7 +148,7 @@ def test_deterministic_single_process_batch_invariant_and_reproducible(backend):
 
 
 # deterministic_tile wider than 128, on the three backward plans of the triton backend
-# (lp_kernels.backends.triton_deterministic.vocab_pieces), chosen under the interpreter by
+# (lp_kernels.backends.triton.deterministic.vocab_pieces), chosen under the interpreter by
 # its vocabulary chunk: several tiles per piece; one tile per piece; a tile cut into pieces.
 WIDE_CASES = {  # name -> (tile, vocab chunk [, token chunk] of the interpreter config, V_pad,
     # layouts)
@@ -217,7 +217,7 @@ def test_wider_tiles_bitwise_identical_across_layouts(case, backend):
 
 def _torch_chunk_rank(rank, world, problem, bounds, tile):
     """A torch-backend rank with the default token chunk, recording the chunk it used."""
-    from lp_kernels.backends import torch_deterministic as td
+    from lp_kernels.backends.torch import deterministic as td
 
     used = set()
     original = td.scaled_logits_chunks
@@ -263,11 +263,10 @@ def test_torch_token_chunk_is_the_same_on_every_layout():
 def _halo_copy_rank(rank, world, problem, bounds, chunk):
     """One triton rank of a layout with a halo, recording the rows of every joined copy
     and of every grad_W GEMM (cuBLAS, per piece: one call, or the first token chunk's)."""
-    import lp_kernels.backends.triton_deterministic as tdet
-    from lp_kernels.backends import triton_linear as tri
+    import lp_kernels.backends.triton.deterministic as tdet
 
     copies, gemms = [], []
-    join, slice_, addmm = tdet.with_halo, tri._grad_weight_slice, tdet.addmm_f32_
+    join, slice_, addmm = tdet.with_halo, tdet.grad_weight_slice, tdet.addmm_f32_
 
     def recording(w_real, halo, start=0):
         out = join(w_real, halo, start)
@@ -284,13 +283,13 @@ def _halo_copy_rank(rank, world, problem, bounds, chunk):
             gemms.append(acc.shape[0])
         return addmm(acc, a, b, accumulate=accumulate)
 
-    tdet.with_halo, tri._grad_weight_slice, tdet.addmm_f32_ = (
+    tdet.with_halo, tdet.grad_weight_slice, tdet.addmm_f32_ = (
         recording, grad_weight_slice, addmm_f32_,
     )  # fmt: skip
     try:
         got = _rank(rank, world, problem, bounds, "triton", 256, chunk)
     finally:
-        tdet.with_halo, tri._grad_weight_slice, tdet.addmm_f32_ = join, slice_, addmm
+        tdet.with_halo, tdet.grad_weight_slice, tdet.addmm_f32_ = join, slice_, addmm
     return copies, got, gemms
 
 
@@ -486,7 +485,7 @@ def test_every_layout_makes_the_single_process_grad_weight_calls(tile, chunk):
     import dataclasses
 
     from lp_kernels._types import LogprobParams
-    from lp_kernels.backends.triton_deterministic import _spans
+    from lp_kernels.backends.triton.deterministic import backward_spans
 
     vocab = 248320 if tile > 1000 else 1000
     base = LogprobParams(
@@ -496,7 +495,7 @@ def test_every_layout_makes_the_single_process_grad_weight_calls(tile, chunk):
     )  # fmt: skip
 
     def calls(p):
-        spans, _, _ = _spans(p.tile_ownership(), p, chunk, True)
+        spans, _, _ = backward_spans(p.tile_ownership(), p, chunk, True)
         return {(p.vocab_start + b, c) for b, c in spans}
 
     single = calls(base)

@@ -46,7 +46,7 @@ def test_conversion_in_row_blocks_matches_one_block(monkeypatch):
     bad = torch.zeros(37, dtype=torch.bool)
     bad[5] = True
     whole = _fixed_point.from_fixed_point(acc, e, bad, torch.float32)
-    monkeypatch.setattr(_fixed_point, "_CONVERT_ELEMENTS", 30)  # blocks of 2 rows
+    monkeypatch.setattr(_fixed_point, "CONVERT_ELEMENTS", 30)  # blocks of 2 rows
     blocks = _fixed_point.from_fixed_point(acc, e, bad, torch.float32)
     assert torch.isnan(whole[5]).all() and torch.isnan(blocks[5]).all()
     keep = ~bad
@@ -61,7 +61,7 @@ def test_triton_conversion_matches_torch_conversion(dtype, device, backend):
     included, over the whole range of exponents and of int64 values."""
     if backend != "triton":
         pytest.skip("the triton backend's conversion kernel")
-    from lp_kernels.backends.triton_deterministic import _from_fixed_point
+    from lp_kernels.backends.triton.fixed_point import from_fixed_point
 
     gen = torch.Generator().manual_seed(1)
     n, h = 131, 301  # past one block of rows and of columns, neither a multiple
@@ -70,7 +70,7 @@ def test_triton_conversion_matches_torch_conversion(dtype, device, backend):
     e = torch.randint(-126, 127, (n,), generator=gen).double()
     bad = torch.rand(n, generator=gen) < 0.1
     want = _fixed_point.from_fixed_point(acc, e, bad, dtype)
-    got = _from_fixed_point(acc.to(device), e.to(device), bad.to(device), dtype).cpu()
+    got = from_fixed_point(acc.to(device), e.to(device), bad.to(device), dtype).cpu()
     # NaN rows: NaN, whatever its payload (CUDA and CPU round a float32 NaN to different
     # half-precision NaN bits); every other element: the same bits
     assert bool(bad.any()) and torch.isnan(got[bad]).all() and torch.isnan(want[bad]).all()

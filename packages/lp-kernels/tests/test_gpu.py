@@ -243,15 +243,17 @@ def test_large_index_products(n, h, v, backend):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
 def test_size_dependent_launches_keep_batch_invariance(deterministic, dtype, v, monkeypatch):
     """What follows N without changing the bits: lp's GEMM takes its narrow output tile
-    where the pinned grid leaves the GPU mostly idle (triton_linear.mm_block_n), and the
+    where the pinned grid leaves the GPU mostly idle (triton.gemm.mm_block_n), and the
     default backward takes several vocabulary chunks per launch at small N
-    (triton_linear.chunk_group). At H = 2048, 8,192 rows take the pinned tile, one chunk per
+    (triton.backward.chunk_group). At H = 2048, 8,192 rows take the pinned tile, one chunk per
     launch; 1,024 rows and a single row the narrow tile, and (four chunks) one group. A
     row's outputs and its grad_hidden row are the same bits in all three."""
-    import lp_kernels.backends.triton_linear as tri
+    import lp_kernels.backends.triton.backward as tri
+    import lp_kernels.backends.triton.gemm as gemm
+    from lp_kernels.backends.triton.config import config_for
 
     n, h = 8192, 2048
-    by_grid, widths = tri.mm_block_n, {}
+    by_grid, widths = gemm.mm_block_n, {}
 
     def spy(cfg, m, cols, device):
         width = by_grid(cfg, m, cols, device)
@@ -259,6 +261,7 @@ def test_size_dependent_launches_keep_batch_invariance(deterministic, dtype, v, 
             widths.setdefault(m, set()).add(width)
         return width
 
+    monkeypatch.setattr(gemm, "mm_block_n", spy)  # where the GEMM and chunk_group read it
     monkeypatch.setattr(tri, "mm_block_n", spy)
     p = make_problem(n, h, v, dtype=dtype, device="cuda", seed=4, ignore_frac=0.05)
     up = torch.randn(n, generator=torch.Generator().manual_seed(1)).to("cuda")
@@ -280,7 +283,7 @@ def test_size_dependent_launches_keep_batch_invariance(deterministic, dtype, v, 
     if v < 8192:  # one vocabulary chunk (with several, the grouped GEMM is narrow anyway)
         assert widths[n] == {256} and widths[n // 8] == {128} and widths[1] == {128}, widths
     else:
-        cfg = tri.config_for(torch.device("cuda"), dtype)
+        cfg = config_for(torch.device("cuda"), dtype)
         dev = torch.device("cuda")
         assert [tri.chunk_group(m, h, v, cfg, dev) for m in (n, n // 8, 1)] == [1, 4, 4]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import lp_kernels._dist as lp_dist
+import lp_kernels.distributed.layout as lp_layout
 from lp_kernels import linear_logprob, vocab_parallel_logprob
 from lp_testing import RankError, assert_close, make_problem, run_ranks, split_vocab
 
@@ -166,13 +166,13 @@ def test_vocab_parallel_logprob_tp_matches_single_process():
 def _count_gathers_rank(rank, world):
     """Layout validation costs one all-gather on the first call only."""
     calls = []
-    real = lp_dist.dist.all_gather_into_tensor
+    real = lp_layout.dist.all_gather_into_tensor
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    lp_dist.dist.all_gather_into_tensor = counting
+    lp_layout.dist.all_gather_into_tensor = counting
     try:
         p = make_problem(5, 8, 64, seed=1)
         w = p.weight[rank * 32 : (rank + 1) * 32]
@@ -183,7 +183,7 @@ def _count_gathers_rank(rank, world):
             counts.append(len(calls) - before)
         return counts
     finally:
-        lp_dist.dist.all_gather_into_tensor = real
+        lp_layout.dist.all_gather_into_tensor = real
 
 
 def test_layout_is_validated_once_per_group_and_layout():
@@ -359,11 +359,11 @@ def _block_sums_rank(rank, world, problem, deterministic, backend):
     for torch; every dist.all_reduce is recorded."""
     import dataclasses
 
-    import lp_kernels._dist as lp_dist
-    from lp_kernels.backends import triton_linear as tri
+    import lp_kernels.distributed.collectives as lp_collectives
+    from lp_kernels.backends.triton import config as tri
 
     tri.INTERPRET_CONFIG = dataclasses.replace(tri.INTERPRET_CONFIG, token_chunk=16)
-    lp_dist.SUM_ROWS = 24
+    lp_collectives.SUM_ROWS = 24
     calls, all_reduce = [], dist.all_reduce
 
     def spy(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -400,7 +400,7 @@ def test_grad_hidden_sum_starts_per_token_block(backend, deterministic, monkeypa
     in deterministic mode)."""
     import dataclasses
 
-    from lp_kernels.backends import triton_linear as tri
+    from lp_kernels.backends.triton import config as tri
 
     cfg = dataclasses.replace(tri.INTERPRET_CONFIG, token_chunk=16)  # as in the ranks
     monkeypatch.setattr(tri, "INTERPRET_CONFIG", cfg)

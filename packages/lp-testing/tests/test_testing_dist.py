@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lp_testing import InsufficientDevicesError, RankError, run_ranks, spawn
-from lp_testing.dist import _function_ref, _FunctionRef
+from lp_testing.dist import FunctionRef, function_ref
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -215,8 +215,8 @@ def test_function_from_a_module_not_on_sys_path(tmp_path: Path) -> None:
     spec.loader.exec_module(module)
     sys.modules[spec.name] = module
     try:
-        ref = _function_ref(module.world)
-        assert isinstance(ref, _FunctionRef) and ref.file == str(path)
+        ref = function_ref(module.world)
+        assert isinstance(ref, FunctionRef) and ref.file == str(path)
         assert run_ranks(module.world, 2, timeout=60) == [(0, 2), (1, 2)]
     finally:
         del sys.modules[spec.name]

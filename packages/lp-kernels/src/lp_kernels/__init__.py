@@ -12,13 +12,10 @@ Public API:
   whose grid holds the shards of TP degrees up to a maximum.
 """
 
-from lp_kernels._dist import (
-    clear_layout_cache,
-    default_deterministic_tile,
-    deterministic_tile_for,
-)
 from lp_kernels._types import LogProbOutput
+from lp_kernels.distributed.layout import clear_layout_cache
 from lp_kernels.linear_logprob import linear_logprob
+from lp_kernels.tiles import default_deterministic_tile, deterministic_tile_for
 from lp_kernels.vocab_parallel_logprob import vocab_parallel_logprob
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Checks that depend only on arguments every rank passes identically (hidden,
 targets, scalar options) raise at once. Checks that involve a rank's own shard go
-through the cross-rank layout table (``_dist.resolve_layout``) so they raise on every
+through the cross-rank layout table (``distributed.layout.resolve_layout``) so they raise on every
 rank. The data-dependent target check costs exactly one host sync and no
 collective, and is skipped with ``validate=False``.
 """
@@ -14,6 +14,8 @@ import sys
 from typing import Any
 
 import torch
+
+from lp_kernels.tiles import DETERMINISTIC_TILE
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "torch", "triton")
@@ -115,8 +117,6 @@ def check_options(
 def check_deterministic_tile(tile: Any, *, allow_none: bool = False) -> int | None:
     """``deterministic_tile``: a positive multiple of 128 (the kernels' column tiles), or
     None where the function picks one (``allow_none``)."""
-    from lp_kernels._dist import DETERMINISTIC_TILE
-
     if tile is None and allow_none:
         return None
     if isinstance(tile, bool) or not isinstance(tile, int):

@@ -31,24 +31,12 @@ weight is non-finite (as ``0 @ W`` would be NaN in fp32 too).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from lp_kernels._types import LogprobParams
+from lp_kernels.distributed.collectives import global_abs_max
 
 E_MIN, E_MAX = -126, 126
-_CONVERT_ELEMENTS = 1 << 24  # float64 elements per block of the final conversion (128 MiB)
-
-
-def global_abs_max(w_real: torch.Tensor, p: LogprobParams) -> torch.Tensor:
-    """``max |W|`` over every rank's real rows (float64 scalar; exact in any order)."""
-    if w_real.numel() > 0:  # one read of W (abs() would write a copy of it first)
-        lo, hi = torch.aminmax(w_real)
-        local = torch.maximum(-lo.double(), hi.double()).reshape(1)
-    else:
-        local = torch.zeros(1, dtype=torch.float64, device=w_real.device)
-    if p.tp_size > 1:
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=p.tp_group)
-    return local[0]
+CONVERT_ELEMENTS = 1 << 24  # float64 elements per block of the final conversion (128 MiB)
 
 
 def row_exponents(
@@ -67,7 +55,7 @@ def row_exponents(
     """
     n, h_dim = hidden.shape
     dev = hidden.device
-    w_abs = global_abs_max(w_real, p)
+    w_abs = global_abs_max(w_real, p.tp_group, p.tp_size)
     zero = torch.zeros(n, dtype=torch.float64, device=dev)
     g_lp64 = zero if g_lp is None else g_lp.double()
     g_lse64 = zero if g_lse is None else g_lse.double()
@@ -98,7 +86,7 @@ def from_fixed_point(
     """
     out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
     scale = torch.exp2(-e)
-    rows = max(1, _CONVERT_ELEMENTS // max(acc.shape[1], 1))
+    rows = max(1, CONVERT_ELEMENTS // max(acc.shape[1], 1))
     for r0 in range(0, acc.shape[0], rows):
         r1 = r0 + rows
         x = acc[r0:r1].double().mul_(scale[r0:r1, None])

@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lp_kernels.distributed.halo import TileOwnership, tile_ownership
+
 
 class LogProbOutput(NamedTuple):
     """What :func:`lp_kernels.linear_logprob` and :func:`lp_kernels.vocab_parallel_logprob` return.
@@ -63,19 +65,22 @@ class LogprobParams:
     tp_rank: int = 0
     """This rank's index in ``tp_group``."""
     deterministic: bool = False
-    """Tensor-parallel invariant mode (see lp_kernels.backends.torch_deterministic)."""
+    """Tensor-parallel invariant mode (see lp_kernels.backends.torch.deterministic)."""
     deterministic_tile: int = 128
     """Width of the global vocabulary tiles of ``deterministic=True`` (a multiple of 128):
     the unit of the forward's ordered merge and of grad_hidden's fixed-point sum."""
+    tile_config: Any = None
+    """The triton backend's launch configuration (a
+    ``lp_kernels.backends.triton.config.TileConfig``), or None: the pinned
+    ``config_for(device, dtype)``. Set only by ``linear_logprob_with_config`` (tile sweeps)."""
 
     @property
     def inv_temperature(self) -> float:
         return 1.0 / self.temperature
 
-    def tile_ownership(self):
-        """This rank's :class:`lp_kernels._dist.TileOwnership` (``deterministic=True``)."""
-        from lp_kernels._dist import tile_ownership
-
+    def tile_ownership(self) -> TileOwnership:
+        """This rank's :class:`~lp_kernels.distributed.halo.TileOwnership`
+        (``deterministic=True``)."""
         sizes = self.shard_sizes or (self.vocab_size,)
         return tile_ownership(
             self.shard_starts, sizes, self.vocab_size, self.deterministic_tile, self.tp_rank

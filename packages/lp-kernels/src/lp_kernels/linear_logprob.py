@@ -1,71 +1,25 @@
 """``linear_logprob``: per-token log-probs from hidden states and the LM-head weight.
 
-The public entry point checks arguments, resolves the tensor-parallel layout
-(validated once per group and layout, then cached), checks target ids (one host
-sync, skipped with ``validate=False``), picks a backend and flattens the leading
-dimensions. The numerics live in the backends (``lp_kernels.backends``) and in
-``lp_kernels._stats``.
+The public entry point prepares its arguments (``lp_kernels._prepare``: checks,
+autocast, the tensor-parallel layout validated once per group and layout then cached,
+target ids checked with one host sync unless ``validate=False``), picks a backend
+(``lp_kernels.backends.resolve_backend``) and flattens the leading dimensions. The
+numerics live in the backends and in ``lp_kernels._stats``.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any, Literal
 
 import torch
 
-from lp_kernels import _amp, _checks
+from lp_kernels import _amp
 from lp_kernels._compile import eager_under_compile
-from lp_kernels._dist import DETERMINISTIC_TILE, default_deterministic_tile, resolve_vocab
-from lp_kernels._types import LogProbOutput, LogprobParams
-from lp_kernels.backends.torch_linear import LinearLogprobTorch, default_chunk_rows
+from lp_kernels._prepare import prepare, shaped
+from lp_kernels._types import LogProbOutput
+from lp_kernels.backends import resolve_backend
 
 Backend = Literal["auto", "torch", "triton"]
-
-
-def _triton_interpreting() -> bool:
-    """Whether Triton runs its CPU interpreter (the one place lp reads TRITON_INTERPRET)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _resolve_backend(
-    backend: str, device: torch.device, *, deterministic: bool = False
-) -> type[torch.autograd.Function]:
-    """The autograd Function for ``backend``. Errors inside a backend propagate; no fallback."""
-    if backend == "auto":
-        use_triton = (
-            device.type == "cuda"
-            and _triton_importable()
-            and torch.cuda.get_device_capability(device) >= (8, 0)
-        )
-        backend = "triton" if use_triton else "torch"
-    if backend == "torch":
-        if not deterministic:
-            return LinearLogprobTorch
-        from lp_kernels.backends.torch_deterministic import LinearLogprobTorchDeterministic
-
-        return LinearLogprobTorchDeterministic
-    if not _triton_importable():
-        raise RuntimeError("backend='triton' needs the triton package (it ships with CUDA torch)")
-    if device.type == "cuda" or (device.type == "cpu" and _triton_interpreting()):
-        pass
-    else:
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (got {device}); on CPU it runs only under "
-            "TRITON_INTERPRET=1 (tests). Use backend='torch' or 'auto'"
-        )
-    if deterministic:
-        from lp_kernels.backends.triton_deterministic import LinearLogprobTritonDeterministic
-
-        return LinearLogprobTritonDeterministic
-    from lp_kernels.backends.triton_linear import LinearLogprobTriton
-
-    return LinearLogprobTriton
 
 
 @eager_under_compile
@@ -142,11 +96,10 @@ def linear_logprob(
             same one (the default is the same for one ``vocab_size`` everywhere). A tile
             that crosses a shard bound is computed whole by the rank where it starts,
             with the next ranks' weight rows sent to it (see docs/design.md). Wider
-            tiles cost less (fewer partials to merge, fewer fixed-point roundings):
-            128-column tiles cost about 1.4 x the default path on H200, the default
-            tile a few percent. The torch backend makes its calls tile by tile: on CUDA
-            keep the default tile (128-column tiles take 2.3 s at S4 on H200; it warns
-            above 128 tiles per shard).
+            tiles cost less (fewer partials to merge, fewer fixed-point roundings; the
+            costs are in docs/benchmarks.md). The torch backend makes its calls tile by
+            tile: on CUDA keep the default tile (it warns above 128 tiles per shard,
+            where kernel launches bound the step).
         backend: ``"torch"`` (chunked torch ops, CPU and GPU), ``"triton"`` (the
             fused kernel; CUDA, or CPU under ``TRITON_INTERPRET=1``), or ``"auto"``:
             triton on CUDA devices of compute capability >= 8.0, else torch.
@@ -176,80 +129,26 @@ def linear_logprob(
         >>> out.logprob.shape, hidden.grad.shape
         (torch.Size([4, 6]), torch.Size([4, 6, 32]))
     """
-    _checks.check_tensor(hidden, "hidden")
-    _checks.check_float_dtype(hidden, "hidden")
-    _checks.check_tensor(weight, "weight", min_dim=2)
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [V_local, H], got shape {tuple(weight.shape)}")
-    hidden, weight = _amp.autocast_inputs(hidden, weight)  # as F.linear under autocast
-    _checks.check_targets(targets, hidden.shape[:-1], hidden.device, "hidden")
-    temperature = _checks.check_options(
+    prep = prepare(
+        hidden,
+        weight,
+        targets,
         temperature=temperature,
         ignore_index=ignore_index,
-        chunk_size=chunk_size,
-        backend=backend,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
+        return_entropy=return_entropy,
+        return_lse=return_lse,
         tp_group=tp_group,
-    )
-    deterministic_tile = _checks.check_deterministic_tile(deterministic_tile, allow_none=True)
-    h_dim = hidden.shape[-1]
-    if h_dim == 0:
-        raise ValueError("hidden must have a non-empty last dimension H")
-    problem = _checks.weight_problem(weight, hidden)
-    if tp_group is None and problem:
-        raise _checks.weight_error(problem, weight, hidden)
-    layout = resolve_vocab(
-        tp_group,
-        v_local=weight.shape[0],
         vocab_start=vocab_start,
         vocab_size=vocab_size,
-        hidden=h_dim,
-        dtype=hidden.dtype,
+        reduce_grad_hidden=reduce_grad_hidden,
         deterministic=deterministic,
-        device=hidden.device,
-        problem=problem,
-        tile=(deterministic_tile or 0) if deterministic else DETERMINISTIC_TILE,  # 0: default
-        align=DETERMINISTIC_TILE,  # tiles may cross shard bounds (see _dist.tile_ownership)
-    )
-    vocab_start, vocab_size = layout.start, layout.vocab_size
-    if deterministic_tile is None:  # from the global vocabulary: the same on every layout
-        deterministic_tile = default_deterministic_tile(vocab_size)
-    _checks.check_ignore_index(ignore_index, vocab_size)
-    if validate:
-        _checks.validate_targets(targets, vocab_size, ignore_index)
-    # after the layout check, so ranks that disagree on `deterministic` all raise there
-    function = _resolve_backend(backend, hidden.device, deterministic=bool(deterministic))
-    # the torch backend's token chunk: from this shard's width, or in deterministic mode
-    # from the tile's, which every layout shares (its GEMMs must have the same shapes)
-    chunk_width = max(0, min(weight.shape[0], vocab_size - vocab_start))
-    if deterministic:
-        chunk_width = deterministic_tile
-    params = LogprobParams(
-        temperature=temperature,
-        ignore_index=ignore_index,
-        return_entropy=bool(return_entropy),
-        return_lse=bool(return_lse),
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        chunk_size=chunk_size or default_chunk_rows(chunk_width, hidden.device),
-        tp_group=tp_group,
-        tp_size=layout.world_size,
-        max_v_local=max(layout.sizes),
-        shard_starts=layout.starts,
-        shard_sizes=layout.sizes,
-        tp_rank=layout.rank,
-        reduce_grad_hidden=bool(reduce_grad_hidden),
-        deterministic=bool(deterministic),
         deterministic_tile=deterministic_tile,
+        backend=backend,
+        chunk_size=chunk_size,
+        validate=validate,
     )
-    lead = targets.shape
-    with _amp.autocast_off(hidden.device):  # lp's precision policy is its own
-        logprob, entropy, lse = function.apply(
-            hidden.reshape(-1, h_dim), weight, targets.reshape(-1), params
-        )
-    return LogProbOutput(
-        logprob.view(lead),
-        entropy.view(lead) if entropy is not None else None,
-        lse.view(lead) if lse is not None else None,
-    )
+    # after the layout check, so ranks that disagree on `deterministic` all raise there
+    function = resolve_backend(backend, prep.inputs.device, deterministic=bool(deterministic))
+    with _amp.autocast_off(prep.inputs.device):  # lp's precision policy is its own
+        out = function.apply(prep.inputs, prep.weight, prep.targets, prep.params)
+    return shaped(out, prep.lead)

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from lp_kernels import _amp, _checks
+from lp_kernels import _amp
 from lp_kernels._compile import backend_backward, eager_under_compile
-from lp_kernels._dist import DETERMINISTIC_TILE, gather_stats, resolve_vocab
 from lp_kernels._matmul import scratch
+from lp_kernels._prepare import group_tiles, prepare, shaped
 from lp_kernels._stats import (
     N_STATS,
     d_logits_,
@@ -37,7 +37,10 @@ from lp_kernels._stats import (
     target_columns,
 )
 from lp_kernels._types import LogProbOutput, LogprobParams
-from lp_kernels.backends.torch_linear import chunks, default_chunk_rows, padded_rows
+from lp_kernels.backends.torch.deterministic import merged_tile_stats
+from lp_kernels.backends.torch.linear import chunks, padded_rows
+from lp_kernels.distributed.collectives import gather_stats
+from lp_kernels.tiles import DETERMINISTIC_TILE
 
 
 def _scaled_chunk(
@@ -52,26 +55,16 @@ def _scaled_chunk(
     return z
 
 
-GROUP_COLUMNS = 16384
-"""``deterministic=True``: the reductions take this many columns (``GROUP_COLUMNS // tile``
-whole tiles, at least one) per call."""
-
-
-def _group_tiles(tile: int) -> int:
-    """Tiles per group of :data:`GROUP_COLUMNS` columns (at least one)."""
-    return max(1, GROUP_COLUMNS // tile)
-
-
 def _tile_groups(logits: torch.Tensor, r0: int, r1: int, rows: int, v_real: int, p):
     """``deterministic=True``: yield ``(j, slots, z)`` for this shard's tiles in groups of
-    ``g = _group_tiles(tile)``, from its first tile: ``z [rows, g * tile]`` fp32 holds tiles
+    ``g = group_tiles(tile)``, from its first tile: ``z [rows, g * tile]`` fp32 holds tiles
     ``[j, j + slots)`` (``logits / T``, zero-padded rows; ``-inf`` past the vocabulary's
     end in its last tile) and zeros in the ``g - slots`` unused tiles after them. Every
     reduction then has one shape, ``[rows, g, tile]``, on every layout; a tile's position
     in its group may differ between layouts, which a reduction over its own row of
     ``tile`` values does not see."""
     tile = p.deterministic_tile
-    g = _group_tiles(tile)
+    g = group_tiles(tile)
     count = -(-v_real // tile)
     dev = logits.device
     for j in range(0, count, g):
@@ -98,8 +91,6 @@ class VocabParallelLogprob(torch.autograd.Function):
         v_real = p.local_real_columns(logits.shape[1])
         t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
         if p.deterministic:
-            from lp_kernels.backends.torch_deterministic import merged_tile_stats
-
             blocks = (
                 (r0, r1, rows, j, slots, z)
                 for r0, r1, rows in chunks(n, p.chunk_size)
@@ -223,63 +214,23 @@ def vocab_parallel_logprob(
         >>> logits.grad.shape
         torch.Size([3, 5, 100])
     """
-    _checks.check_tensor(logits, "logits")
-    _checks.check_float_dtype(logits, "logits")
-    _checks.check_targets(targets, logits.shape[:-1], logits.device, "logits")
-    temperature = _checks.check_options(
+    prep = prepare(
+        logits,
+        None,
+        targets,
         temperature=temperature,
         ignore_index=ignore_index,
-        chunk_size=chunk_size,
-        backend="auto",
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
+        return_entropy=return_entropy,
+        return_lse=return_lse,
         tp_group=tp_group,
-    )
-    deterministic_tile = _checks.check_deterministic_tile(deterministic_tile)
-    v_local = logits.shape[-1]
-    layout = resolve_vocab(
-        tp_group,
-        v_local=v_local,
         vocab_start=vocab_start,
         vocab_size=vocab_size,
-        hidden=0,
-        dtype=logits.dtype,
-        deterministic=bool(deterministic),
-        device=logits.device,
-        tile=deterministic_tile if deterministic else DETERMINISTIC_TILE,
-    )
-    vocab_start, vocab_size = layout.start, layout.vocab_size
-    _checks.check_ignore_index(ignore_index, vocab_size)
-    if validate:
-        _checks.validate_targets(targets, vocab_size, ignore_index)
-    v_real = max(0, min(v_local, vocab_size - vocab_start))
-    chunk_width = v_real  # deterministic: one group of tiles, the same on every layout
-    if deterministic:
-        chunk_width = _group_tiles(deterministic_tile) * deterministic_tile
-    params = LogprobParams(
-        temperature=temperature,
-        ignore_index=ignore_index,
-        return_entropy=bool(return_entropy),
-        return_lse=bool(return_lse),
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        chunk_size=chunk_size or default_chunk_rows(chunk_width, logits.device),
-        tp_group=tp_group,
-        tp_size=layout.world_size,
-        max_v_local=max(layout.sizes),
-        shard_starts=layout.starts,
-        shard_sizes=layout.sizes,
-        deterministic=bool(deterministic),
+        deterministic=deterministic,
         deterministic_tile=deterministic_tile,
+        chunk_size=chunk_size,
+        validate=validate,
     )
-    lead = targets.shape
     # fp32 math whatever the logits dtype, autocast or not (log_softmax is fp32 there too)
-    with _amp.autocast_off(logits.device):
-        logprob, entropy, lse = VocabParallelLogprob.apply(
-            logits.reshape(-1, v_local), targets.reshape(-1), params
-        )
-    return LogProbOutput(
-        logprob.view(lead),
-        entropy.view(lead) if entropy is not None else None,
-        lse.view(lead) if lse is not None else None,
-    )
+    with _amp.autocast_off(prep.inputs.device):
+        out = VocabParallelLogprob.apply(prep.inputs, prep.targets, prep.params)
+    return shaped(out, prep.lead)

@@ -16,13 +16,13 @@ here; the interpreter and the GPU suites do that.
 
 Each line also gives the compiled kernel's registers per thread and its stack frame, read
 from the cubin with the ``cuobjdump`` that Triton bundles: a stack frame in these kernels
-means registers spilled to local memory (session 8 found the grad_hidden GEMM spilling
-about 1 KB per thread that way). The numbers are those of the installed Triton, which
+means registers spilled to local memory (a pointer block held beside an accumulator is
+the usual cause). The numbers are those of the installed Triton, which
 need not be the GPU machine's.
 
 It must run in a process without ``TRITON_INTERPRET=1`` (``triton.jit`` then returns
-interpreter objects that cannot be compiled). ``lp_kernels``'s interpreter check is
-patched instead, so the triton backend accepts CPU tensors. Usage::
+interpreter objects that cannot be compiled). ``lp_kernels.backends.triton_interpreting``
+is patched instead, so the triton backend accepts CPU tensors. Usage::
 
     python -m lp_testing.aot [--tiers large,mid,small] [--variants all] [--jobs N]
 
@@ -60,21 +60,35 @@ _DTYPES = {
 }
 
 
-_DET = "lp_kernels.backends.triton_deterministic"
-_LIN = "lp_kernels.backends.triton_linear"
-# Experimental switches compiled by ``--variants all``: name -> the (module, attribute,
-# new value or a function of the old value) settings it makes.
-# Streaming multiprocessors of the pretend GPU (triton_linear.sm_count): H200's. With it
-# the small problems below take the GEMM's narrow output tile (triton_linear.mm_block_n);
-# the "wide" experiment prices the narrow tile out, so they take the pinned one.
+# The triton backend's modules: a patched name is replaced in each that holds it.
+_TRITON = "lp_kernels.backends.triton"
+_MODULES = ("config", "tl_utils", "forward", "backward", "gemm", "fixed_point", "function",
+            "deterministic")  # fmt: skip
+# Streaming multiprocessors of the pretend GPU (triton.config.sm_count): H200's. With it
+# the small problems below take the GEMM's narrow output tile (triton.gemm.mm_block_n);
+# the "wide" variant prices the narrow tile out, so they take the pinned one.
 SMS = 132
 
+# Launch variants compiled by ``--variants all``: name -> ``{"config": TileConfig fields
+# replaced in every pinned config, "patch": [(name, function of the old value)]}``.
 EXPERIMENTS = {
-    "split": [(_DET, "FIXED_CONVERT", "split")],
-    "pipe": [(_DET, "FIXED_PIPELINE", True)],
-    "wide": [(_LIN, "NARROW_TILE_COST", float("inf"))],
-    "group2": [(_LIN, "chunk_group", lambda old: lambda *args: 2)],
+    "wide": {"config": {"narrow_cost": float("inf")}},
+    "group2": {"patch": [("chunk_group", lambda old: lambda *args: 2)]},
 }
+
+
+def _modules() -> list[types.ModuleType]:
+    return [importlib.import_module(f"{_TRITON}.{name}") for name in _MODULES]
+
+
+def _everywhere(name: str, value) -> list[tuple]:
+    """``(module, name, value)`` for every triton-backend module that holds ``name`` (the
+    object it holds, or a function of it when ``value`` is callable with ``old=``)."""
+    out = []
+    for mod in _modules():
+        if hasattr(mod, name):
+            out.append((mod, name, value(getattr(mod, name)) if callable(value) else value))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,42 +151,44 @@ def _record(fn, args, kwargs) -> Launch:
 
 
 @contextlib.contextmanager
-def gpu_launches(tier: str = "large") -> Iterator[list]:
+def gpu_launches(tier: str = "large", config_fields: dict | None = None) -> Iterator[list]:
     """Inside: lp's triton backend accepts CPU tensors, picks the GPU configs of a CUDA
-    device of ``tier`` and records every kernel launch (fn, Launch) into the yielded list
-    without running it."""
+    device of ``tier`` (with ``config_fields`` replaced) and records every kernel launch
+    (fn, Launch) into the yielded list without running it."""
     from triton.runtime.jit import JITFunction
 
-    import lp_kernels.backends.triton_deterministic as tdet
-    import lp_kernels.backends.triton_linear as tri
+    import lp_kernels.backends as backends
+    import lp_kernels.backends.triton.config as config
+    import lp_kernels.backends.triton.fixed_point as fixed_point
+    import lp_kernels.backends.triton.tl_utils as tl_utils
 
-    api = importlib.import_module("lp_kernels.linear_logprob")  # the package shadows the name
-
-    if not isinstance(tri._fwd_stats_kernel, JITFunction):
+    if not isinstance(tl_utils.grouped, JITFunction):
         raise RuntimeError("lp_testing.aot needs TRITON_INTERPRET unset (it compiles the kernels)")
     fake = types.SimpleNamespace(type="cuda", index=0)
     launches: list = []
-    tri_config, det_config, opts = tri.config_for, tdet.config_for, tri._launch_opts
-    compile_opts = tri._compile_opts
+    pinned, fixed_for = config.config_for, fixed_point.fixed_tiles_for
+    opts, compile_opts = config.launch_opts, config.compile_opts
+    fields = dict(config_fields or {})
 
     def run(self, *args, grid, warmup, **kwargs):
         launches.append((self, _record(self, args, kwargs)))
 
-    with _patched(
-        (JITFunction, "run", run),
-        (api, "_triton_interpreting", lambda: True),
-        (tri, "gpu_tier", lambda device: tier),
-        (tri, "sm_count", lambda device: SMS),
-        (tri, "config_for", lambda device, dtype=torch.bfloat16: tri_config(fake, dtype)),
-        (
-            tdet,
-            "config_for",
-            lambda device, dtype=torch.bfloat16, tile=tdet.TILE: det_config(fake, dtype, tile),
-        ),
-        (tri, "_launch_opts", lambda cfg, device, **kw: opts(cfg, fake, **kw)),
-        (tri, "_compile_opts", lambda device: compile_opts(fake)),
-        (tdet, "_full_stages", lambda a: a.element_size() <= 2 and tier == "large"),
+    def config_for(device, dtype=torch.bfloat16):
+        cfg = pinned(fake, dtype)
+        return dataclasses.replace(cfg, **fields) if fields else cfg
+
+    settings = [(JITFunction, "run", run), (backends, "triton_interpreting", lambda: True)]
+    for name, value in (
+        ("gpu_tier", lambda device: tier),
+        ("sm_count", lambda device: SMS),
+        ("config_for", config_for),
+        ("fixed_tiles_for", lambda device, dtype: fixed_for(fake, dtype)),
+        ("launch_opts", lambda cfg, device: opts(cfg, fake)),
+        ("compile_opts", lambda device: compile_opts(fake)),
+        ("full_stages", lambda a: a.element_size() <= 2 and tier == "large"),
     ):
+        settings += _everywhere(name, lambda old, value=value: value)
+    with _patched(*settings):
         yield launches
 
 
@@ -191,7 +207,7 @@ def _problems():
     entropy, H a multiple of the tile or not, rows whose stride rules out tensor
     descriptors (H = 100 in bf16: 200 bytes), which takes the pointer path of every kernel,
     and deterministic tiles of every kind (several per backward piece, one per piece, cut
-    into pieces: see triton_deterministic.vocab_pieces)."""
+    into pieces: see triton.deterministic.vocab_pieces)."""
     for det in (False, True):
         for dtype in (torch.bfloat16, torch.float32):
             for entropy, h in ((True, 256), (False, 200)):
@@ -208,16 +224,15 @@ def _problems():
 
 def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Launch, object]:
     """Distinct launches (-> the JITFunction) of forward + backward over :func:`_problems`,
-    with each named experiment switched on in turn on top of the defaults."""
+    with each named launch variant in turn on top of the defaults."""
     from lp_kernels import linear_logprob
 
     found: dict[Launch, object] = {}
-    settings = [None, *experiments]
-    for setting in settings:
+    for setting in [None, *experiments]:
+        variant = EXPERIMENTS[setting] if setting is not None else {}
         changes = []
-        for module, attr, value in EXPERIMENTS[setting] if setting is not None else []:
-            mod = importlib.import_module(module)
-            changes.append((mod, attr, value(getattr(mod, attr)) if callable(value) else value))
+        for attr, value in variant.get("patch", []):
+            changes += _everywhere(attr, value)
         with _patched(*changes):
             for dtype, det, entropy, h, tile, v in _problems():
                 gen = torch.Generator().manual_seed(0)
@@ -225,7 +240,7 @@ def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Laun
                 hidden = torch.randn(n, h, generator=gen).to(dtype).requires_grad_()
                 weight = torch.randn(v, h, generator=gen).to(dtype).requires_grad_()
                 targets = torch.randint(0, v, (n,), generator=gen)
-                with gpu_launches(tier) as launches:
+                with gpu_launches(tier, variant.get("config")) as launches:
                     out = linear_logprob(
                         hidden, weight, targets, backend="triton", deterministic=det,
                         deterministic_tile=tile, return_entropy=entropy, validate=False,
@@ -239,7 +254,7 @@ def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Laun
 
 def smem_limit(tier: str) -> int:
     """Shared memory per block (bytes) of the smallest GPU in a tier of
-    :func:`lp_kernels.backends.triton_linear.gpu_tier`: Hopper's 227 KiB (large), A100's
+    :func:`lp_kernels.backends.triton.config.gpu_tier`: Hopper's 227 KiB (large), A100's
     163 KiB (mid), Ada's and consumer Ampere's 99 KiB (small). The tier thresholds (200 and
     160 KiB) only sort GPUs between these."""
     return {"large": 227 << 10, "mid": 163 << 10, "small": 99 << 10}[tier]
@@ -299,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiers", default="large", help="shared-memory tiers: large,mid,small")
     parser.add_argument(
-        "--variants", default="", help=f"experimental switches too: all or {','.join(EXPERIMENTS)}"
+        "--variants", default="", help=f"launch variants too: all or {','.join(EXPERIMENTS)}"
     )
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)

@@ -140,7 +140,7 @@ def set_forkserver_preload(modules: Iterable[str]) -> None:
 
 
 @dataclass(frozen=True)
-class _FunctionRef:
+class FunctionRef:
     """Pickle-safe reference to a module-level function, resolvable without its module on path.
 
     pytest may import a test module under a name that the child cannot import (e.g.
@@ -176,7 +176,7 @@ def _load_module_from_file(name: str, file: str) -> types.ModuleType:
     return module
 
 
-def _function_ref(fn: Callable[..., Any]) -> Callable[..., Any] | _FunctionRef:
+def function_ref(fn: Callable[..., Any]) -> Callable[..., Any] | FunctionRef:
     """Check that ``fn`` can reach a child, and return what to pickle for it."""
     if not callable(fn):
         raise TypeError(f"run_ranks: fn must be callable, got {type(fn).__name__}")
@@ -190,7 +190,7 @@ def _function_ref(fn: Callable[..., Any]) -> Callable[..., Any] | _FunctionRef:
         )
     if fn.__module__ == "__main__":
         return fn  # multiprocessing re-imports the main script as __mp_main__ in the child
-    return _FunctionRef(fn.__module__, fn.__qualname__, fn.__code__.co_filename)
+    return FunctionRef(fn.__module__, fn.__qualname__, fn.__code__.co_filename)
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ class _ChildSpec:
     store_path: str
     stack_dir: str
     group_timeout_s: float
-    payload: bytes  # pickle of (fn or _FunctionRef, args, kwargs)
+    payload: bytes  # pickle of (fn or FunctionRef, args, kwargs)
     environ: dict[str, str]
 
 
@@ -253,7 +253,7 @@ def _child_main(spec: _ChildSpec, rank: int, conn: Connection, alive: Connection
     failed_at: float | None = None  # when fn raised, before teardown lets peers fail too
     try:
         fn_ref, args, kwargs = pickle.loads(spec.payload)
-        fn = fn_ref.resolve() if isinstance(fn_ref, _FunctionRef) else fn_ref
+        fn = fn_ref.resolve() if isinstance(fn_ref, FunctionRef) else fn_ref
         store = dist.FileStore(spec.store_path, spec.world_size)
         init_kwargs: dict[str, Any] = {}
         if spec.backend == "nccl":
@@ -467,7 +467,7 @@ def run_ranks(
     _check_backend(backend, world_size)
     fn_name = getattr(fn, "__qualname__", repr(fn))
     try:
-        payload = pickle.dumps((_function_ref(fn), args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps((function_ref(fn), args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise TypeError(f"run_ranks: cannot send fn/args/kwargs to the ranks: {exc}") from exc
 

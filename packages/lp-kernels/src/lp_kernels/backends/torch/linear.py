@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 
 from lp_kernels._compile import backend_backward
-from lp_kernels._dist import RowSums, gather_stats
 from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
 from lp_kernels._stats import (
     N_STATS,
@@ -45,6 +44,7 @@ from lp_kernels._stats import (
     target_columns,
 )
 from lp_kernels._types import LogprobParams
+from lp_kernels.distributed.collectives import RowSums, gather_stats
 
 _SCRATCH_BYTES = {"cuda": 1 << 30, "cpu": 1 << 27}
 _MIN_ROWS = 16

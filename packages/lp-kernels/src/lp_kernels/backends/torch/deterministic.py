@@ -4,7 +4,7 @@ Outputs and both gradients are bitwise identical for any TP degree and any shard
 layout whose bounds are multiples of 128, for any tile width ``w = deterministic_tile``.
 A rank owns the global w-column tiles that start in its shard and computes each whole,
 with the next shards' rows lent to it where a tile crosses its end
-(``_dist.tile_ownership``, ``_dist.exchange_halo``). Data flow::
+(``distributed.halo.tile_ownership``, ``exchange_halo``). Data flow::
 
     forward   halo rows from the next ranks
               per owned tile W_j (a view of the shard's rows; the crossing tile a copy
@@ -44,22 +44,23 @@ import warnings
 import torch
 
 from lp_kernels._compile import backend_backward
-from lp_kernels._dist import RowSums, gather_stats, owned_halo, return_halo_grad, tile_ownership
 from lp_kernels._fixed_point import from_fixed_point, row_exponents
 from lp_kernels._matmul import addmm_f32_, mm_f32
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream, target_columns
 from lp_kernels._types import LogprobParams
-from lp_kernels.backends.torch_linear import (
+from lp_kernels.backends.torch.linear import (
     logits_grad_chunks,
     padded_rows,
     scaled_logits_chunks,
 )
+from lp_kernels.distributed.collectives import RowSums, gather_stats
+from lp_kernels.distributed.halo import owned_halo, return_halo_grad, tile_ownership
 
 MANY_TILES = 128
 """A CUDA call with more owned tiles than this warns: each tile makes its own calls."""
 
 _NOT_THE_CALLER = (  # lp_kernels' and torch's own frames (warnings.warn skips them)
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
 )
 
@@ -104,7 +105,7 @@ def _merge_tiles(stats: torch.Tensor, *, entropy: bool):
 
 
 def _rank_tiles(p: LogprobParams) -> list[int]:
-    """Tiles owned by each rank, in rank order (see ``_dist.tile_ownership``)."""
+    """Tiles owned by each rank, in rank order (see ``distributed.halo.tile_ownership``)."""
     return [
         tile_ownership(p.shard_starts, p.shard_sizes, p.vocab_size, p.deterministic_tile, r).tiles
         for r in range(len(p.shard_sizes))
@@ -167,8 +168,7 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
                 f"deterministic=True with backend='torch' on CUDA makes its GEMMs and "
                 f"reductions tile by tile: this shard has {own.tiles} tiles of "
                 f"deterministic_tile={p.deterministic_tile} columns, and the step is bound by "
-                "kernel launches (128-column tiles: 2.3 s at S4 on H200, about 40 x the "
-                "default tile's time). Use the default tile (deterministic_tile=None) or "
+                "kernel launches. Use the default tile (deterministic_tile=None) or "
                 "backend='triton'",
                 skip_file_prefixes=_NOT_THE_CALLER,  # point at the caller's line
             )

@@ -1,0 +1,164 @@
+"""The one argument-preparation path of both public ops: checks -> autocast -> layout ->
+:class:`~lp_kernels._types.LogprobParams`.
+
+``linear_logprob`` passes ``hidden [*, H]`` and its weight shard, ``vocab_parallel_logprob``
+its logits ``[*, V_local]`` (``weight=None``). Checks that depend only on arguments every
+rank passes alike raise at once; those that involve a rank's own shard travel in the
+cross-rank layout record (:mod:`lp_kernels.distributed.layout`), so they raise on every
+rank. The data-dependent target check is the one host sync, skipped with
+``validate=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from lp_kernels import _amp, _checks
+from lp_kernels._types import LogProbOutput, LogprobParams
+from lp_kernels.backends.torch.linear import default_chunk_rows
+from lp_kernels.distributed.layout import resolve_vocab
+from lp_kernels.tiles import DETERMINISTIC_TILE, default_deterministic_tile
+
+GROUP_COLUMNS = 16384
+"""``vocab_parallel_logprob(deterministic=True)``: its reductions take this many columns
+(``GROUP_COLUMNS // tile`` whole tiles, at least one) per call."""
+
+
+def group_tiles(tile: int) -> int:
+    """Tiles per group of :data:`GROUP_COLUMNS` columns (at least one)."""
+    return max(1, GROUP_COLUMNS // tile)
+
+
+class Prepared(NamedTuple):
+    """What a public op hands its autograd Function: 2-D inputs, 1-D targets, options."""
+
+    inputs: torch.Tensor
+    """``hidden [N, H]`` (``linear_logprob``) or ``logits [N, V_local]``."""
+    weight: torch.Tensor | None
+    """``[V_local, H]``, autocast-cast as ``F.linear`` would; None for logits."""
+    targets: torch.Tensor
+    """``[N]`` target ids."""
+    params: LogprobParams
+    lead: torch.Size
+    """The leading shape of the outputs (``targets``' shape)."""
+
+
+def prepare(
+    inputs: torch.Tensor,
+    weight: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    temperature: Any = 1.0,
+    ignore_index: Any = -100,
+    return_entropy: bool = False,
+    return_lse: bool = False,
+    tp_group: Any = None,
+    vocab_start: Any = None,
+    vocab_size: Any = None,
+    reduce_grad_hidden: bool = True,
+    deterministic: bool = False,
+    deterministic_tile: Any = None,
+    backend: Any = "auto",
+    chunk_size: Any = None,
+    validate: bool = True,
+    tile_config: Any = None,
+) -> Prepared:
+    """Check and resolve one call's arguments (see the public ops for their meaning).
+
+    ``weight=None``: ``inputs`` are logits (``deterministic_tile`` then must be an int).
+
+    Raises:
+        TypeError, ValueError: as documented by the public ops; layout errors on every rank.
+    """
+    linear = weight is not None
+    name = "hidden" if linear else "logits"
+    _checks.check_tensor(inputs, name)
+    _checks.check_float_dtype(inputs, name)
+    if linear:
+        _checks.check_tensor(weight, "weight", min_dim=2)
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be 2-D [V_local, H], got shape {tuple(weight.shape)}")
+        inputs, weight = _amp.autocast_inputs(inputs, weight)  # as F.linear under autocast
+    _checks.check_targets(targets, inputs.shape[:-1], inputs.device, name)
+    temperature = _checks.check_options(
+        temperature=temperature,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        backend=backend,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        tp_group=tp_group,
+    )
+    deterministic_tile = _checks.check_deterministic_tile(deterministic_tile, allow_none=linear)
+    width = inputs.shape[-1]  # H, or V_local for logits
+    if linear:
+        if width == 0:
+            raise ValueError("hidden must have a non-empty last dimension H")
+        problem = _checks.weight_problem(weight, inputs)
+        if tp_group is None and problem:
+            raise _checks.weight_error(problem, weight, inputs)
+        v_local = weight.shape[0]
+        # 0: the default tile; tiles may cross shard bounds (see distributed.halo)
+        tile = (deterministic_tile or 0) if deterministic else DETERMINISTIC_TILE
+        align = DETERMINISTIC_TILE
+    else:
+        problem, v_local, align = 0, width, None
+        tile = deterministic_tile if deterministic else DETERMINISTIC_TILE
+    layout = resolve_vocab(
+        tp_group,
+        v_local=v_local,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        hidden=width if linear else 0,
+        dtype=inputs.dtype,
+        deterministic=bool(deterministic),
+        device=inputs.device,
+        problem=problem,
+        tile=tile,
+        align=align,
+    )
+    vocab_start, vocab_size = layout.start, layout.vocab_size
+    if deterministic_tile is None:  # from the global vocabulary: the same on every layout
+        deterministic_tile = default_deterministic_tile(vocab_size)
+    _checks.check_ignore_index(ignore_index, vocab_size)
+    if validate:
+        _checks.validate_targets(targets, vocab_size, ignore_index)
+    # the torch paths' token chunk: from this shard's width, or in deterministic mode from
+    # a width every layout shares (the tile, or vocab_parallel_logprob's group of tiles),
+    # so that its GEMMs and reductions have the same shapes on every layout
+    chunk_width = max(0, min(v_local, vocab_size - vocab_start))
+    if deterministic:
+        chunk_width = deterministic_tile * (1 if linear else group_tiles(deterministic_tile))
+    params = LogprobParams(
+        temperature=temperature,
+        ignore_index=ignore_index,
+        return_entropy=bool(return_entropy),
+        return_lse=bool(return_lse),
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        chunk_size=chunk_size or default_chunk_rows(chunk_width, inputs.device),
+        tp_group=tp_group,
+        tp_size=layout.world_size,
+        max_v_local=max(layout.sizes),
+        shard_starts=layout.starts,
+        shard_sizes=layout.sizes,
+        tp_rank=layout.rank,
+        reduce_grad_hidden=bool(reduce_grad_hidden),
+        deterministic=bool(deterministic),
+        deterministic_tile=deterministic_tile,
+        tile_config=tile_config,
+    )
+    lead = targets.shape
+    return Prepared(inputs.reshape(-1, width), weight, targets.reshape(-1), params, lead)
+
+
+def shaped(out: tuple, lead: torch.Size):
+    """``(logprob, entropy, lse)`` of a Function, viewed with the leading shape ``lead``."""
+    logprob, entropy, lse = out
+    return LogProbOutput(
+        logprob.view(lead),
+        entropy.view(lead) if entropy is not None else None,
+        lse.view(lead) if lse is not None else None,
+    )
