@@ -99,7 +99,7 @@ def _grid(rows: list[dict], cell, label) -> tuple[list[str], list[list[str]]]:
     cells = [
         [lab, *(cell(at[(lab, s)]) if (lab, s) in at else "" for s in shapes)] for lab in labels
     ]
-    return ["", *shapes], cells
+    return ["provider", *shapes], cells
 
 
 def _status(row: dict) -> str | None:
@@ -176,5 +176,5 @@ def markdown(doc: dict) -> str:
     failed = [r for r in rows if r.get("error")]
     if failed:
         out += ["", "Errors:", ""]
-        out += [f"- {r['provider']} {label(r)} {r['shape']}: {r['error']}" for r in failed]
+        out += [f"- {label(r)} {r['shape']}: {r['error']}" for r in failed]
     return "\n".join(out) + "\n"

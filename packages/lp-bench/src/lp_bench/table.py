@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 
@@ -78,7 +79,9 @@ def print_table(
     """
     console = console or Console(file=file, highlight=False)
     table = rich_table(head, cells, left=left, title=title)
-    if console.is_terminal and console.measure(table).maximum <= console.width:
+    # The table's natural width (console.measure would clamp it to the console's).
+    natural = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
+    if console.is_terminal and natural <= console.width:
         console.print(table)
         return
     # Written past rich: on a narrow terminal it would wrap the plain lines too.
