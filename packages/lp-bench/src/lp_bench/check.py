@@ -253,12 +253,14 @@ def run_tp_ranks(
     world: int = 2,
     timeout: float = TP_TIMEOUT_S,
     startup: float = TP_STARTUP_S,
+    on_ready: Callable[[float], None] | None = None,
 ) -> list:
     """Spawn ``world`` gloo ranks of :func:`_tp_worker`; results in rank order.
 
     ``startup`` bounds the ranks' start-up (until every rank is ready); ``timeout`` then
-    bounds their work. Raises RuntimeError on a rank's error or death and TimeoutError past
-    either limit; every child is reaped (killed if need be), the rendezvous removed.
+    bounds their work; ``on_ready`` gets the seconds start-up took. Raises RuntimeError on
+    a rank's error or death and TimeoutError past either limit; every child is reaped
+    (killed if need be), the rendezvous removed.
     """
     import multiprocessing as mp
 
@@ -279,7 +281,10 @@ def run_tp_ranks(
                 procs.append(p)
                 conns.append(recv)
             what = f"did not start within {startup:.0f} s"
-            _gather(conns, procs, time.monotonic() + startup, "ready", what)
+            began = time.monotonic()
+            _gather(conns, procs, began + startup, "ready", what)
+            if on_ready is not None:
+                on_ready(time.monotonic() - began)
             what = f"did not finish within {timeout:.0f} s of starting work"
             results = _gather(conns, procs, time.monotonic() + timeout, "ok", what)
             return results
@@ -312,10 +317,12 @@ def check_tp(
         deterministic=deterministic,
     )  # fmt: skip
     payload = pickle.dumps((hidden, weight, targets, grads, temp, v, deterministic))
+    started: list[float] = []
     try:
-        ranks = run_tp_ranks(payload, 2, timeout, startup)
+        ranks = run_tp_ranks(payload, 2, timeout, startup, on_ready=started.append)
     except (RuntimeError, TimeoutError) as exc:
         return CheckResult(label, False, str(exc).splitlines()[0])
+    untimed = f"; start-up {started[0]:.0f} s, untimed"
     if deterministic:
         differ = [
             f"{key} (rank {rank})"
@@ -327,7 +334,7 @@ def check_tp(
         if not torch.equal(grad_w, single["grad_weight"]):
             differ.append("grad_weight")
         detail = "all 5 equal to TP=1" if not differ else f"differ: {', '.join(differ)}"
-        return CheckResult(label, not differ, detail)
+        return CheckResult(label, not differ, detail + untimed)
     worst, which = 0.0, ""
     for rank, res in enumerate(ranks):
         combined = dict(res)
@@ -340,7 +347,9 @@ def check_tp(
             worst, which = err, f"{key}, rank {rank}"
     tol = 1e-5
     return CheckResult(
-        label, worst <= tol, f"max rel err vs TP=1 {worst:.2e} ({which}), tol {tol:.0e}"
+        label,
+        worst <= tol,
+        f"max rel err vs TP=1 {worst:.2e} ({which}), tol {tol:.0e}{untimed}",
     )
 
 
