@@ -234,7 +234,7 @@ def test_check_fails_with_exit_1_on_wrong_reference(capsys, monkeypatch):
 def test_check_tp_failure_is_reported(capsys, monkeypatch):
     from lp_bench import check
 
-    def broken(payload, world=2, timeout=check.TP_TIMEOUT_S, startup=check.TP_STARTUP_S):
+    def broken(payload, world=2, timeout=check.TP_TIMEOUT_S, startup=0.0, on_ready=None):
         raise RuntimeError("TP rank 1 failed: boom")
 
     monkeypatch.setattr(check, "run_tp_ranks", broken)

@@ -15,6 +15,7 @@ This module parses arguments and prints; the work is in :mod:`lp_bench.protocol`
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -250,27 +251,26 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, device: st
     return 1 if failed else 0
 
 
-def _plot(rows: list[dict], path: Path, device: str) -> None:
+def _plot(rows: list[dict], path: Path, device: str, file=None) -> None:
+    """Draw bench.png; say what happened on ``file`` (stdout by default)."""
     from lp_bench.plot import write_plot
 
     try:
         if write_plot(rows, path, device):
-            print(f"wrote {path}")
+            print(f"wrote {path}", file=file)
         else:
-            print("no plot: matplotlib is not importable (pip install lp-bench[plot])")
+            print("no plot: matplotlib is not importable (pip install lp-bench[plot])", file=file)
     except Exception as exc:  # the figures are already on disk; a plot is a bonus
-        print(f"no plot: {type(exc).__name__}: {exc}")
+        print(f"no plot: {type(exc).__name__}: {exc}", file=file)
 
 
 class Progress:
     """A rich progress bar on a terminal; elsewhere (a CI log, a pipe) one line per row."""
 
     def __init__(self, total: int) -> None:
-        from rich.console import Console
-
         self.total, self.done, self.what = total, 0, ""
         self._bar = None
-        if Console().is_terminal:
+        if sys.stdout.isatty() and importlib.util.find_spec("rich") is not None:
             from rich.progress import Progress as Bar
 
             self._bar = Bar(transient=True)
@@ -388,7 +388,8 @@ def _cmd_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     sys.stdout.write(report.markdown(doc))
     if args.plot is not None:
         path = args.plot if args.plot != "" else args.results.with_suffix(".png")
-        _plot(doc["rows"], Path(path), doc.get("env", {}).get("device", "cpu"))
+        # On stderr: stdout is the markdown (`lp report bench.json --plot > bench.md`).
+        _plot(doc["rows"], Path(path), doc.get("env", {}).get("device", "cpu"), sys.stderr)
     return 0
 
 

@@ -2,17 +2,21 @@
 
 :func:`print_table` draws a rich table only when stdout is a terminal wide enough for the
 whole table, so that rich never has to cut a cell to "…"; anywhere else (a pipe, a file, a
-narrow terminal) it prints a plain aligned text table in which every cell is whole.
+narrow terminal) it prints a plain aligned text table in which every cell is whole. rich
+is a dependency of lp-bench; where the package runs from source without it (a GPU host's
+own environment), every table is plain.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Sequence
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-from rich.console import Console
-from rich.measure import Measurement
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 
 def plain_table(
@@ -49,6 +53,8 @@ def rich_table(
     head: Sequence[str], cells: Sequence[Sequence[str]], *, left: int = 1, title: str | None = None
 ) -> Table:
     """The same table as a rich :class:`~rich.table.Table` whose cells never wrap or cut."""
+    from rich.table import Table
+
     table = Table(title=title)
     for i, col in enumerate(head):
         justify = "left" if i < left or col == "note" else "right"
@@ -77,7 +83,17 @@ def print_table(
         file: where to print (default: ``sys.stdout`` at call time).
         console: a rich console to decide with and print on (tests force a width with it).
     """
-    console = console or Console(file=file, highlight=False)
+    if console is None:
+        if importlib.util.find_spec("rich") is None:
+            out = file or sys.stdout
+            out.write(plain_table(head, cells, left=left, title=title) + "\n")
+            out.flush()
+            return
+        from rich.console import Console
+
+        console = Console(file=file, highlight=False)
+    from rich.measure import Measurement
+
     table = rich_table(head, cells, left=left, title=title)
     # The table's natural width (console.measure would clamp it to the console's).
     natural = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
