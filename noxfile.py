@@ -16,7 +16,7 @@ source via PYTHONPATH, with the interpreter nox itself runs on (sys.executable).
 a GPU machine with its own torch and triton and no network runs the GPU tests:
 `python3 -m nox -s gpu-tp --no-venv`. Without nox, the same thing is:
 
-    P=packages; PYTHONPATH=$P/lp-kernels/src:$P/lp-testing/src:$P/lp-megatron/src:$P/lp-hf/src \\
+    P=packages; PYTHONPATH=$P/lp-kernels/src:$P/lp-testing/src:$P/lp-megatron/src:$P/lp-hf/src:$P/lp-bench/src \\
         python3 -m pytest -p lp_testing.plugin -m "gpu or multigpu"
 """
 
@@ -37,7 +37,8 @@ nox.options.error_on_missing_interpreters = True
 PYTHON = "3.12"
 ROOT = Path(__file__).parent
 SRC_DIRS = [
-    ROOT / "packages" / pkg / "src" for pkg in ("lp-kernels", "lp-testing", "lp-megatron", "lp-hf")
+    ROOT / "packages" / pkg / "src"
+    for pkg in ("lp-kernels", "lp-testing", "lp-megatron", "lp-hf", "lp-bench")
 ]
 CPU_TESTS = "not gpu and not multigpu"
 GPU_TESTS = "gpu or multigpu"
@@ -127,7 +128,7 @@ def bench(session: nox.Session) -> None:
     """The main-job command, `lp bench`; extra arguments go to it (`nox -s bench -- --reps 1`)."""
     _uv_sync(session, "--all-packages")
     if _no_venv(session):
-        lp, env = [_python(session), "-m", "lp_kernels.cli"], _source_env()
+        lp, env = [_python(session), "-m", "lp_bench.cli"], _source_env()
     else:
         lp, env = ["lp"], {}
     session.run(*lp, "bench", *session.posargs, env=env)

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
-#   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [bench] [sweep]
-#       [profile-step] [ncu] [tp] [ab-tp]
+#   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [bench] [sweep] [profile-step]
+#       [ncu] [tp] [ab-tp]
 #   (default: tests megatron bench sweep)
 # SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help);
 # STEP_SHAPES (default S1,S4) and STEP_TRACE=1 (chrome traces, large) to profile-step;
-# STEP_SHAPES also to ncu
-# (default S2,S1; Nsight Compute's counters, on hosts where ncu can read them);
-# BENCH_BACKENDS to bench (lp bench --backends); AB_OLD to ab-tp (an older tree's
+# STEP_SHAPES also to ncu (default S2,S1; Nsight Compute's counters, on hosts where ncu can
+# read them); the bench stage runs the whole grid (lp bench --grid: train/fwd x entropy
+# off/on x default/deterministic, S1-S6) into $OUT/bench/bench.json and renders it with
+# lp report into $OUT/bench/bench.md; BENCH_SHAPES (default S1,S2,S3,S4,S5,S6),
+# BENCH_BACKENDS (lp bench --backends; default: the grid's) and BENCH_ARGS (more lp bench
+# options, e.g. "--mode train") narrow it; AB_OLD to ab-tp (an older tree's
 # packages/lp-kernels/src, e.g. made by `git archive REV packages/lp-kernels/src | tar -x -C
 # _old` before the call and carried with it; AB_SHAPES, AB_BACKENDS: its lp bench
 # options); MARK to the pytest stages (default
 # "gpu or multigpu"; MARK=gpu skips the NCCL tests, e.g. tests-core after tp on -x2).
-# Writes logs, JUnit XML and bench.json/bench.png under $OUT (default ./gpu-out).
+# Writes logs, JUnit XML and bench/bench.{json,md,png} under $OUT (default ./gpu-out).
 # megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
 # are installed into /tmp/site first (the GPU image lacks them). Set LP_COMMIT to the
 # commit under test where the checkout's git metadata is not reliable (a copied tree):
@@ -28,7 +31,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 pk=$PWD/packages
-export PYTHONPATH=$pk/lp-kernels/src:$pk/lp-testing/src:$pk/lp-megatron/src${PYTHONPATH:+:$PYTHONPATH}
+src_path=$pk/lp-kernels/src:$pk/lp-testing/src:$pk/lp-megatron/src:$pk/lp-bench/src
+export PYTHONPATH=$src_path${PYTHONPATH:+:$PYTHONPATH}
 stages=${*:-tests megatron bench sweep}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
@@ -50,17 +54,22 @@ for stage in $stages; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests)
-      run_pytest kernels packages/lp-kernels/tests packages/lp-testing/tests || status=1 ;;
+      run_pytest kernels packages/lp-kernels/tests packages/lp-testing/tests \
+        packages/lp-bench/tests || status=1 ;;
     tests-core)  # the GPU-only modules, determinism and deterministic mode (not the parity grid)
       run_pytest kernels-core packages/lp-kernels/tests/test_gpu.py \
         packages/lp-kernels/tests/test_determinism.py \
         packages/lp-kernels/tests/test_deterministic.py || status=1 ;;
     megatron)
       run_pytest megatron packages/lp-megatron/tests || status=1 ;;
-    bench)
-      python3 -m lp_kernels.cli bench --shapes S1,S2,S3,S4 \
-        --backends ${BENCH_BACKENDS:-lp-triton,lp-triton-det,lp-triton-det128,lp-torch,materialized,liger,cce} \
-        --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 30 || status=1 ;;
+    bench)  # the grid into one bench.json, then its markdown tables (docs/benchmarks.md)
+      mkdir -p "$OUT/bench"
+      python3 -m lp_bench.cli bench --grid --shapes "${BENCH_SHAPES:-S1,S2,S3,S4,S5,S6}" \
+        ${BENCH_BACKENDS:+--backends "$BENCH_BACKENDS"} ${BENCH_ARGS:-} --out "$OUT/bench" \
+        2>&1 | tee "$OUT/bench/bench.log" | tail -n 60 || status=1
+      python3 -m lp_bench.cli report "$OUT/bench/bench.json" > "$OUT/bench/bench.md" \
+        || status=1
+      cat "$OUT/bench/bench.md" ;;
     sweep)
       python3 benchmarks/sweep_tiles.py ${SWEEP_ARGS:-} --out "$OUT/sweep${SWEEP_TAG:-}.json" 2>&1 \
         | tee "$OUT/sweep${SWEEP_TAG:-}.log" | tail -n 30 || status=1 ;;
@@ -70,10 +79,11 @@ for stage in $stages; do
       run_pytest tp packages/lp-kernels/tests/test_gpu.py -k "s2_head or deterministic_bitwise" \
         || status=1
       mkdir -p "$OUT/tp"
-      torchrun --standalone --nproc-per-node "$gpus" -m lp_kernels.cli bench --tp "$gpus" \
+      torchrun --standalone --nproc-per-node "$gpus" -m lp_bench.cli bench --tp "$gpus" \
         --shapes S2 --backends lp-triton,lp-triton-det --reps 3 --warmup 1 --out "$OUT/tp" \
         2>&1 | tee "$OUT/tp/bench.log" | tail -n 15 || status=1 ;;
-    ab-tp)  # A/B of the TP step against an older tree (AB_OLD), alternating, 4 runs each
+    ab-tp)  # A/B of the TP step against an older tree (AB_OLD), alternating, 4 runs each;
+      # both sides run this tree's lp bench (lp-bench/src) on their own lp_kernels
       gpus=$(nvidia-smi -L | wc -l)
       for i in 1 2 3 4; do
         for tag in new old; do
@@ -81,11 +91,11 @@ for stage in $stages; do
           [ "$tag" = old ] && src=$PWD/${AB_OLD:?AB_OLD: the older tree\'s lp-kernels src}
           [ "$i" = 1 ] && echo "$tag: $(PYTHONPATH=$src python3 -c \
             'import lp_kernels; print(lp_kernels.__file__)')"
-          PYTHONPATH=$src:$pk/lp-testing/src:$pk/lp-megatron/src${PYTHONPATH:+:$PYTHONPATH} \
-            torchrun --standalone --nproc-per-node "$gpus" -m lp_kernels.cli bench --tp "$gpus" \
+          PYTHONPATH=$src:$pk/lp-testing/src:$pk/lp-megatron/src:$pk/lp-bench/src${PYTHONPATH:+:$PYTHONPATH} \
+            torchrun --standalone --nproc-per-node "$gpus" -m lp_bench.cli bench --tp "$gpus" \
             --shapes "${AB_SHAPES:-S2}" --backends "${AB_BACKENDS:-lp-triton,lp-triton-det}" \
             --reps 5 --warmup 1 --out "$OUT/ab-$tag-$i" > "$OUT/ab-$tag-$i.log" 2>&1 || status=1
-          echo "$tag $i: $(grep -E '^ *[^ ]+ +[^ ]+ +lp-' "$OUT/ab-$tag-$i.log" | tr -s ' ' | tr '\n' ';')"
+          echo "$tag $i: $(grep -E '^ *[^ ]+ +[^ ]+ +[^ ]+ +lp-' "$OUT/ab-$tag-$i.log" | tr -s ' ' | tr '\n' ';')"
         done
       done ;;
     ncu)  # issue 3: hardware counters of each chunk kernel against cuBLAS's (ncu_chunk.py)

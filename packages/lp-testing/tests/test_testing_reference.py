@@ -170,3 +170,68 @@ def test_rejects_bad_inputs() -> None:
         reference_grads(p.hidden, p.weight, p.targets)
     with pytest.raises(ValueError, match="leading shape"):
         reference_outputs(p.hidden, p.weight, p.targets[:3])
+
+
+# ----------------------------------------------------------------------------- reference_chunked
+
+
+CHUNKED_GRADS = {
+    "all": ("grad_logprob", "grad_entropy", "grad_lse"),
+    "logprob": ("grad_logprob",),
+    "entropy+lse": ("grad_entropy", "grad_lse"),
+}
+
+
+@pytest.mark.parametrize("grads", list(CHUNKED_GRADS), ids=list(CHUNKED_GRADS))
+@pytest.mark.parametrize("rows", [3, 1000], ids=["rows3", "rows1000"])
+def test_reference_chunked_equals_reference_all(grads: str, rows: int) -> None:
+    """Closed-form gradient, blocks of rows: the autograd truth to fp64 rounding."""
+    from lp_testing import reference_chunked
+
+    p = make_problem(
+        (2, 5), 16, 97, padded_vocab=104, ignore_frac=0.3, temperature=0.7, dtype=torch.bfloat16
+    )
+    up = {k: v for k, v in p.upstream().items() if k in CHUNKED_GRADS[grads]}
+    truth = reference_all(p.hidden, p.weight, p.targets, **up, **p.op_kwargs())
+    got = reference_chunked(p.hidden, p.weight, p.targets, **up, **p.op_kwargs(), rows=rows)
+    for key, want in truth.items():
+        assert got[key].dtype == torch.float64 and got[key].shape == want.shape, key
+        torch.testing.assert_close(got[key], want, rtol=1e-12, atol=1e-12, msg=key)
+    assert torch.equal(got["grad_weight"][97:], torch.zeros(7, 16, dtype=torch.float64))
+    ignored = p.targets == p.ignore_index
+    assert ignored.any() and not got["grad_hidden"][ignored].any()
+
+
+def test_reference_chunked_fp32_and_without_gradients() -> None:
+    from lp_testing import reference_chunked
+
+    p = make_problem(37, 32, 301, ignore_frac=0.1)
+    up = p.upstream()
+    truth = reference_all(p.hidden, p.weight, p.targets, **up, **p.op_kwargs())
+    got = reference_chunked(
+        p.hidden, p.weight, p.targets, **up, **p.op_kwargs(), dtype=torch.float32, rows=8
+    )
+    for key, want in truth.items():
+        assert got[key].dtype == torch.float32, key
+        err = float((got[key].double() - want).norm() / want.norm())
+        assert err < 1e-5, (key, err)  # fp32 rounding, not a different formula
+    bare = reference_chunked(p.hidden, p.weight, p.targets, **p.op_kwargs())
+    assert bare["grad_hidden"] is None and bare["grad_weight"] is None
+    torch.testing.assert_close(bare["logprob"], truth["logprob"], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rows": 0}, "rows must be >= 1"),
+        ({"dtype": torch.float16}, "dtype must be torch.float64 or float32"),
+        ({"vocab_size": 500}, "vocab_size must be in"),
+    ],
+    ids=["rows-zero", "fp16", "vocab-too-big"],
+)
+def test_reference_chunked_rejects_bad_arguments(kwargs: dict, message: str) -> None:
+    from lp_testing import reference_chunked
+
+    p = make_problem(4, 8, 11)
+    with pytest.raises(ValueError, match=message):
+        reference_chunked(p.hidden, p.weight, p.targets, **kwargs)

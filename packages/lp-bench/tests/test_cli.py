@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from lp_kernels.cli import main
+from lp_bench.cli import main
+from lp_bench.protocol import ROW_KEYS
 
 SMALL = ["--n", "64", "--h", "32", "--v", "1001", "--seed", "1", "--repeat", "1"]
 PATH_KEYS = {
@@ -76,9 +77,6 @@ def test_bad_arguments_exit_nonzero_with_message(argv, message, capsys):
 # ----------------------------------------------------------------------------- lp bench
 
 
-ROW_KEYS = {"shape", "N", "H", "V", "dtype", "provider", "floor_ms", "ms", "ms_all", "x_floor"}
-ROW_KEYS |= {"peak_bytes", "peak_gib", "err_logprob", "maxabs_logprob"}
-ROW_KEYS |= {"err_grad_hidden", "err_grad_weight"}
 ENV_KEYS = {"device", "device_name", "torch", "triton", "lp_kernels", "python", "commit", "date"}
 
 
@@ -87,9 +85,10 @@ def test_bench_writes_json_and_prints_table(tmp_path, capsys):
     assert main([*argv, "--entropy", "--temperature", "0.7", "--out", str(tmp_path)]) == 0
 
     out = capsys.readouterr().out
-    table = out[out.index("shape ") :]  # the table is printed last
+    table = out[out.index("run  ") :]  # the table is printed last
     for text in ("lp-torch", "materialized", "err grad_w", "err entropy", "16x8x97"):
         assert text in table
+    assert "…" not in out  # stdout is not a terminal here: the plain table, every cell whole
 
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["command"] == "bench"
@@ -97,7 +96,7 @@ def test_bench_writes_json_and_prints_table(tmp_path, capsys):
     config = doc["config"]
     assert config["shapes"] == [{"name": "16x8x97", "N": 16, "H": 8, "V": 97}]
     assert config["dtypes"] == ["fp32", "bf16"] and config["temperature"] == 0.7
-    assert config["entropy"] is True and config["reps"] == 1
+    assert config["entropy"] == [True] and config["modes"] == ["train"] and config["reps"] == 1
     rows = doc["rows"]
     assert [(r["dtype"], r["provider"]) for r in rows] == [
         ("fp32", "lp-torch"),
@@ -106,7 +105,9 @@ def test_bench_writes_json_and_prints_table(tmp_path, capsys):
         ("bf16", "materialized"),
     ]
     for row in rows:
-        assert row.keys() >= ROW_KEYS | {"err_entropy"}, row.keys()
+        assert list(row) == list(ROW_KEYS), row.keys()
+        assert row["mode"] == "train" and row["entropy"] and row["entropy_computed"]
+        assert row["commit"] and row["date"] and row["torch"] and row["device"] == "cpu"
         assert row["floor_ms"] is None and row["x_floor"] is None  # CPU: no floor
         assert row["ms"] > 0 and len(row["ms_all"]) == 1 and row["peak_bytes"] > 0
         tol = 1e-5 if row["dtype"] == "fp32" else 2e-2
@@ -131,6 +132,10 @@ def test_bench_writes_json_and_prints_table(tmp_path, capsys):
         (["bench", "--warm-s", "nan"], "argument --warm-s"),
         (["bench", "--tp", "2"], "needs a torchrun launch with 2 processes"),
         (["bench", "--tp", "0"], "argument --tp"),
+        (["bench", "--mode", "eval"], "argument --mode"),
+        (["bench", "--entropy", "maybe"], "argument --entropy"),
+        (["report", "/nonexistent/bench.json"], "argument BENCH_JSON"),
+        (["check", "--tp-timeout", "0"], "argument --tp-timeout"),
         (["check", "--bogus"], "unrecognized arguments"),
     ],
     ids=[
@@ -148,6 +153,10 @@ def test_bench_writes_json_and_prints_table(tmp_path, capsys):
         "warm-s-nan",
         "tp-without-torchrun",
         "tp-zero",
+        "unknown-mode",
+        "bad-entropy",
+        "report-missing-file",
+        "check-timeout-zero",
         "check-unknown-flag",
     ],
 )
@@ -160,7 +169,7 @@ def test_bench_bad_arguments_exit_nonzero_naming_the_argument(argv, message, cap
 
 
 def test_bench_tp2_under_torchrun(tmp_path):
-    """`torchrun --nproc-per-node 2 -m lp_kernels.cli bench --tp 2` on CPU (gloo)."""
+    """`torchrun --nproc-per-node 2 -m lp_bench.cli bench --tp 2` on CPU (gloo)."""
     import os
     import subprocess
     import sys
@@ -169,7 +178,7 @@ def test_bench_tp2_under_torchrun(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--standalone", "-m", "lp_kernels.cli", "bench", "--tp", "2",
+        "--standalone", "-m", "lp_bench.cli", "bench", "--tp", "2",
         "--shapes", "64x32x1001", "--backends", "lp-torch,lp-torch-det,materialized",
         "--dtype", "fp32", "--reps", "1", "--warmup", "0", "--out", str(tmp_path),
     ]  # fmt: skip
@@ -204,16 +213,16 @@ def test_check_passes_with_tp(capsys):
 
 
 def test_check_fails_with_exit_1_on_wrong_reference(capsys, monkeypatch):
-    from lp_kernels import bench
+    from lp_bench import check
 
-    right = bench.check_reference
+    right = check.check_reference
 
     def wrong(*args, **kwargs):
         ref = right(*args, **kwargs)
         ref["lse"] = ref["lse"] + 0.5
         return ref
 
-    monkeypatch.setattr(bench, "check_reference", wrong)
+    monkeypatch.setattr(check, "check_reference", wrong)
 
     assert main(["check", "--quick", "--no-tp"]) == 1
     out = capsys.readouterr().out
@@ -223,13 +232,13 @@ def test_check_fails_with_exit_1_on_wrong_reference(capsys, monkeypatch):
 
 
 def test_check_tp_failure_is_reported(capsys, monkeypatch):
-    from lp_kernels import bench
+    from lp_bench import check
 
-    def broken(payload, world=2, timeout=bench.TP_TIMEOUT_S):
+    def broken(payload, world=2, timeout=check.TP_TIMEOUT_S, startup=0.0, on_ready=None):
         raise RuntimeError("TP rank 1 failed: boom")
 
-    monkeypatch.setattr(bench, "run_tp_ranks", broken)
-    monkeypatch.setattr(bench, "check_parity", lambda backend, device, shapes: [])
+    monkeypatch.setattr(check, "run_tp_ranks", broken)
+    monkeypatch.setattr(check, "check_parity", lambda backend, device, shapes: [])
 
     assert main(["check"]) == 1
     assert "FAIL  torch gloo TP=2" in capsys.readouterr().out

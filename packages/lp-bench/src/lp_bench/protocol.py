@@ -1,0 +1,407 @@
+"""The performance protocol of ``lp bench``: shapes, modes, inputs, and the run loop.
+
+One run is a grid: shapes x dtypes x modes x {logprob, +entropy} x providers, one row
+each (the row schema is :data:`ROW_KEYS`). Per shape and dtype, in one process:
+
+- inputs: bf16 (on GPU) ``hidden [N, H]``, ``weight [V, H]`` with LM-like logit magnitudes
+  (std about 2), targets, a per-token upstream gradient for logprob (and one for entropy);
+- floor (GPU only), per mode, measured in the same run at steady state: ``train``: four
+  back-to-back cuBLAS ``[N, H] x [H, V]`` matmuls (forward logits, backward recompute, two
+  gradient GEMMs); ``fwd``: one such matmul;
+- reference: :func:`lp_testing.reference.reference_chunked`, fp32 with TF32 off on GPU,
+  fp64 on CPU, a block of rows at a time, independent of lp;
+- each provider (:mod:`lp_bench.providers`): median of ``reps`` timed steps after
+  ``warmup`` steps (and, on GPU, at least ``warm_s`` seconds of them, so that each is timed
+  at the clock its own sustained load settles to); peak memory above the inputs, the
+  returned gradients included (:mod:`lp_bench.memory`); norm-wise relative errors of
+  logprob, entropy and both gradients against the reference, max abs error of logprob.
+
+``train`` steps run forward + backward; ``fwd`` steps run under ``torch.no_grad`` with
+inputs that do not require grad. With entropy, a train step backpropagates through both
+logprob and entropy; a fwd step computes both.
+
+Under tensor parallelism (``tp > 1``, every rank of a torchrun launch runs the loop),
+each rank holds an even 128-aligned shard of the head (:func:`tp_shard`); the floor is
+that of one rank's shard; times and peaks are the maxima over the ranks; errors are rank
+0's outputs, its grad_weight shard and the all-reduced grad_hidden against the full
+reference. Single-device providers are marked skipped.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lp_bench.memory import peak_bytes
+from lp_bench.providers import MODES, Mode, Unsupported, is_deterministic, make_provider
+from lp_bench.timing import all_ranks_max, floor_call, steady_warmup, time_cpu, time_cuda
+
+SHAPES: dict[str, tuple[int, int, int]] = {
+    "S1": (8192, 4096, 151936),
+    "S2": (16384, 2048, 248320),
+    "S3": (32768, 4096, 128256),
+    "S4": (16384, 2048, 62080),
+    "S5": (2048, 4096, 151936),
+    "S6": (1024, 2048, 248320),
+}
+"""The GPU protocol's shapes (N tokens, H hidden, V vocabulary)."""
+CPU_SHAPES: dict[str, tuple[int, int, int]] = {"cpu": (256, 128, 16003)}
+"""The embedded default problem of ``lp bench`` on CPU (seconds on 2 cores)."""
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+"""Input dtypes by their command-line name."""
+FLOOR_MATMULS: dict[str, int] = {"train": 4, "fwd": 1}
+"""The floor of each mode, in matmuls of the step's shape."""
+ERROR_KEYS = ("err_logprob", "maxabs_logprob", "err_entropy", "err_grad_hidden", "err_grad_weight")
+ENV_ROW_KEYS = ("device", "device_name", "torch", "triton", "lp_kernels", "commit", "date")
+"""The run's environment, copied into every row so that each row stands alone."""
+ROW_KEYS = (
+    "mode",
+    "entropy",
+    "entropy_computed",
+    "deterministic",
+    "provider",
+    "shape",
+    "N",
+    "H",
+    "V",
+    "dtype",
+    "tp",
+    "temperature",
+    "floor_ms",
+    "floor_matmuls",
+    "ms",
+    "ms_all",
+    "x_floor",
+    "peak_bytes",
+    "peak_gib",
+    *ERROR_KEYS,
+    "note",
+    "skipped",
+    "error",
+    *ENV_ROW_KEYS,
+)
+"""Every row of a ``bench.json`` has exactly these keys (None where not measured)."""
+
+Shape = tuple[str, int, int, int]  # (name, N, H, V)
+
+
+def tile_arg(spec: str, vocab: int) -> int:
+    """A ``--det-tile`` of the benchmark scripts: an int, or ``tpN`` for the widest tile of
+    TP degrees dividing N (``tp8``: ``linear_logprob``'s default)."""
+    from lp_kernels import deterministic_tile_for
+
+    if spec.startswith("tp"):
+        return deterministic_tile_for(vocab, int(spec[2:]))
+    return int(spec)
+
+
+def parse_shapes(text: str) -> tuple[Shape, ...]:
+    """``S1,S3,512x256x32003`` -> ((name, N, H, V), ...); ValueError names the bad item."""
+    known = SHAPES | CPU_SHAPES
+    shapes = []
+    for item in (s.strip() for s in text.split(",")):
+        if item in known:
+            shapes.append((item, *known[item]))
+            continue
+        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", item)
+        if not m:
+            raise ValueError(f"{item!r} is neither a shape name ({', '.join(known)}) nor NxHxV")
+        n, h, v = (int(x) for x in m.groups())
+        if n < 1 or h < 1 or v < 2:
+            raise ValueError(f"{item!r}: need N >= 1, H >= 1, V >= 2")
+        shapes.append((item, n, h, v))
+    if not shapes:
+        raise ValueError("no shape given")
+    return tuple(shapes)
+
+
+def parse_modes(text: str) -> tuple[Mode, ...]:
+    """``train``, ``fwd`` or ``train,fwd`` -> the modes; ValueError names the bad item."""
+    modes = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if not modes:
+        raise ValueError("no mode given")
+    return modes  # type: ignore[return-value]
+
+
+def make_inputs(
+    n: int,
+    h: int,
+    v: int,
+    *,
+    seed: int = 0,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+):
+    """hidden/weight with LM-like logit magnitudes (std about 2), targets, upstream grad."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(device, dtype)
+    weight = (torch.randn(v, h, generator=g) * (2.0 / h**0.5)).to(device, dtype)
+    targets = torch.randint(0, v, (n,), generator=g).to(device)
+    grad_out = torch.randn(n, generator=g).to(device)
+    return hidden, weight, targets, grad_out
+
+
+def tp_shard(weight: torch.Tensor, tp: int, rank: int) -> tuple[torch.Tensor, int]:
+    """This rank's ``[V_pad / tp, H]`` shard of ``weight`` and its global start.
+
+    The vocabulary is padded to a multiple of 128 x tp (as Megatron pads it), with zero
+    rows that ``vocab_size`` excludes, so shards are even and 128-aligned
+    (``deterministic=True`` accepts them).
+    """
+    v, h = weight.shape
+    size = -(-v // (128 * tp)) * 128
+    start = rank * size
+    shard = torch.zeros((size, h), dtype=weight.dtype, device=weight.device)
+    real = max(0, min(size, v - start))
+    shard[:real] = weight[start : start + real]
+    return shard, start
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Norm-wise relative error of ``a`` against ``ref`` (in ``ref``'s dtype)."""
+    return float((a.to(ref.dtype) - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def default_dtypes(device: str) -> tuple[str, ...]:
+    """bf16 on GPU; fp32 and bf16 on CPU."""
+    return ("bf16",) if device == "cuda" else ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One ``lp bench`` run: the grid and how each cell is measured."""
+
+    shapes: tuple[Shape, ...]
+    """(name, N, H, V) of each shape."""
+    providers: tuple[str, ...]
+    """Provider names (:data:`lp_bench.providers.ALL_PROVIDERS`)."""
+    dtypes: tuple[str, ...]
+    """Input dtypes, keys of :data:`DTYPES`."""
+    device: str
+    """``"cuda"`` or ``"cpu"``."""
+    modes: tuple[Mode, ...] = ("train",)
+    """``train`` (forward + backward) and/or ``fwd`` (forward under no_grad)."""
+    entropy: tuple[bool, ...] = (False,)
+    """Without and/or with entropy (its gradient too in train mode)."""
+    temperature: float = 1.0
+    """Logits are divided by it."""
+    reps: int = 5
+    """Timed steps; the median is reported."""
+    warmup: int = 2
+    """Untimed steps before them (at least)."""
+    warm_s: float = 0.0
+    """GPU: warm each timed call up for at least this many seconds (steady clocks)."""
+    check: bool = True
+    """Compute the reference and the errors."""
+    seed: int = 0
+    """Seed of the inputs."""
+    tp: int = 1
+    """Tensor-parallel degree: under torchrun, each rank holds V / tp rows of the head."""
+
+    def __post_init__(self) -> None:
+        for mode in self.modes:
+            if mode not in MODES:
+                raise ValueError(f"BenchConfig.modes: {mode!r} is not one of {MODES}")
+        for name in self.dtypes:
+            if name not in DTYPES:
+                raise ValueError(f"BenchConfig.dtypes: {name!r} is not one of {tuple(DTYPES)}")
+        if not (self.modes and self.entropy and self.providers and self.shapes and self.dtypes):
+            raise ValueError("BenchConfig: shapes, providers, dtypes, modes, entropy are non-empty")
+        if self.reps < 1 or self.warmup < 0 or self.warm_s < 0 or self.tp < 1:
+            raise ValueError("BenchConfig: need reps >= 1, warmup >= 0, warm_s >= 0, tp >= 1")
+
+    @property
+    def size(self) -> int:
+        """The number of rows of the run."""
+        per_problem = len(self.modes) * len(self.entropy) * len(self.providers)
+        return len(self.shapes) * len(self.dtypes) * per_problem
+
+
+def run_label(mode: str, entropy: bool) -> str:
+    """``train``, ``train+entropy``, ``fwd``, ``fwd+entropy``."""
+    return f"{mode}+entropy" if entropy else mode
+
+
+def _reference(cfg: BenchConfig, inputs: tuple, grad_ent, *, grads: bool, entropy: bool):
+    from lp_testing.reference import reference_chunked
+
+    hidden, weight, targets, grad_out = inputs
+    up = {}
+    if grads:
+        up["grad_logprob"] = grad_out
+        if entropy:
+            up["grad_entropy"] = grad_ent
+    return reference_chunked(
+        hidden,
+        weight,
+        targets,
+        **up,
+        temperature=cfg.temperature,
+        dtype=torch.float32 if cfg.device == "cuda" else torch.float64,
+    )
+
+
+def bench_problem(
+    shape: Shape,
+    dtype_name: str,
+    cfg: BenchConfig,
+    on_row: Callable[[dict], None] | None = None,
+    env: dict | None = None,
+) -> list[dict]:
+    """Every mode, entropy setting and provider of ``cfg`` on one shape and dtype.
+
+    Returns one row per (mode, entropy, provider), in that order, with the keys of
+    :data:`ROW_KEYS`; ``on_row`` is called with each as it is done; ``env`` (from
+    :func:`lp_bench.environment.environment`) fills the environment keys.
+    """
+    name, n, h, v = shape
+    cuda = cfg.device == "cuda"
+    hidden, weight, targets, grad_out = make_inputs(
+        n, h, v, seed=cfg.seed, device=cfg.device, dtype=DTYPES[dtype_name]
+    )
+    tp_kwargs, shard, start = None, weight, 0
+    if cfg.tp > 1:
+        import torch.distributed as dist
+
+        shard, start = tp_shard(weight, cfg.tp, dist.get_rank())
+        tp_kwargs = {"tp_group": dist.group.WORLD, "vocab_start": start, "vocab_size": v}
+    grad_ent = None
+    if any(cfg.entropy):
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
+        grad_ent = torch.randn(n, generator=gen).to(cfg.device)
+    refs: dict[tuple[bool, bool], dict] = {}
+    env_fields = {k: (env or {}).get(k) for k in ENV_ROW_KEYS}
+    rows = []
+    for mode in cfg.modes:
+        train = mode == "train"
+        floor = None
+        if cuda:
+            fl = floor_call(hidden, shard, FLOOR_MATMULS[mode])
+            warm = steady_warmup(fl, cfg.warmup, cfg.warm_s, cfg.tp)
+            floor = statistics.median(time_cuda(fl, warmup=warm, reps=cfg.reps))
+            if cfg.tp > 1:
+                floor = all_ranks_max(floor, cfg.device)
+        for entropy in cfg.entropy:
+            ref = None
+            if cfg.check:
+                key = (train, train and entropy)  # fwd: outputs only, the same for both
+                if key not in refs:
+                    refs[key] = _reference(
+                        cfg, (hidden, weight, targets, grad_out), grad_ent, grads=train,
+                        entropy=entropy,
+                    )  # fmt: skip
+                ref = refs[key]
+            for prov in cfg.providers:
+                row = dict.fromkeys(ROW_KEYS) | env_fields
+                row |= {"mode": mode, "entropy": entropy, "provider": prov, "shape": name}
+                row |= {"N": n, "H": h, "V": v, "dtype": dtype_name, "tp": cfg.tp}
+                row |= {"temperature": cfg.temperature, "floor_ms": floor}
+                row |= {"deterministic": is_deterministic(prov)}
+                row["floor_matmuls"] = FLOOR_MATMULS[mode] if cuda else None
+                _measure(row, cfg, (hidden, shard, targets, grad_out, grad_ent), ref, tp_kwargs)
+                if cfg.tp > 1:
+                    _gather_row(row, cfg)
+                if cuda:
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                if on_row:
+                    on_row(row)
+    return rows
+
+
+def _gather_row(row: dict, cfg: BenchConfig) -> None:
+    """TP: the slowest rank's time and the largest peak (every rank calls this)."""
+    for key in ("ms", "peak_bytes"):
+        got = all_ranks_max(-1.0 if row[key] is None else float(row[key]), cfg.device)
+        row[key] = None if got is None or got < 0 else got
+    if row["peak_bytes"] is not None:
+        row["peak_bytes"] = int(row["peak_bytes"])
+        row["peak_gib"] = row["peak_bytes"] / 2**30
+    if row["ms"] is not None and row["floor_ms"]:
+        row["x_floor"] = row["ms"] / row["floor_ms"]
+
+
+def _measure(row: dict, cfg: BenchConfig, inputs: tuple, ref: dict | None, tp_kwargs) -> None:
+    """Time, memory and errors of one provider, into ``row`` (a failure is a row too)."""
+    hidden, shard, targets, grad_out, grad_ent = inputs
+    mode, prov, v = row["mode"], row["provider"], row["V"]
+    train = mode == "train"
+    try:
+        prep = make_provider(
+            prov, mode=mode, temperature=cfg.temperature, entropy=row["entropy"], tp=tp_kwargs
+        )
+    except Unsupported as exc:
+        row["skipped"] = str(exc)
+        return
+    row["entropy_computed"], row["note"] = prep.entropy, prep.note
+    hl = hidden.detach().requires_grad_(train)
+    wl = shard.detach().requires_grad_(train)
+
+    def step():
+        hl.grad = wl.grad = None
+        with torch.set_grad_enabled(train):
+            return prep.step(hl, wl, targets, grad_out, grad_ent)
+
+    try:
+        if cfg.device == "cuda":
+            warm = steady_warmup(step, cfg.warmup, cfg.warm_s, cfg.tp)
+            times = time_cuda(step, warmup=warm, reps=cfg.reps)
+        else:
+            times = time_cpu(step, warmup=cfg.warmup, reps=cfg.reps)
+        hl.grad = wl.grad = None
+        peak = peak_bytes(step, cfg.device)
+        logprob, ent = step()  # the results checked (the memory run may be traced)
+        ms = statistics.median(times)
+        row.update(ms=ms, ms_all=times, peak_bytes=peak, peak_gib=peak / 2**30)
+        row["x_floor"] = ms / row["floor_ms"] if row["floor_ms"] else None
+        if ref is not None and logprob is not None:
+            row["err_logprob"] = rel_err(logprob, ref["logprob"])
+            row["maxabs_logprob"] = float(
+                (logprob.to(ref["logprob"].dtype) - ref["logprob"]).abs().max()
+            )
+            if ent is not None:
+                row["err_entropy"] = rel_err(ent, ref["entropy"])
+            if train:
+                start = 0 if tp_kwargs is None else tp_kwargs["vocab_start"]
+                real = max(0, min(wl.shape[0], v - start))
+                row["err_grad_hidden"] = rel_err(hl.grad, ref["grad_hidden"])
+                row["err_grad_weight"] = rel_err(
+                    wl.grad[:real], ref["grad_weight"][start : start + real]
+                )
+        del logprob, ent
+    except torch.OutOfMemoryError as exc:
+        row["error"] = f"OOM: {str(exc).splitlines()[0]}"
+    except Exception as exc:  # a provider's failure is a row, not the end of the run
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    hl.grad = wl.grad = None
+
+
+def run_bench(
+    cfg: BenchConfig,
+    *,
+    env: dict | None = None,
+    on_row: Callable[[dict], None] | None = None,
+    on_problem: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Every shape and dtype of ``cfg`` (:func:`bench_problem`); all rows, in order.
+
+    ``on_problem`` is called with ``"<shape> <dtype>"`` before each problem starts.
+    """
+    rows: list[dict] = []
+    for shape in cfg.shapes:
+        for dtype_name in cfg.dtypes:
+            if on_problem:
+                on_problem(f"{shape[0]} {dtype_name}")
+            rows += bench_problem(shape, dtype_name, cfg, on_row, env)
+    return rows
