@@ -16,7 +16,7 @@ source via PYTHONPATH, with the interpreter nox itself runs on (sys.executable).
 a GPU machine with its own torch and triton and no network runs the GPU tests:
 `python3 -m nox -s gpu-tp --no-venv`. Without nox, the same thing is:
 
-    P=packages; PYTHONPATH=$P/lp-kernels/src:$P/lp-testing/src:$P/lp-megatron/src:$P/lp-hf/src:$P/lp-bench/src \\
+    PYTHONPATH=$(printf '%s:' packages/*/src) \\
         python3 -m pytest -p lp_testing.plugin -m "gpu or multigpu"
 """
 

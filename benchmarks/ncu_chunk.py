@@ -21,8 +21,8 @@ import argparse
 import types
 
 import torch
-from lp_bench.protocol import make_inputs, parse_shapes
 
+from lp_bench.protocol import make_inputs, parse_shapes
 from lp_kernels.backends.triton.backward import dlogits
 from lp_kernels.backends.triton.config import config_for
 from lp_kernels.backends.triton.forward import forward_stats

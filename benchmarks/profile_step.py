@@ -29,10 +29,10 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from lp_bench.protocol import make_inputs, parse_shapes, tile_arg, tp_shard
-from lp_bench.timing import time_cpu, time_cuda
 from torch.profiler import ProfilerActivity, profile
 
+from lp_bench.protocol import make_inputs, parse_shapes, tile_arg, tp_shard
+from lp_bench.timing import time_cpu, time_cuda
 from lp_kernels import linear_logprob
 
 DET_TILE = {"tile": "128"}  # --det-tile: an int, or tpN (bench.tile_arg, per shape)

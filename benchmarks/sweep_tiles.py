@@ -21,9 +21,9 @@ import json
 import statistics
 
 import torch
+
 from lp_bench.protocol import make_inputs, parse_shapes, tile_arg
 from lp_bench.timing import floor_call, steady_warmup, time_cuda
-
 from lp_kernels.backends.triton.config import TileConfig, config_for
 from lp_kernels.backends.triton.function import linear_logprob_with_config
 
