@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
-#   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [bench] [sweep] [profile-step]
-#       [ncu] [tp] [ab-tp]
+#   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [hf] [bench] [sweep]
+#       [profile-step] [ncu] [tp] [ab-tp] [ab-bits]
 #   (default: tests megatron bench sweep)
 # SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help);
 # STEP_SHAPES (default S1,S4) and STEP_TRACE=1 (chrome traces, large) to profile-step;
@@ -31,7 +31,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 pk=$PWD/packages
-src_path=$pk/lp-kernels/src:$pk/lp-testing/src:$pk/lp-megatron/src:$pk/lp-bench/src
+src_path=$(printf '%s:' "$pk"/*/src)  # every workspace package from source
+src_path=${src_path%:}
 export PYTHONPATH=$src_path${PYTHONPATH:+:$PYTHONPATH}
 stages=${*:-tests megatron bench sweep}
 status=0
@@ -55,7 +56,17 @@ for stage in $stages; do
   case $stage in
     tests)
       run_pytest kernels packages/lp-kernels/tests packages/lp-testing/tests \
-        packages/lp-bench/tests || status=1 ;;
+        packages/lp-bench/tests packages/lp-hf/tests || status=1 ;;
+    hf)  # lp-hf on the GPU: a real vocabulary, bf16, parity and peak memory vs the logits path
+      run_pytest hf packages/lp-hf/tests -s || status=1 ;;
+    ab-bits)  # bitwise A/B of every output and gradient against an older tree (AB_OLD)
+      python3 benchmarks/ab_bits.py --device cuda --out "$OUT/bits-new.json" \
+        > "$OUT/bits-new.log" 2>&1 || status=1
+      PYTHONPATH=$PWD/${AB_OLD:?AB_OLD: the older tree\'s lp-kernels src}:$PYTHONPATH \
+        python3 benchmarks/ab_bits.py --device cuda --out "$OUT/bits-old.json" \
+        > "$OUT/bits-old.log" 2>&1 || status=1
+      python3 benchmarks/ab_bits.py --compare "$OUT/bits-old.json" "$OUT/bits-new.json" \
+        | tail -n 20 || status=1 ;;
     tests-core)  # the GPU-only modules, determinism and deterministic mode (not the parity grid)
       run_pytest kernels-core packages/lp-kernels/tests/test_gpu.py \
         packages/lp-kernels/tests/test_determinism.py \
