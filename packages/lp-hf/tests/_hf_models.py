@@ -52,7 +52,12 @@ def stock_targets(
     position_ids: torch.Tensor | None = None,
     ignore_index: int = -100,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(targets [B, T], valid [B, T])``: position t scores label t + 1 where valid."""
+    """``(targets [B, T], valid [B, T])`` on ``labels``' device: position t scores label t + 1
+    where valid (an element-by-element loop, on host copies)."""
+    device = labels.device
+    labels = labels.cpu()
+    attention_mask = None if attention_mask is None else attention_mask.cpu()
+    position_ids = None if position_ids is None else position_ids.cpu()
     b, t = labels.shape
     targets = torch.zeros(b, t, dtype=torch.long)
     valid = torch.zeros(b, t, dtype=torch.bool)
@@ -67,7 +72,7 @@ def stock_targets(
             if ok:
                 targets[i, j] = labels[i, j + 1]
                 valid[i, j] = True
-    return targets, valid
+    return targets.to(device), valid.to(device)
 
 
 def stock_logprobs(
