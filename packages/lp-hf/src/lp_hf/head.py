@@ -23,6 +23,12 @@ output layer through the model's own forward keeps both hooks in charge, whether
 the input embedding's ``Parameter`` and gets one accumulated gradient). No copy of the
 weight is made.
 
+Under torch-native tensor parallel (``ColwiseParallel(output_layouts=Replicate())`` on
+``lm_head``) the layer's weight is a ``Shard(0)`` DTensor and its hooks hand in a Replicate
+DTensor ``hidden``: both go to ``linear_logprob`` as they are (lp reads them as vocabulary
+shards). The head returns its result as a Replicate DTensor, which that output layout passes
+on unchanged; any other layout would redistribute it and is refused on every rank.
+
 The per-call record is set by ``logprobs`` for the length of one model forward. A call of
 the output layer outside it (a plain ``model(...)``, generation, or the recompute of an
 activation-checkpointed region that contains ``lm_head``) raises ``RuntimeError``;
