@@ -239,35 +239,41 @@ def _dtensor_rank(rank, world, arg):
 
     mesh = init_device_mesh("cpu", (world,))
     p = make_problem(4, 8, 60, seed=0)
-    hidden, weight, targets = p.hidden, p.weight, p.targets
-    if arg == "weight":  # what ColwiseParallel (TP) or fully_shard (FSDP2) leaves on a head
-        weight = distribute_tensor(weight, mesh, [Shard(0)])
-    elif arg == "hidden":
-        hidden = distribute_tensor(hidden, mesh, [Replicate()])
+    if arg == "hidden":  # a DTensor hidden goes with a DTensor weight only (test_dtensor.py)
+        hidden = distribute_tensor(p.hidden, mesh, [Replicate()])
+        linear_logprob(
+            hidden, p.weight[rank * 30 : (rank + 1) * 30], p.targets, tp_group=dist.group.WORLD
+        )
     else:
         logits = distribute_tensor(p.hidden @ p.weight.T, mesh, [Shard(1)])
-        vocab_parallel_logprob(logits, targets, tp_group=dist.group.WORLD)
-    linear_logprob(hidden, weight, targets, tp_group=dist.group.WORLD)
+        vocab_parallel_logprob(logits, p.targets, tp_group=dist.group.WORLD)
 
 
 @pytest.mark.parametrize(
-    ("arg", "message"),
+    ("arg", "message", "remedy"),
     [
-        ("weight", "weight is a DTensor (placements (Shard(dim=0),)); lp takes local tensors"),
-        ("hidden", "hidden is a DTensor (placements (Replicate(),)); lp takes local tensors"),
-        ("logits", "logits is a DTensor (placements (Shard(dim=1),)); lp takes local tensors"),
+        (
+            "hidden",
+            "hidden is a DTensor (placements (Replicate(),)); lp takes local tensors here",
+            "only with a DTensor weight",
+        ),
+        (
+            "logits",
+            "logits is a DTensor (placements (Shard(dim=1),)); lp takes local tensors here",
+            "logits.to_local() with tp_group",
+        ),
     ],
 )
-def test_dtensor_inputs_are_refused_on_every_rank(arg, message):
-    """A DTensor's mesh may be FSDP2's (data parallel), where reading it as a vocabulary
-    shard would be silently wrong: lp asks for the local tensor and the group instead of
-    DTensor's own 'mixed torch.Tensor and DTensor' error from inside a backend."""
+def test_dtensor_inputs_are_refused_on_every_rank(arg, message, remedy):
+    """A DTensor reaching the checks (hidden with a plain weight, logits) gets lp's TypeError
+    naming what to pass instead of DTensor's 'mixed torch.Tensor and DTensor' error from
+    inside a backend. DTensor weights: test_dtensor.py."""
     with pytest.raises(RankError) as info:
         run_ranks(_dtensor_rank, 2, arg, timeout=60)
     text = str(info.value)
     assert text.count("TypeError") >= 2, text  # both ranks raised, none hung
     assert message in text
-    assert "to_local()" in text
+    assert remedy in text
 
 
 def test_triton_tp_with_unequal_split_counts():

@@ -23,6 +23,12 @@ output layer through the model's own forward keeps both hooks in charge, whether
 the input embedding's ``Parameter`` and gets one accumulated gradient). No copy of the
 weight is made.
 
+Under torch-native tensor parallel (``ColwiseParallel(output_layouts=Replicate())`` on
+``lm_head``) the layer's weight is a ``Shard(0)`` DTensor and its hooks hand in a Replicate
+DTensor ``hidden``: both go to ``linear_logprob`` as they are (lp reads them as vocabulary
+shards). The head returns its result as a Replicate DTensor, which that output layout passes
+on unchanged; any other layout would redistribute it and is refused on every rank.
+
 The per-call record is set by ``logprobs`` for the length of one model forward. A call of
 the output layer outside it (a plain ``model(...)``, generation, or the recompute of an
 activation-checkpointed region that contains ``lm_head``) raises ``RuntimeError``;
@@ -33,6 +39,7 @@ activation-checkpointed region that contains ``lm_head``) raises ``RuntimeError`
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -116,6 +123,8 @@ class _Call:
     return_entropy: bool
     return_lse: bool
     result: torch.Tensor | None = field(default=None)
+    mesh: Any = field(default=None)
+    """The weight's device mesh under torch-native tensor parallel, else None."""
 
 
 class LogprobHead:
@@ -232,7 +241,16 @@ class LogprobHead:
             fields.append(out.lse)
         stacked = torch.stack(fields, dim=-1)
         call.result = stacked
-        return stacked
+        mesh = _tp_mesh(layer.weight)
+        if mesh is None:
+            return stacked
+        # torch-native TP: ColwiseParallel's output hook runs on what this returns; the
+        # result is the same on every rank, so it is a Replicate DTensor (a no-op for
+        # output_layouts=Replicate(); a Shard(-1) layout would split it, and is refused)
+        from torch.distributed.tensor import DTensor, Replicate
+
+        call.mesh = mesh
+        return DTensor.from_local(stacked, mesh, [Replicate()], run_check=False)
 
     # -- public computation ---------------------------------------------------------------
 
@@ -345,6 +363,8 @@ class LogprobHead:
                 "the model's forward did not call its output layer "
                 f"({type(self.layer).__name__} from get_output_embeddings())"
             )
+        if call.mesh is not None:
+            stacked = _tp_result(stacked, call.result, call.mesh)
         if stacked is not call.result:
             why = ""
             if isinstance(stacked, torch.Tensor) and stacked.dtype != torch.float32:
@@ -360,6 +380,47 @@ class LogprobHead:
         entropy = stacked[..., 1] if return_entropy else None
         lse = stacked[..., 1 + int(return_entropy)] if return_lse else None
         return LogProbOutput(stacked[..., 0], entropy, lse)
+
+
+def _tp_mesh(weight: torch.Tensor) -> Any:
+    """The device mesh of a DTensor weight (torch-native tensor parallel), else None."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return weight.device_mesh if dtensor is not None and isinstance(weight, dtensor) else None
+
+
+def _tp_result(logits: Any, result: torch.Tensor, mesh: Any) -> Any:
+    """The model's ``.logits`` under torch-native TP, as the head's own ``result`` tensor.
+
+    The output layer returned ``result`` as a Replicate DTensor. With
+    ``ColwiseParallel(output_layouts=Replicate())`` the hook hands it on unchanged (or its
+    local tensor, ``use_local_output=True``): the same values, a view of ``result``'s
+    memory. Any other output layout redistributes it; that is refused on every rank of the
+    mesh (one flag all-reduced), since a split could leave some ranks a view that passes.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    local = logits
+    if isinstance(logits, DTensor):
+        local = logits.to_local() if logits.placements == (Replicate(),) else None
+    same = (
+        isinstance(local, torch.Tensor)
+        and not isinstance(local, DTensor)
+        and local.shape == result.shape
+        and local.stride() == result.stride()
+        and local.data_ptr() == result.data_ptr()
+    )
+    bad = torch.tensor([0 if same else 1], dtype=torch.int64, device=result.device)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    if int(bad.item()):
+        raise RuntimeError(
+            "the tensor-parallel output layer redistributed the head's result: lp-hf's "
+            "result is the same on every rank (a Replicate DTensor), so parallelize lm_head "
+            "with ColwiseParallel(output_layouts=Replicate()) (transformers' own lm_head plan "
+            "'colwise_gather_output' is that layout); Shard(-1) (loss parallel) is not "
+            "supported"
+        )
+    return result
 
 
 def install_logprob_head(
@@ -433,6 +494,13 @@ def install_logprob_head(
         )
     if layer.bias is not None:
         raise ValueError("the output layer has a bias; lp computes logits as hidden @ weight.T")
+    if "forward" in layer.__dict__ and getattr(layer, "_is_hooked", False):
+        raise ValueError(
+            "the output layer is tensor-parallel through transformers' tp_plan, which replaces "
+            "its forward; lp-hf takes torch's own: leave lm_head out of tp_plan and run "
+            "torch.distributed.tensor.parallel.parallelize_module(model, tp_mesh, "
+            '{"lm_head": ColwiseParallel(output_layouts=Replicate())})'
+        )
     if "forward" in layer.__dict__:
         raise ValueError(
             "the output layer's forward is already replaced by an instance attribute (e.g. "

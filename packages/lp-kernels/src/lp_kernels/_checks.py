@@ -32,21 +32,21 @@ def check_tensor(x: Any, name: str, *, min_dim: int = 1) -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(x, dtensor):
-        # A DTensor's mesh may be data parallel (FSDP2) or tensor parallel; reading it as
-        # a vocabulary shard would be wrong for the first, silently. The caller knows.
-        if name in ("weight", "logits"):
+        # linear_logprob takes a DTensor weight (distributed.dtensor) and then a Replicate
+        # hidden / targets on its mesh; any other DTensor reaching here is refused.
+        if name == "logits":
             what = (
-                f"A vocabulary shard (tensor parallel): pass {name}.to_local() with "
-                "tp_group=<the mesh dimension's group> and vocab_start=<the global id of "
-                "its first vocabulary entry>. Sharded for data parallelism (FSDP2): "
-                "gather it first (full_tensor(), or call lp inside the module's forward, "
-                "where FSDP has unsharded it)"
+                "Pass logits.to_local() with tp_group=<the mesh dimension's group> and "
+                "vocab_start=<the global id of its first vocabulary entry>"
             )
         else:
-            what = f"Pass {name}.to_local(); under tp_group every rank passes the same one"
+            what = (
+                f"lp takes {name} as a DTensor only with a DTensor weight on the same mesh; "
+                f"with a plain weight pass {name}.to_local()"
+            )
         raise TypeError(
             f"{name} is a DTensor (placements {tuple(x.placements)}); lp takes local "
-            f"tensors. {what}"
+            f"tensors here. {what}"
         )
     if x.dim() < min_dim:
         raise ValueError(

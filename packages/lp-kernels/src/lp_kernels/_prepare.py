@@ -7,6 +7,9 @@ rank passes alike raise at once; those that involve a rank's own shard travel in
 cross-rank layout record (:mod:`lp_kernels.distributed.layout`), so they raise on every
 rank. The data-dependent target check is the one host sync, skipped with
 ``validate=False``.
+
+A DTensor weight (torch-native tensor parallel) is first turned into its local tensors and
+tensor-parallel arguments (:mod:`lp_kernels.distributed.dtensor`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from lp_kernels import _amp, _checks
 from lp_kernels._types import LogProbOutput, LogprobParams
 from lp_kernels.backends.torch.linear import default_chunk_rows
+from lp_kernels.distributed.dtensor import local_args
 from lp_kernels.distributed.layout import resolve_vocab
 from lp_kernels.tiles import DETERMINISTIC_TILE, default_deterministic_tile
 
@@ -73,6 +77,36 @@ def prepare(
         TypeError, ValueError: as documented by the public ops; layout errors on every rank.
     """
     linear = weight is not None
+    local = local_args(  # None unless weight is a DTensor
+        inputs,
+        weight,
+        targets,
+        tp_group=tp_group,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        reduce_grad_hidden=reduce_grad_hidden,
+    )
+    if local is not None:  # a DTensor weight (torch-native TP): prepare its local tensors
+        with local.explain():
+            return prepare(
+                local.hidden,
+                local.weight,
+                local.targets,
+                temperature=temperature,
+                ignore_index=ignore_index,
+                return_entropy=return_entropy,
+                return_lse=return_lse,
+                tp_group=local.tp_group,
+                vocab_start=local.vocab_start,
+                vocab_size=local.vocab_size,
+                reduce_grad_hidden=reduce_grad_hidden,
+                deterministic=deterministic,
+                deterministic_tile=deterministic_tile,
+                backend=backend,
+                chunk_size=chunk_size,
+                validate=validate,
+                tile_config=tile_config,
+            )
     name = "hidden" if linear else "logits"
     _checks.check_tensor(inputs, name)
     _checks.check_float_dtype(inputs, name)

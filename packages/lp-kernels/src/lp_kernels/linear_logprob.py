@@ -59,7 +59,19 @@ def linear_logprob(
     Args:
         hidden: ``[*, H]`` float32, bfloat16 or float16 last hidden states.
         weight: ``[V_local, H]``, same dtype and device as ``hidden``: the whole LM
-            head, or this rank's contiguous vocabulary shard under ``tp_group``.
+            head, or this rank's contiguous vocabulary shard under ``tp_group``. Or a
+            DTensor on a 1-D mesh (torch-native tensor parallel, e.g. ``ColwiseParallel``
+            on ``lm_head``): ``Shard(0)`` is the vocabulary-parallel case with
+            ``tp_group = mesh.get_group()``, each rank's rows and ``vocab_start`` from
+            torch's chunking (uneven allowed; every rank needs a row) and ``vocab_size``
+            defaulting to the global rows; ``Replicate`` is the plain case. Then pass
+            neither ``tp_group`` nor ``vocab_start``; ``hidden`` and ``targets`` may be
+            plain or Replicate DTensors on that mesh. ``weight.grad`` (and a DTensor
+            ``hidden``'s grad) keeps its placements. Other placements (``Shard(1)``,
+            ``Partial``, a 2-D mesh) raise. An FSDP2 parameter outside FSDP's forward is
+            a ``Shard(0)`` DTensor on the data-parallel mesh, not vocabulary shards: call
+            lp inside the FSDP-wrapped module's forward (``validate=True`` raises on every
+            rank when the ranks' targets differ).
         targets: ``[*]`` int64 (or int32) global token ids, the leading shape of
             ``hidden``. Rows equal to ``ignore_index`` give 0 and no gradient.
         temperature: logits are divided by it (> 0); applied in the computation,
@@ -110,13 +122,17 @@ def linear_logprob(
 
     Returns:
         ``LogProbOutput(logprob, entropy, lse)``, each ``[*]`` float32 (entropy and
-        lse None unless requested).
+        lse None unless requested); plain tensors, the same on every rank, also for
+        DTensor inputs.
 
     Raises:
-        TypeError: wrong tensor types or dtypes.
+        TypeError: wrong tensor types or dtypes; a DTensor weight placement other than
+            ``Shard(0)`` or ``Replicate``.
         ValueError: shape mismatches, bad options, targets out of range (with
             ``validate=True``), an inconsistent shard layout (on every rank), shard
-            bounds off multiples of 128 with ``deterministic=True``.
+            bounds off multiples of 128 with ``deterministic=True``; a DTensor weight
+            with ``tp_group`` or ``vocab_start``, on a 2-D mesh, or with a DTensor
+            ``hidden`` / ``targets`` not Replicate on its mesh.
 
     Example:
         >>> import torch
