@@ -219,6 +219,18 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, device: st
         ),
         flush=True,
     )
+    config = asdict(cfg) | {
+        "shapes": [dict(zip(("name", "N", "H", "V"), s, strict=True)) for s in cfg.shapes],
+    }
+    path = None if args.out is None else args.out / "bench.json"
+
+    def write(rows: list[dict]) -> None:
+        """bench.json with every row so far (rewritten after each problem)."""
+        doc = {"command": "bench", "env": env, "config": config, "rows": rows}
+        path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+    if path is not None and rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
     progress = Progress(cfg.size) if rank == 0 else None
     try:
         rows = protocol.run_bench(
@@ -226,6 +238,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, device: st
             env=env,
             on_row=progress.advance if progress else None,
             on_problem=progress.describe if progress else None,
+            on_rows=write if path is not None and rank == 0 else None,
         )
     finally:
         if progress:
@@ -233,14 +246,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, device: st
     failed = [r for r in rows if r["error"]]
     if rank != 0:
         return 1 if failed else 0
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        config = asdict(cfg) | {
-            "shapes": [dict(zip(("name", "N", "H", "V"), s, strict=True)) for s in cfg.shapes],
-        }
-        doc = {"command": "bench", "env": env, "config": config, "rows": rows}
-        path = args.out / "bench.json"
-        path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    if path is not None:
+        write(rows)
         print(f"wrote {path}")
         _plot(rows, args.out / "bench.png", device)
     print()

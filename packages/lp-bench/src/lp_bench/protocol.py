@@ -393,10 +393,13 @@ def run_bench(
     env: dict | None = None,
     on_row: Callable[[dict], None] | None = None,
     on_problem: Callable[[str], None] | None = None,
+    on_rows: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Every shape and dtype of ``cfg`` (:func:`bench_problem`); all rows, in order.
 
-    ``on_problem`` is called with ``"<shape> <dtype>"`` before each problem starts.
+    ``on_problem`` is called with ``"<shape> <dtype>"`` before each problem starts,
+    ``on_rows`` with every row so far after each problem ends (a record that survives an
+    interrupted run).
     """
     rows: list[dict] = []
     for shape in cfg.shapes:
@@ -404,4 +407,6 @@ def run_bench(
             if on_problem:
                 on_problem(f"{shape[0]} {dtype_name}")
             rows += bench_problem(shape, dtype_name, cfg, on_row, env)
+            if on_rows:
+                on_rows(rows)
     return rows
