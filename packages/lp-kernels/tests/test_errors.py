@@ -58,7 +58,7 @@ def _call(**over):
         ({"temperature": torch.tensor(1.0)}, TypeError, "temperature must be a Python float"),
         ({"temperature": True}, TypeError, "temperature must be a Python float"),
         ({"ignore_index": 1.5}, TypeError, "ignore_index must be an int"),
-        ({"ignore_index": 3}, ValueError, "ignore_index=3 is a real token id"),
+        ({"ignore_index": 2**63}, ValueError, "ignore_index must fit in int64"),
         ({"chunk_size": 0}, ValueError, "chunk_size must be None or a positive int"),
         ({"backend": "cuda"}, ValueError, "backend must be one of"),
         ({"vocab_size": V + 1}, ValueError, "vocab_size=51 exceeds"),

@@ -129,18 +129,20 @@ def check_deterministic_tile(tile: Any, *, allow_none: bool = False) -> int | No
     return tile
 
 
-def check_ignore_index(ignore_index: int, vocab_size: int) -> None:
-    if 0 <= ignore_index < vocab_size:
-        raise ValueError(
-            f"ignore_index={ignore_index} is a real token id (vocab_size={vocab_size}); "
-            "use a negative value such as -100"
-        )
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_ignore_index(ignore_index: int) -> None:
+    """Any int64 value: rows whose target equals it are ignored, a real token id included."""
+    if not INT64_MIN <= ignore_index <= INT64_MAX:
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
 
 
 def validate_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
     """Raise if a target is neither ``ignore_index`` nor in ``[0, vocab_size)``. One host sync."""
     if targets.numel() == 0:
         return
+    targets = targets.long()  # int32 targets: compare in int64 (torch would wrap ignore_index)
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
     n_bad = int(bad.sum().item())
     if n_bad:

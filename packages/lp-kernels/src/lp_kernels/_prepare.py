@@ -122,7 +122,7 @@ def prepare(
     vocab_start, vocab_size = layout.start, layout.vocab_size
     if deterministic_tile is None:  # from the global vocabulary: the same on every layout
         deterministic_tile = default_deterministic_tile(vocab_size)
-    _checks.check_ignore_index(ignore_index, vocab_size)
+    _checks.check_ignore_index(ignore_index)
     if validate:
         _checks.validate_targets(targets, vocab_size, ignore_index)
     # the torch paths' token chunk: from this shard's width, or in deterministic mode from

@@ -64,7 +64,8 @@ def linear_logprob(
             ``hidden``. Rows equal to ``ignore_index`` give 0 and no gradient.
         temperature: logits are divided by it (> 0); applied in the computation,
             the weight is not copied.
-        ignore_index: target value of rows to skip; must not be a real token id.
+        ignore_index: target value of rows to skip (any int64; a real token id too:
+            those rows are then ignored, e.g. a pad token masked by its id).
         return_entropy: also return the entropy of ``softmax(logits / T)`` per row
             (differentiable).
         return_lse: also return the log-sum-exp per row (differentiable; z-loss).

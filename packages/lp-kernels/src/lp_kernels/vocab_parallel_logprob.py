@@ -182,7 +182,8 @@ def vocab_parallel_logprob(
         targets: ``[*]`` int64 (or int32) global token ids, the leading shape of
             ``logits``; ``ignore_index`` rows give 0 and no gradient.
         temperature: logits are divided by it (> 0).
-        ignore_index: target value of rows to skip; must not be a real token id.
+        ignore_index: target value of rows to skip (any int64; a real token id too:
+            those rows are then ignored, e.g. a pad token masked by its id).
         return_entropy: also return the entropy per row (differentiable).
         return_lse: also return the log-sum-exp per row (differentiable).
         tp_group: the group the vocabulary is sharded over (every rank passes the

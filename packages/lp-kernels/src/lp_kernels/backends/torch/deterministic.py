@@ -198,7 +198,7 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         w_real = weight[:v_real]
         own = p.tile_ownership()
         tiles = _owned_tiles(w_real, halo, own, p.deterministic_tile)
-        ignored = targets == p.ignore_index
+        ignored = targets.long() == p.ignore_index
         g_lp_, g_ent_, g_lse_ = masked_upstream(ignored, g_lp, g_ent, g_lse)
         scale = bad = acc_h = None
         if need_h:

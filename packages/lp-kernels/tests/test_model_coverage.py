@@ -1,0 +1,145 @@
+"""Model coverage options against fp64: any ``ignore_index``, mixed input dtypes, an
+LM-head bias and final-logit softcapping, alone and combined, on both backends (triton
+under the interpreter on CPU), under tensor parallelism over gloo and with
+``deterministic=True`` bitwise across TP 1 and 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _parity import check_against_fp64
+
+from lp_kernels import linear_logprob
+from lp_testing import (
+    assert_bitwise_equal,
+    assert_close,
+    assert_zero,
+    make_problem,
+    reference_all,
+    run_ranks,
+    tolerance,
+)
+
+FP32 = tolerance(torch.float32)
+BF16 = tolerance(torch.bfloat16)
+
+
+def _upstream(n: int):
+    g = torch.linspace(-1, 1, n)
+    return g, g.flip(0), torch.full((n,), 0.3)
+
+
+def _run(hidden, weight, targets, *, bias=None, **options):
+    """Outputs and gradients of one call with every output used (fixed upstream)."""
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    extra = {}
+    b = None
+    if bias is not None:
+        b = bias.detach().clone().requires_grad_()
+        extra["bias"] = b
+    out = linear_logprob(h, w, targets, return_entropy=True, return_lse=True, **extra, **options)
+    g_lp, g_ent, g_lse = _upstream(targets.numel())
+    (out.logprob * g_lp + out.entropy * g_ent + out.lse * g_lse).sum().backward()
+    got = {
+        "logprob": out.logprob,
+        "entropy": out.entropy,
+        "lse": out.lse,
+        "grad_hidden": h.grad,
+        "grad_weight": w.grad,
+    }
+    if b is not None:
+        got["grad_bias"] = b.grad
+    return got
+
+
+def _tp_rank(rank, world, problem, bounds, backend, options, bias=None):
+    """One rank of a tensor-parallel call: its shard of the weight (and bias)."""
+    start, size = bounds[rank]
+    kw = dict(options)
+    if bias is not None:
+        kw["bias"] = bias[start : start + size]
+    return _run(
+        problem.hidden, problem.weight[start : start + size], problem.targets,
+        tp_group=dist.group.WORLD, vocab_start=start, backend=backend, **kw,
+    )  # fmt: skip
+
+
+def _tp_gathered(problem, bounds, backend, options, bias=None):
+    """Rank 0's outputs and grad_hidden, and the shards' grad_weight (grad_bias) joined."""
+    per_rank = run_ranks(_tp_rank, len(bounds), problem, bounds, backend, options, bias)
+    for r in range(1, len(bounds)):
+        for name in ("logprob", "entropy", "lse", "grad_hidden"):
+            assert_bitwise_equal(per_rank[r][name], per_rank[0][name], f"{name} rank {r}")
+    got = dict(per_rank[0])
+    for name in ("grad_weight", "grad_bias"):
+        if name in got:
+            got[name] = torch.cat([r[name] for r in per_rank])
+    return got
+
+
+def _check_fp64(got, problem, tol, *, bias=None, softcap=None, names=None):
+    g_lp, g_ent, g_lse = _upstream(problem.n)
+    extra = {} if bias is None else {"bias": bias}
+    if softcap is not None:
+        extra["softcap"] = softcap
+    truth = reference_all(
+        problem.hidden, problem.weight, problem.targets, grad_logprob=g_lp,
+        grad_entropy=g_ent, grad_lse=g_lse, **extra, **problem.op_kwargs(),
+    )  # fmt: skip
+    for name in names or got:
+        scale = float(truth[name].abs().max())
+        assert_close(got[name], truth[name], rtol=tol, atol=tol * scale, name=f"{name} vs fp64")
+    ignored = problem.ignored
+    for name in ("logprob", "entropy", "lse", "grad_hidden"):
+        assert_zero(got[name], where=ignored, name=f"{name} on ignored rows")
+
+
+# ----------------------------------------------------------------------------- ignore_index
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+@pytest.mark.parametrize("ignore_index", [0, 42, 1008], ids=lambda i: f"ii{i}")
+def test_ignore_index_may_be_a_real_token_id(ignore_index, deterministic, backend):
+    """Rows targeting the id are ignored (zeros, no gradient); the rest match fp64."""
+    problem = make_problem(
+        37, 64, 1009, ignore_index=ignore_index, ignore_frac=0.25, temperature=0.9, seed=1,
+        padded_vocab=1024,
+    )  # fmt: skip
+    assert int(problem.ignored.sum()) >= 9
+    check_against_fp64(
+        problem, FP32, entropy=True, lse=True, backend=backend, deterministic=deterministic
+    )
+
+
+def test_ignore_index_real_id_rows_ignored_and_out_of_range_still_checked(backend):
+    hidden, weight = torch.randn(6, 16), torch.randn(50, 16)
+    targets = torch.tensor([3, 7, 3, 49, 0, 3])
+    out = linear_logprob(hidden, weight, targets, ignore_index=3, backend=backend)
+    assert out.logprob[[0, 2, 5]].eq(0).all() and out.logprob[[1, 3, 4]].lt(0).all()
+    bad = torch.tensor([3, 50, 3, -1, 0, 3])  # 50 and -1 are neither ignored nor ids
+    with pytest.raises(ValueError, match=r"2 target\(s\) are outside \[0, 50\)"):
+        linear_logprob(hidden, weight, bad, ignore_index=3, backend=backend)
+    # an ignore_index no int32 target can equal, and the int64 extremes, are accepted
+    t32 = targets.int()
+    for ii in (2**40, -(2**63), 2**63 - 1):
+        out = linear_logprob(hidden, weight, t32, ignore_index=ii, backend=backend)
+        assert out.logprob.lt(0).all()
+
+
+def test_ignore_index_real_id_tensor_parallel(backend):
+    """TP 2 over gloo (both modes) with a real-id ignore_index; deterministic is bitwise
+    the single-process result."""
+    problem = make_problem(
+        29, 24, 1000, ignore_index=600, ignore_frac=0.2, padded_vocab=1024, seed=2
+    )
+    for det in (False, True):
+        opts = {"deterministic": det, "ignore_index": 600, "vocab_size": 1000}
+        two = _tp_gathered(problem, [(0, 512), (512, 512)], backend, opts)
+        _check_fp64(two, problem, 1e-5)
+        if det:
+            one = _tp_gathered(problem, [(0, 1024)], backend, opts)
+            for name in one:
+                assert_bitwise_equal(two[name], one[name], f"{name}: tp2 vs tp1")
