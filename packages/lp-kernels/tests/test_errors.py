@@ -38,9 +38,9 @@ def _call(**over):
         ({"weight": torch.ones(V)}, ValueError, "weight must have at least 2"),
         ({"weight": torch.ones(2, V, H)}, ValueError, "weight must be 2-D"),
         (
-            {"weight": torch.ones(V, H, dtype=torch.bfloat16)},
+            {"weight": torch.ones(V, H, dtype=torch.float64)},
             TypeError,
-            "dtype differs from hidden",
+            "its dtype is not float32, bfloat16 or float16",
         ),
         ({"weight": torch.ones(V, H + 1)}, ValueError, "hidden size"),
         ({"weight": torch.ones(0, H)}, ValueError, "V_local = 0"),

@@ -6,6 +6,8 @@ under the interpreter on CPU), under tensor parallelism over gloo and with
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -143,3 +145,66 @@ def test_ignore_index_real_id_tensor_parallel(backend):
             one = _tp_gathered(problem, [(0, 1024)], backend, opts)
             for name in one:
                 assert_bitwise_equal(two[name], one[name], f"{name}: tp2 vs tp1")
+
+
+# ----------------------------------------------------------------------------- mixed dtypes
+
+MIXED = [
+    (torch.bfloat16, torch.float32),  # the common case: a head kept in fp32
+    (torch.float32, torch.bfloat16),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float16),  # neither is wider: both run in fp32
+]
+
+
+def _mixed_id(pair):
+    return "-".join(str(d).removeprefix("torch.") for d in pair)
+
+
+def _mixed_problem(h_dtype, w_dtype, **kw):
+    p = make_problem(37, 64, 1009, padded_vocab=1024, ignore_frac=0.2, temperature=0.8, **kw)
+    return dataclasses.replace(p, hidden=p.hidden.to(h_dtype), weight=p.weight.to(w_dtype))
+
+
+def _mixed_tols(h_dtype, w_dtype):
+    """fp32 arithmetic throughout (the wider dtype); the gradients' own rounding on top."""
+    return {
+        "grad_hidden": 1e-5 if h_dtype == torch.float32 else 8e-3,
+        "grad_weight": 1e-5 if w_dtype == torch.float32 else 8e-3,
+    }
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+@pytest.mark.parametrize("dtypes", MIXED, ids=_mixed_id)
+def test_mixed_dtypes_run_in_the_wider_one(dtypes, deterministic, backend):
+    """fp64 parity at fp32 accuracy; gradients in each input's dtype; bitwise the run on
+    the inputs cast up by hand."""
+    h_dtype, w_dtype = dtypes
+    p = _mixed_problem(h_dtype, w_dtype, seed=5)
+    opts = {"backend": backend, "deterministic": deterministic, **p.op_kwargs()}
+    got = _run(p.hidden, p.weight, p.targets, **opts)
+    assert got["grad_hidden"].dtype == h_dtype and got["grad_weight"].dtype == w_dtype
+    tols = _mixed_tols(h_dtype, w_dtype)
+    for name in got:
+        _check_fp64(got, p, tols.get(name, 1e-5), names=[name])
+    wide = torch.promote_types(h_dtype, w_dtype)
+    by_hand = _run(p.hidden.to(wide), p.weight.to(wide), p.targets, **opts)
+    for name, value in got.items():
+        assert_bitwise_equal(value, by_hand[name].to(value.dtype), name)
+
+
+def test_mixed_dtypes_tensor_parallel(backend):
+    """bf16 hidden, fp32 shards over gloo: deterministic TP 2 is bitwise TP 1."""
+    p = _mixed_problem(torch.bfloat16, torch.float32, seed=6)
+    opts = {"deterministic": True, **p.op_kwargs()}
+    two = _tp_gathered(p, [(0, 512), (512, 512)], backend, opts)
+    one = _tp_gathered(p, [(0, 1024)], backend, opts)
+    for name in one:
+        assert_bitwise_equal(two[name], one[name], f"{name}: tp2 vs tp1")
+    assert two["grad_hidden"].dtype == torch.bfloat16
+    tols = _mixed_tols(torch.bfloat16, torch.float32)
+    for name in two:
+        _check_fp64(two, p, tols.get(name, 1e-5), names=[name])
+    default = _tp_gathered(p, [(0, 512), (512, 512)], backend, p.op_kwargs())
+    for name in default:
+        _check_fp64(default, p, tols.get(name, 1e-5), names=[name])

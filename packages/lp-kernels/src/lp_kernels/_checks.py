@@ -161,7 +161,6 @@ def validate_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) 
 # record so that every rank raises, not just the one with the bad shard.
 WEIGHT_PROBLEMS = {
     1: "its dtype is not float32, bfloat16 or float16",
-    2: "its dtype differs from hidden's",
     3: "it is on a different device than hidden",
     4: "its hidden size (dim 1) differs from hidden's last dimension",
 }
@@ -171,8 +170,6 @@ def weight_problem(weight: torch.Tensor, hidden: torch.Tensor) -> int:
     """0 if ``weight`` fits ``hidden``, else a key of ``WEIGHT_PROBLEMS``."""
     if weight.dtype not in SUPPORTED_DTYPES:
         return 1
-    if weight.dtype != hidden.dtype:
-        return 2
     if weight.device != hidden.device:
         return 3
     if weight.shape[1] != hidden.shape[-1]:
@@ -185,5 +182,5 @@ def weight_error(code: int, weight: torch.Tensor, hidden: torch.Tensor) -> Excep
         f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device}, "
         f"hidden {tuple(hidden.shape)} {hidden.dtype} on {hidden.device}"
     )
-    exc = TypeError if code in (1, 2) else ValueError
+    exc = TypeError if code == 1 else ValueError
     return exc(f"weight does not fit hidden: {WEIGHT_PROBLEMS[code]} ({detail})")

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lp_kernels import _amp, _checks
+from lp_kernels._matmul import common_operands
 from lp_kernels._types import LogProbOutput, LogprobParams
 from lp_kernels.backends.torch.linear import default_chunk_rows
 from lp_kernels.distributed.layout import resolve_vocab
@@ -81,6 +82,7 @@ def prepare(
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D [V_local, H], got shape {tuple(weight.shape)}")
         inputs, weight = _amp.autocast_inputs(inputs, weight)  # as F.linear under autocast
+        inputs, weight = common_operands(inputs, weight)  # mixed dtypes: the wider one
     _checks.check_targets(targets, inputs.shape[:-1], inputs.device, name)
     temperature = _checks.check_options(
         temperature=temperature,

@@ -58,8 +58,11 @@ def linear_logprob(
 
     Args:
         hidden: ``[*, H]`` float32, bfloat16 or float16 last hidden states.
-        weight: ``[V_local, H]``, same dtype and device as ``hidden``: the whole LM
-            head, or this rank's contiguous vocabulary shard under ``tp_group``.
+        weight: ``[V_local, H]`` float32, bfloat16 or float16 on ``hidden``'s device:
+            the whole LM head, or this rank's contiguous vocabulary shard under
+            ``tp_group``. If its dtype differs from ``hidden``'s, the GEMMs run in the
+            wider of the two (a bf16 ``hidden`` with an fp32 head: fp32, by an ``[N, H]``
+            copy of ``hidden``); each gradient comes back in its input's dtype.
         targets: ``[*]`` int64 (or int32) global token ids, the leading shape of
             ``hidden``. Rows equal to ``ignore_index`` give 0 and no gradient.
         temperature: logits are divided by it (> 0); applied in the computation,

@@ -303,8 +303,9 @@ def materialized_baseline(
     """The plain materialized-logits computation in the input dtype (the error yardstick).
 
     Logits ``hidden @ weight.T / T`` are formed in the inputs' dtype (a bf16 GEMM gives
-    bf16 logits), then upcast to float32 for ``log_softmax``, exactly as a user without
-    lp would write it. Runs on the inputs' device.
+    bf16 logits; with mixed dtypes the wider one, the other cast up), then upcast to
+    float32 for ``log_softmax``, exactly as a user without lp would write it.
+    Runs on the inputs' device.
 
     Arguments as in :func:`reference_all`.
 
@@ -322,7 +323,9 @@ def materialized_baseline(
     h = h2.detach().clone().requires_grad_(bool(upstream))
     w = weight.detach().clone().requires_grad_(bool(upstream))
     with torch.enable_grad():
-        logits = h @ w.T
+        # mixed dtypes: the wider one, as lp_kernels does (gradients in each input's dtype)
+        dtype = torch.promote_types(h.dtype, w.dtype)
+        logits = h.to(dtype) @ w.to(dtype).T
         if temperature != 1.0:
             logits = logits / temperature
         stats = _baseline_statistics(logits, t1, ignore_index, v)
