@@ -45,6 +45,10 @@ def _call(**over):
         ({"weight": torch.ones(V, H + 1)}, ValueError, "hidden size"),
         ({"weight": torch.ones(0, H)}, ValueError, "V_local = 0"),
         ({"weight": torch.ones(V, H, device="meta")}, ValueError, "different device"),
+        ({"bias": [0.0] * V}, TypeError, "bias must be a torch.Tensor"),
+        ({"bias": torch.zeros(V + 1)}, ValueError, r"its bias must be 1-D \[V_local\]"),
+        ({"bias": torch.zeros(1, V)}, ValueError, r"its bias must be 1-D \[V_local\]"),
+        ({"bias": torch.zeros(V, dtype=torch.int64)}, TypeError, "bias must be float32"),
         ({"targets": torch.zeros(N)}, TypeError, "targets must be an int64"),
         ({"targets": torch.zeros(N + 1, dtype=torch.long)}, ValueError, "leading shape of hidden"),
         (

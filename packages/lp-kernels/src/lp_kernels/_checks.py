@@ -163,7 +163,21 @@ WEIGHT_PROBLEMS = {
     1: "its dtype is not float32, bfloat16 or float16",
     3: "it is on a different device than hidden",
     4: "its hidden size (dim 1) differs from hidden's last dimension",
+    5: "its bias must be 1-D [V_local], one entry per weight row",
+    6: "its bias must be float32, bfloat16 or float16, on weight's device",
 }
+
+
+def bias_problem(bias: torch.Tensor | None, weight: torch.Tensor) -> int:
+    """0 if ``bias`` (None, or ``[V_local]``) fits ``weight``, else a key of
+    ``WEIGHT_PROBLEMS``."""
+    if bias is None:
+        return 0
+    if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+        return 5
+    if bias.dtype not in SUPPORTED_DTYPES or bias.device != weight.device:
+        return 6
+    return 0
 
 
 def weight_problem(weight: torch.Tensor, hidden: torch.Tensor) -> int:
@@ -177,10 +191,14 @@ def weight_problem(weight: torch.Tensor, hidden: torch.Tensor) -> int:
     return 0
 
 
-def weight_error(code: int, weight: torch.Tensor, hidden: torch.Tensor) -> Exception:
+def weight_error(
+    code: int, weight: torch.Tensor, hidden: torch.Tensor, bias: torch.Tensor | None = None
+) -> Exception:
     detail = (
         f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device}, "
         f"hidden {tuple(hidden.shape)} {hidden.dtype} on {hidden.device}"
     )
-    exc = TypeError if code == 1 else ValueError
+    if bias is not None:
+        detail += f", bias {tuple(bias.shape)} {bias.dtype} on {bias.device}"
+    exc = TypeError if code in (1, 6) else ValueError
     return exc(f"weight does not fit hidden: {WEIGHT_PROBLEMS[code]} ({detail})")

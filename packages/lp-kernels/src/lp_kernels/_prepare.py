@@ -44,6 +44,8 @@ class Prepared(NamedTuple):
     params: LogprobParams
     lead: torch.Size
     """The leading shape of the outputs (``targets``' shape)."""
+    bias: torch.Tensor | None = None
+    """``[V_local]`` LM-head bias of ``linear_logprob`` (autocast-cast), or None."""
 
 
 def prepare(
@@ -65,6 +67,7 @@ def prepare(
     chunk_size: Any = None,
     validate: bool = True,
     tile_config: Any = None,
+    bias: Any = None,
 ) -> Prepared:
     """Check and resolve one call's arguments (see the public ops for their meaning).
 
@@ -83,6 +86,9 @@ def prepare(
             raise ValueError(f"weight must be 2-D [V_local, H], got shape {tuple(weight.shape)}")
         inputs, weight = _amp.autocast_inputs(inputs, weight)  # as F.linear under autocast
         inputs, weight = common_operands(inputs, weight)  # mixed dtypes: the wider one
+        if bias is not None:  # added in fp32 whatever its dtype; F.linear casts it too
+            _checks.check_tensor(bias, "bias")
+            (bias,) = _amp.autocast_inputs(bias)
     _checks.check_targets(targets, inputs.shape[:-1], inputs.device, name)
     temperature = _checks.check_options(
         temperature=temperature,
@@ -98,9 +104,9 @@ def prepare(
     if linear:
         if width == 0:
             raise ValueError("hidden must have a non-empty last dimension H")
-        problem = _checks.weight_problem(weight, inputs)
+        problem = _checks.weight_problem(weight, inputs) or _checks.bias_problem(bias, weight)
         if tp_group is None and problem:
-            raise _checks.weight_error(problem, weight, inputs)
+            raise _checks.weight_error(problem, weight, inputs, bias)
         v_local = weight.shape[0]
         # 0: the default tile; tiles may cross shard bounds (see distributed.halo)
         tile = (deterministic_tile or 0) if deterministic else DETERMINISTIC_TILE
@@ -153,7 +159,7 @@ def prepare(
         tile_config=tile_config,
     )
     lead = targets.shape
-    return Prepared(inputs.reshape(-1, width), weight, targets.reshape(-1), params, lead)
+    return Prepared(inputs.reshape(-1, width), weight, targets.reshape(-1), params, lead, bias)
 
 
 def shaped(out: tuple, lead: torch.Size):

@@ -28,6 +28,7 @@ def linear_logprob(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = False,
@@ -65,6 +66,12 @@ def linear_logprob(
             copy of ``hidden``); each gradient comes back in its input's dtype.
         targets: ``[*]`` int64 (or int32) global token ids, the leading shape of
             ``hidden``. Rows equal to ``ignore_index`` give 0 and no gradient.
+        bias: ``[V_local]`` float32, bfloat16 or float16 LM-head bias (this rank's shard
+            under ``tp_group``), or None. Its fp32 value is added to the logits inside
+            the kernels, ``l = hidden @ weight.T + bias``, before the temperature; its
+            gradient ``sum_n d loss / d l[n, v]`` is summed in fp32 in a fixed order and
+            returned in its dtype (reproducible run to run, TP-invariant with
+            ``deterministic``; a sum over rows, so not batch-invariant).
         temperature: logits are divided by it (> 0); applied in the computation,
             the weight is not copied.
         ignore_index: target value of rows to skip (any int64; a real token id too:
@@ -137,6 +144,7 @@ def linear_logprob(
         hidden,
         weight,
         targets,
+        bias=bias,
         temperature=temperature,
         ignore_index=ignore_index,
         return_entropy=return_entropy,
@@ -154,5 +162,5 @@ def linear_logprob(
     # after the layout check, so ranks that disagree on `deterministic` all raise there
     function = resolve_backend(backend, prep.inputs.device, deterministic=bool(deterministic))
     with _amp.autocast_off(prep.inputs.device):  # lp's precision policy is its own
-        out = function.apply(prep.inputs, prep.weight, prep.targets, prep.params)
+        out = function.apply(prep.inputs, prep.weight, prep.bias, prep.targets, prep.params)
     return shaped(out, prep.lead)
