@@ -34,8 +34,11 @@ def _upstream(n: int):
     return g, g.flip(0), torch.full((n,), 0.3)
 
 
-def _run(hidden, weight, targets, *, bias=None, **options):
-    """Outputs and gradients of one call with every output used (fixed upstream)."""
+def _run(hidden, weight, targets, *, bias=None, device="cpu", **options):
+    """Outputs and gradients of one call with every output used (fixed upstream), the inputs
+    moved to ``device`` and the results back to the CPU."""
+    hidden, weight, targets = hidden.to(device), weight.to(device), targets.to(device)
+    bias = None if bias is None else bias.to(device)
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
     extra = {}
@@ -44,7 +47,7 @@ def _run(hidden, weight, targets, *, bias=None, **options):
         b = bias.detach().clone().requires_grad_()
         extra["bias"] = b
     out = linear_logprob(h, w, targets, return_entropy=True, return_lse=True, **extra, **options)
-    g_lp, g_ent, g_lse = _upstream(targets.numel())
+    g_lp, g_ent, g_lse = (g.to(device) for g in _upstream(targets.numel()))
     (out.logprob * g_lp + out.entropy * g_ent + out.lse * g_lse).sum().backward()
     got = {
         "logprob": out.logprob,
@@ -55,7 +58,7 @@ def _run(hidden, weight, targets, *, bias=None, **options):
     }
     if b is not None:
         got["grad_bias"] = b.grad
-    return got
+    return {name: value.cpu() for name, value in got.items()}
 
 
 def _tp_rank(rank, world, problem, bounds, backend, options, bias=None):
@@ -183,12 +186,13 @@ def _mixed_tols(h_dtype, w_dtype):
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
 @pytest.mark.parametrize("dtypes", MIXED, ids=_mixed_id)
-def test_mixed_dtypes_run_in_the_wider_one(dtypes, deterministic, backend):
+def test_mixed_dtypes_run_in_the_wider_one(dtypes, deterministic, device, backend):
     """fp64 parity at fp32 accuracy; gradients in each input's dtype; bitwise the run on
     the inputs cast up by hand."""
     h_dtype, w_dtype = dtypes
     p = _mixed_problem(h_dtype, w_dtype, seed=5)
-    opts = {"backend": backend, "deterministic": deterministic, **p.op_kwargs()}
+    opts = {"backend": backend, "deterministic": deterministic, "device": device}
+    opts.update(p.op_kwargs())
     got = _run(p.hidden, p.weight, p.targets, **opts)
     assert got["grad_hidden"].dtype == h_dtype and got["grad_weight"].dtype == w_dtype
     tols = _mixed_tols(h_dtype, w_dtype)
@@ -232,12 +236,13 @@ def _bias(v_pad: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
      (torch.bfloat16, torch.float32)],
     ids=["fp32", "bf16", "bf16-fp32bias"],
 )  # fmt: skip
-def test_bias_matches_fp64(dtype, b_dtype, deterministic, backend):
+def test_bias_matches_fp64(dtype, b_dtype, deterministic, device, backend):
     p = make_problem(
         37, 64, 1009, dtype=dtype, padded_vocab=1024, ignore_frac=0.2, temperature=0.8, seed=7
     )
     bias = _bias(1024, b_dtype)
-    opts = {"backend": backend, "deterministic": deterministic, **p.op_kwargs()}
+    opts = {"backend": backend, "deterministic": deterministic, "device": device}
+    opts.update(p.op_kwargs())
     got = _run(p.hidden, p.weight, p.targets, bias=bias, **opts)
     assert got["grad_bias"].dtype == b_dtype and got["grad_bias"].shape == (1024,)
     assert_zero(got["grad_bias"][1009:], name="grad_bias of padding columns")
@@ -305,3 +310,119 @@ def test_bias_that_does_not_fit_its_shard_raises_on_every_rank():
         run_ranks(_bad_bias_rank, 2, timeout=120)
     text = str(info.value)
     assert text.count("ValueError") >= 2 and "its bias must be 1-D [V_local]" in text
+
+
+# ----------------------------------------------------------------------------- softcap
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("softcap", [4.0, 30.0], ids=lambda c: f"cap{c:g}")
+def test_softcap_matches_fp64(softcap, dtype, deterministic, device, backend):
+    """z = c tanh(l / c) / T, the cap first: every output and both gradients against fp64
+    (logits of std 3 scaled so that a cap of 4 bends them), temperature != 1, padding and
+    ignored rows."""
+    p = make_problem(
+        37, 64, 1009, dtype=dtype, padded_vocab=1024, ignore_frac=0.2, temperature=0.7,
+        seed=11, scale=3.0 if softcap > 10 else 6.0,
+    )  # fmt: skip
+    opts = {"backend": backend, "deterministic": deterministic, "softcap": softcap}
+    opts["device"] = device
+    got = _run(p.hidden, p.weight, p.targets, **opts, **p.op_kwargs())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    _check_fp64(got, p, tol, softcap=softcap)
+    # the cap changes the answer (the test would pass without it otherwise)
+    plain = reference_all(p.hidden, p.weight, p.targets, **p.op_kwargs())
+    capped = reference_all(p.hidden, p.weight, p.targets, softcap=softcap, **p.op_kwargs())
+    assert float((plain["logprob"] - capped["logprob"]).abs().max()) > 10 * tol
+
+
+def test_softcap_baseline_ratio(backend):
+    """No worse than 4 x the materialized fp32 path's error (torch.tanh in fp32)."""
+    p = make_problem(64, 128, 4097, ignore_frac=0.1, temperature=0.8, seed=12, scale=5.0)
+    check_against_fp64(p, FP32, entropy=True, lse=True, backend=backend, softcap=10.0)
+
+
+def test_every_option_together_tensor_parallel(backend):
+    """Softcap, bias, a bf16 hidden with an fp32 head, a real-id ignore_index, padding and
+    temperature, TP 2 over gloo with a tile crossing the shard bound: deterministic is
+    bitwise TP 1, and both modes match fp64."""
+    p = _mixed_problem(torch.bfloat16, torch.float32, seed=13)
+    targets = torch.where(p.ignored, 500, p.targets)  # ignored rows now target id 500
+    p = dataclasses.replace(p, targets=targets, ignore_index=500)
+    assert int(p.ignored.sum()) >= 1
+    bias = _bias(1024, torch.bfloat16, seed=2)
+    opts = {"softcap": 5.0, "deterministic": True, "deterministic_tile": 256, **p.op_kwargs()}
+    layout = [(0, 384), (384, 640)]
+    two = _tp_gathered(p, layout, backend, opts, bias)
+    one = _tp_gathered(p, [(0, 1024)], backend, opts, bias)
+    for name in one:
+        assert_bitwise_equal(two[name], one[name], f"{name}: tp2 vs tp1")
+    tols = {**_mixed_tols(torch.bfloat16, torch.float32), "grad_bias": 8e-3}
+    opts.pop("deterministic")
+    default = _tp_gathered(p, layout, backend, opts, bias)
+    for got in (two, default):
+        for name in got:
+            _check_fp64(got, p, tols.get(name, 1e-5), bias=bias, softcap=5.0, names=[name])
+
+
+def test_softcap_keeps_non_finite_rows_nan(backend):
+    p = make_problem(8, 16, 300, seed=14)
+    hidden = p.hidden.clone()
+    hidden[2, 3] = float("inf")
+    out = linear_logprob(hidden, p.weight, p.targets, softcap=3.0, backend=backend)
+    assert torch.isnan(out.logprob[2]) and torch.isfinite(out.logprob[[0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+def test_vocab_parallel_softcap_matches_fp64(deterministic):
+    from lp_kernels import vocab_parallel_logprob
+    from lp_testing import reference_from_logits
+
+    g = torch.Generator().manual_seed(15)
+    logits = 8.0 * torch.randn(19, 640, generator=g)
+    targets = torch.randint(0, 600, (19,), generator=g)
+    targets[4] = -100
+    x = logits.clone().requires_grad_()
+    out = vocab_parallel_logprob(
+        x, targets, softcap=6.0, temperature=0.9, vocab_size=600, return_entropy=True,
+        return_lse=True, deterministic=deterministic,
+    )  # fmt: skip
+    g_lp, g_ent, g_lse = _upstream(19)
+    (out.logprob * g_lp + out.entropy * g_ent + out.lse * g_lse).sum().backward()
+    truth = reference_from_logits(
+        logits, targets, grad_logprob=g_lp, grad_entropy=g_ent, grad_lse=g_lse, softcap=6.0,
+        temperature=0.9, vocab_size=600,
+    )  # fmt: skip
+    for name, got in (*zip(("logprob", "entropy", "lse"), out, strict=True),
+                      ("grad_logits", x.grad)):  # fmt: skip
+        scale = float(truth[name].abs().max())
+        assert_close(got, truth[name], rtol=1e-5, atol=1e-5 * scale, name=name)
+    # a masked (-inf) column stays masked under the cap (logprob and lse; the entropy of
+    # masked logits is the masked-vocabulary work's, not the cap's)
+    masked = logits.clone()
+    masked[:, 7] = float("-inf")
+    x = masked.requires_grad_()
+    out = vocab_parallel_logprob(x, targets, softcap=6.0, vocab_size=600, return_lse=True,
+                                 deterministic=deterministic)  # fmt: skip
+    (out.logprob * g_lp).sum().backward()
+    kept = torch.cat([logits[:, :7], logits[:, 8:600]], dim=1)
+    truth = reference_from_logits(kept, torch.where(targets > 7, targets - 1, targets),
+                                  softcap=6.0)  # fmt: skip
+    ok = (targets != 7) & (targets != -100)
+    assert_close(out.lse[ok], truth["lse"][ok], rtol=1e-5, atol=1e-5, name="masked lse")
+    assert bool((x.grad[:, 7] == 0).all())
+
+
+@pytest.mark.parametrize(
+    ("value", "exc", "match"),
+    [(0.0, ValueError, "softcap must be None or finite and > 0"),
+     (-1.0, ValueError, "softcap must be None or finite and > 0"),
+     (float("inf"), ValueError, "softcap must be None or finite and > 0"),
+     (True, TypeError, "softcap must be None or a Python float"),
+     (torch.tensor(3.0), TypeError, "softcap must be None or a Python float")],
+)  # fmt: skip
+def test_softcap_errors(value, exc, match):
+    with pytest.raises(exc, match=match):
+        linear_logprob(torch.randn(3, 8), torch.randn(20, 8), torch.zeros(3, dtype=torch.long),
+                       softcap=value)  # fmt: skip

@@ -132,6 +132,17 @@ def check_deterministic_tile(tile: Any, *, allow_none: bool = False) -> int | No
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+def check_softcap(softcap: Any) -> float | None:
+    """``softcap``: None, or a finite Python number > 0 (returned as a float)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float):
+        raise TypeError(f"softcap must be None or a Python float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or finite and > 0, got {softcap}")
+    return float(softcap)
+
+
 def check_ignore_index(ignore_index: int) -> None:
     """Any int64 value: rows whose target equals it are ignored, a real token id included."""
     if not INT64_MIN <= ignore_index <= INT64_MAX:

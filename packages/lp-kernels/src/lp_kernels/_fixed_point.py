@@ -14,7 +14,9 @@ maxima (exact in any order) and per-row float64 arithmetic::
     zmax_n = (H * max_j |h[n, j]| * max |W| + max |b|) / T   (>= max_v |z[n, v]|; b: the bias)
     |grad_hidden[n, j]| <= sum_v |d l[n, v]| * max |W|
 
-``max |W|`` is a MAX all-reduce over the group. With a 2.02x margin for roundings,
+With a softcap ``c``, ``|z| <= c / T`` bounds ``zmax_n`` too, and ``|d l| <= |d z| / T``
+(the cap's slope is at most 1). ``max |W|`` is a MAX all-reduce over the group. With a
+2.02x margin for roundings,
 ``e_n = floor(60 - log2(2.02 * bound))`` keeps every partial sum below ``2^60`` (int64
 holds ``2^63``); the quantum ``2^-e_n`` is ``~bound * 2^-60``, far below fp32 resolution
 of any gradient this bound is not absurdly loose for. ``e_n`` is clamped to
@@ -76,6 +78,8 @@ def row_exponents(
         b_abs = global_abs_max(b_real, p.tp_group, p.tp_size)
         zmax = (h_dim * h_abs * w_abs + b_abs) * inv_t
         head_ok = head_ok & torch.isfinite(b_abs)
+    if p.softcap is not None:  # |z| <= c / T; d l = d z (1 - tanh^2) / T, no larger
+        zmax = torch.clamp(zmax, max=p.softcap * inv_t)
     ent_term = torch.where(g_ent64 != 0, 2 * g_ent64.abs() * zmax, 0.0)
     bound = (g_lse64 - g_lp64).abs() + g_lp64.abs() + ent_term
     bound = torch.where(bound != 0, 2.02 * bound * inv_t * w_abs, 0.0)

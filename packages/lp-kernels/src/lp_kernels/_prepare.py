@@ -68,6 +68,7 @@ def prepare(
     validate: bool = True,
     tile_config: Any = None,
     bias: Any = None,
+    softcap: Any = None,
 ) -> Prepared:
     """Check and resolve one call's arguments (see the public ops for their meaning).
 
@@ -99,6 +100,7 @@ def prepare(
         vocab_size=vocab_size,
         tp_group=tp_group,
     )
+    softcap = _checks.check_softcap(softcap)
     deterministic_tile = _checks.check_deterministic_tile(deterministic_tile, allow_none=linear)
     width = inputs.shape[-1]  # H, or V_local for logits
     if linear:
@@ -157,6 +159,7 @@ def prepare(
         deterministic=bool(deterministic),
         deterministic_tile=deterministic_tile,
         tile_config=tile_config,
+        softcap=softcap,
     )
     lead = targets.shape
     return Prepared(inputs.reshape(-1, width), weight, targets.reshape(-1), params, lead, bias)

@@ -30,6 +30,7 @@ def linear_logprob(
     *,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
+    softcap: float | None = None,
     ignore_index: int = -100,
     return_entropy: bool = False,
     return_lse: bool = False,
@@ -74,6 +75,11 @@ def linear_logprob(
             ``deterministic``; a sum over rows, so not batch-invariant).
         temperature: logits are divided by it (> 0); applied in the computation,
             the weight is not copied.
+        softcap: None, or a cap ``c > 0``: final-logit softcapping (Gemma 2 / 3's
+            ``final_logit_softcapping``), ``z = c * tanh(l / c) / temperature`` on the raw
+            logits ``l = hidden @ weight.T (+ bias)``: the cap first, then the sampler's
+            temperature. In fp32 inside the kernels, in every output and both gradients
+            (``dz / dl = (1 - tanh^2) / T``); non-finite logits stay non-finite.
         ignore_index: target value of rows to skip (any int64; a real token id too:
             those rows are then ignored, e.g. a pad token masked by its id).
         return_entropy: also return the entropy of ``softmax(logits / T)`` per row
@@ -146,6 +152,7 @@ def linear_logprob(
         targets,
         bias=bias,
         temperature=temperature,
+        softcap=softcap,
         ignore_index=ignore_index,
         return_entropy=return_entropy,
         return_lse=return_lse,

@@ -34,6 +34,7 @@ import torch
 
 from lp_kernels._compile import backend_backward
 from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
+from lp_kernels._softcap import softcap_
 from lp_kernels._stats import (
     N_STATS,
     d_logits_,
@@ -87,14 +88,22 @@ def scaled_logits_chunks(
     zero_rows: torch.Tensor | None = None,
     b_real: torch.Tensor | None = None,
 ):
-    """Yield ``(r0, r1, rows, h_c, z)``: padded hidden rows and ``z = (h_c W_r^T + b) / T`` in
-    fp32 (``b_real``: the fp32 bias of ``w_real``'s rows, or None).
+    """Yield ``(r0, r1, rows, h_c, z)``: padded hidden rows and ``z = softcap(h_c W_r^T + b) /
+    T`` in fp32 (``b_real``: the fp32 bias of ``w_real``'s rows, or None; the cap if
+    ``p.softcap``).
 
     Rows flagged in ``zero_rows [N]`` get logits of a zero hidden row (``h_c`` itself is
     yielded unchanged): the backward's ignored rows, so that their d_logits are exact
     zeros even where their hidden state is not finite, at the cost of one pass over the
     ``[C, H]`` chunk rather than over ``[C, V]``.
     """
+    for r0, r1, rows, h_c, z, _ in _logits_chunks(hidden, w_real, p, zero_rows, b_real):
+        yield r0, r1, rows, h_c, z
+
+
+def _logits_chunks(hidden, w_real, p: LogprobParams, zero_rows, b_real, slope: bool = False):
+    """:func:`scaled_logits_chunks` with a sixth item: the cap's slope ``1 - tanh^2``
+    (fp32 ``[rows, V_r]``) when ``slope`` and ``p.softcap``, else None."""
     for r0, r1, rows in chunks(hidden.shape[0], p.chunk_size):
         h_c = padded_rows(hidden, r0, r1, rows)
         h_z = h_c
@@ -103,9 +112,12 @@ def scaled_logits_chunks(
         z = mm_f32(h_z, w_real.T)  # [rows, V_r]
         if b_real is not None:
             z.add_(b_real)
+        s = None
+        if p.softcap is not None:  # on the raw logits, before the temperature
+            s = softcap_(z, p.softcap, slope=slope)
         if p.temperature != 1.0:
             z.mul_(p.inv_temperature)
-        yield r0, r1, rows, h_c, z
+        yield r0, r1, rows, h_c, z, s
 
 
 class LinearLogprobTorch(torch.autograd.Function):
@@ -215,8 +227,8 @@ def logits_grad_chunks(
     def pad(x, r0, r1, rows):
         return None if x is None else padded_rows(x, r0, r1, rows)
 
-    for r0, r1, rows, h_c, z in scaled_logits_chunks(
-        hidden, w_real, p, zero_rows=ignored, b_real=b_real
+    for r0, r1, rows, h_c, z, slope in _logits_chunks(
+        hidden, w_real, p, ignored, b_real, slope=True
     ):
         dz = d_logits_(
             z,
@@ -230,6 +242,8 @@ def logits_grad_chunks(
         )
         if p.temperature != 1.0:
             dz.mul_(p.inv_temperature)
+        if slope is not None:  # d l = d z / T * (1 - tanh^2)
+            dz.mul_(slope)
         if grad_bias is not None:
             grad_bias += dz.sum(dim=0)
         yield r0, r1, h_c, dz.to(hidden.dtype)

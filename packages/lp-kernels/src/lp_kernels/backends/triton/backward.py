@@ -25,9 +25,9 @@ from lp_kernels.backends.triton.config import (
     logit_flags,
     pad128,
 )
-from lp_kernels.backends.triton.forward import logits_sources
+from lp_kernels.backends.triton.forward import cap_args, logits_sources
 from lp_kernels.backends.triton.gemm import mm_block_n, narrow_block_n
-from lp_kernels.backends.triton.tl_utils import grouped, logits_tile
+from lp_kernels.backends.triton.tl_utils import grouped, logits_tile, softcap_tile
 
 IGNORED = -2  # target code of an ignored row in the kernels (see target_codes)
 
@@ -37,17 +37,18 @@ IGNORED = -2  # target code of an ignored row in the kernels (see target_codes)
 @triton.jit(do_not_specialize=["N", "v_begin", "v_count", "group"])
 def dlogits_kernel(
     h_src, w_src, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, c0_ptr, dl_ptr, b_ptr, db_ptr,
-    N, H, v_begin, v_count, v_store, inv_t, group,
+    N, H, v_begin, v_count, v_store, inv_t, cap, inv_cap, group,
     stride_hn, stride_hh, stride_wv, stride_wh, stride_dn,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, EVEN_H: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, IGNORED: tl.constexpr, TMA: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T for columns [v_begin, +v_count).
 
     Columns [v_count, v_store) of the output get exact zeros (v_store: v_count padded to 128).
-    ``HAS_BIAS``: the logits are ``h W^T + b``; ``BIAS_GRAD``: each program also writes its
+    ``HAS_BIAS``: the logits are ``h W^T + b``; ``SOFTCAP``: z = c tanh(l / c) / T, and d l
+    takes the factor 1 - tanh^2; ``BIAS_GRAD``: each program also writes its
     block's fp32 column sums of d l to row ``i_n`` of ``db_ptr`` (``[blocks, v_store]``).
     """
     i_n, i_v = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_store, BLOCK_V), group)
@@ -62,6 +63,8 @@ def dlogits_kernel(
     )  # fmt: skip
     if HAS_BIAS:  # fp32 bias of the tile's columns
         b_z += tl.load(b_ptr + v_begin + o_c, mask=m_v, other=0.0)[None, :]
+    if SOFTCAP:
+        b_z, b_slope = softcap_tile(b_z, cap, inv_cap)
     # d z / T = p (c0 - g_ent (z / T - E)) / T with the 1/T folded into per-row factors
     b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
     b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0) * inv_t
@@ -80,6 +83,8 @@ def dlogits_kernel(
             b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
             m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
             b_dz = tl.where(m_hit, b_dz + b_glp[:, None], b_dz)
+    if SOFTCAP:  # d l = d z / T * (1 - tanh^2)
+        b_dz = b_dz * b_slope
     # ignored rows (code IGNORED) and rows past N get exact zeros, even where their hidden
     # is not finite, as do columns past v_count: a select only in tiles that have them
     m_live = m_n & (b_t != IGNORED)
@@ -122,11 +127,12 @@ def dlogits(
         h_src, w_src, t_col, lse, mean if mean is not None else lse,
         g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, out,
         c0 if b_real is None else b_real, c0 if db is None else db,
-        n, h_dim, v_begin, v_count, v_store, p.inv_temperature, group_size(cfg, blocks_n),
+        n, h_dim, v_begin, v_count, v_store, p.inv_temperature, *cap_args(p),
+        group_size(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=g_ent is not None, HAS_LP=g_lp is not None, IGNORED=IGNORED, TMA=tma,
-        HAS_BIAS=b_real is not None, BIAS_GRAD=db is not None,
+        HAS_BIAS=b_real is not None, BIAS_GRAD=db is not None, SOFTCAP=p.softcap is not None,
         **logit_flags(hidden, cfg), **launch_opts(cfg, hidden.device),
     )  # fmt: skip
 

@@ -26,7 +26,7 @@ from lp_kernels.backends.triton.config import (
     logit_flags,
     tma_ok,
 )
-from lp_kernels.backends.triton.tl_utils import grouped, logits_tile
+from lp_kernels.backends.triton.tl_utils import grouped, logits_tile, softcap_tile
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -34,14 +34,14 @@ from lp_kernels.backends.triton.tl_utils import grouped, logits_tile
 @triton.jit(do_not_specialize=["N", "V_real", "splits", "group"])
 def fwd_stats_kernel(
     h_src, w_src, t_ptr, stats_ptr, b_ptr,
-    N, H, V_real, inv_t, splits, group,
+    N, H, V_real, inv_t, cap, inv_cap, splits, group,
     stride_hn, stride_hh, stride_wv, stride_wh,
     V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target],
-    with z = (h W^T (+ b)) / T."""
+    with z = softcap(h W^T (+ b)) / T (``SOFTCAP``: c tanh(l / c))."""
     i_n, i_s = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -61,6 +61,8 @@ def fwd_stats_kernel(
         )  # fmt: skip
         if HAS_BIAS:  # fp32 bias of the tile's columns
             b_z += tl.load(b_ptr + o_v, mask=m_v, other=0.0)[None, :]
+        if SOFTCAP:
+            b_z, _ = softcap_tile(b_z, cap, inv_cap)
         b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
         # masked: a split that is not a multiple of BLOCK_V (deterministic_tile) ends
         # inside a tile whose masked columns belong to the next split
@@ -146,14 +148,20 @@ def forward_stats(
     h_src, w_src, tma = logits_sources(hidden, w_real, cfg)
     fwd_stats_kernel[(blocks_n * splits,)](
         h_src, w_src, t_col, stats, t_col if b_real is None else b_real,
-        n, h_dim, v_real, p.inv_temperature, splits, group_size(cfg, blocks_n),
+        n, h_dim, v_real, p.inv_temperature, *cap_args(p), splits, group_size(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1),
         V_SPLIT=cfg.v_split, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=p.return_entropy, TMA=tma, HAS_BIAS=b_real is not None,
+        SOFTCAP=p.softcap is not None,
         **logit_flags(hidden, cfg),
         **launch_opts(cfg, hidden.device),
     )  # fmt: skip
     return stats
+
+
+def cap_args(p: LogprobParams) -> tuple[float, float]:
+    """``(cap, 1 / cap)`` of the kernels' ``SOFTCAP`` path (unused without a cap)."""
+    return (p.softcap, 1.0 / p.softcap) if p.softcap is not None else (1.0, 1.0)
 
 
 def logits_sources(hidden: torch.Tensor, w_real: torch.Tensor, cfg: TileConfig):
