@@ -18,6 +18,7 @@ def check_against_fp64(
     backend="torch",
     deterministic=False,
     deterministic_tile=128,
+    softcap=None,
 ):
     """Run linear_logprob with random per-row upstream gradients; compare everything to fp64.
 
@@ -43,6 +44,7 @@ def check_against_fp64(
         backend=backend,
         deterministic=deterministic,
         deterministic_tile=deterministic_tile,
+        softcap=softcap,
     )
     loss = (out.logprob * grads["grad_logprob"]).sum()
     if entropy:
@@ -51,8 +53,9 @@ def check_against_fp64(
         loss = loss + (out.lse * grads["grad_lse"]).sum()
     loss.backward()
 
-    truth = reference_all(p.hidden, p.weight, p.targets, **grads, **p.op_kwargs())
-    base = materialized_baseline(p.hidden, p.weight, p.targets, **grads, **p.op_kwargs())
+    cap = {} if softcap is None else {"softcap": softcap}
+    truth = reference_all(p.hidden, p.weight, p.targets, **grads, **cap, **p.op_kwargs())
+    base = materialized_baseline(p.hidden, p.weight, p.targets, **grads, **cap, **p.op_kwargs())
     tag = f"[{tol}, {p.id}]"
     names = ["logprob"] + (["entropy"] if entropy else []) + (["lse"] if lse else [])
     for name in names:

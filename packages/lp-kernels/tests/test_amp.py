@@ -72,10 +72,14 @@ def test_low_precision_inputs_keep_their_bits(device, backend, deterministic):
 
 
 def test_mixed_dtypes_follow_autocast(device):
-    """bf16 hidden with an fp32 weight: an error without autocast, F.linear's cast with it."""
+    """bf16 hidden with an fp32 weight: lp's rule without autocast (the wider dtype, fp32,
+    hidden cast up), F.linear's cast with it."""
     p, g, kwargs = _case(device, False, torch.float32)
-    with pytest.raises(TypeError, match="dtype differs from hidden's"):
-        _step(p.hidden, p.weight, p.targets, g, hidden_dtype=torch.bfloat16, **kwargs)
+    mixed = _step(p.hidden, p.weight, p.targets, g, hidden_dtype=torch.bfloat16, **kwargs)
+    wide = _step(p.hidden.bfloat16().float(), p.weight, p.targets, g, **kwargs)
+    assert mixed[3].dtype == torch.bfloat16 and mixed[4].dtype == torch.float32
+    for name, a, b in zip(NAMES, mixed, wide, strict=True):
+        assert_bitwise_equal(a, b.to(a.dtype), f"{name} without autocast")
     auto = _step(
         p.hidden,
         p.weight,

@@ -474,7 +474,7 @@ def _check_pipeline(results: list, tp: int) -> None:
         ({"temperature": 0.0}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
         ({"vocab_size": 0}, "vocab_size"),
-        ({"vocab_size": 10, "ignore_index": 3}, "ignore_index"),
+        ({"vocab_size": 10, "ignore_index": 2**63}, "ignore_index"),
         ({"deterministic": 1}, "deterministic"),
         ({"deterministic_tile": 100}, "deterministic_tile"),
         ({"deterministic_tile": 256.0}, "deterministic_tile"),

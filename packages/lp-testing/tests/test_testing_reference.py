@@ -235,3 +235,41 @@ def test_reference_chunked_rejects_bad_arguments(kwargs: dict, message: str) -> 
     p = make_problem(4, 8, 11)
     with pytest.raises(ValueError, match=message):
         reference_chunked(p.hidden, p.weight, p.targets, **kwargs)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.5], ids=["nocap", "cap2.5"])
+def test_reference_bias_and_softcap_agree_with_the_logits_reference(softcap) -> None:
+    """reference_all with a bias and a cap equals reference_from_logits on the materialized
+    raw logits ``h W^T + b``; grad_bias is the column sum of the logits gradient and
+    grad_hidden its product with W; padding columns get zero."""
+    from lp_testing import make_problem, reference_all, reference_from_logits
+
+    p = make_problem(9, 8, 40, padded_vocab=48, ignore_frac=0.2, temperature=0.7, seed=3)
+    bias = torch.linspace(-2, 2, 48)
+    g = torch.linspace(-1, 1, 9)
+    grads = {"grad_logprob": g, "grad_entropy": g.flip(0), "grad_lse": 0.3 + 0 * g}
+    got = reference_all(
+        p.hidden, p.weight, p.targets, bias=bias, softcap=softcap, **grads, **p.op_kwargs()
+    )
+    logits = p.hidden.double() @ p.weight.double().T + bias.double()
+    via = reference_from_logits(logits, p.targets, softcap=softcap, **grads, **p.op_kwargs())
+    for name in OUTPUTS:
+        torch.testing.assert_close(got[name], via[name], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got["grad_bias"], via["grad_logits"].sum(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        got["grad_hidden"], via["grad_logits"] @ p.weight.double(), rtol=1e-12, atol=1e-12
+    )
+    assert bool((got["grad_bias"][40:] == 0).all())
+
+
+def test_reference_softcap_is_tanh_before_temperature() -> None:
+    from lp_testing import reference_from_logits
+
+    logits = torch.tensor([[3.0, -1.0, 0.5]], dtype=torch.float64)
+    got = reference_from_logits(logits, torch.tensor([0]), softcap=2.0, temperature=0.5)
+    z = 2.0 * torch.tanh(logits / 2.0) / 0.5
+    torch.testing.assert_close(got["logprob"], z.log_softmax(-1)[:, 0])
+    with pytest.raises(ValueError, match="bias must be"):
+        from lp_testing import reference_all
+
+        reference_all(torch.ones(1, 2), torch.ones(3, 2), torch.tensor([0]), bias=torch.ones(2))

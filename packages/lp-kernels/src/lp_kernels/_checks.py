@@ -129,18 +129,31 @@ def check_deterministic_tile(tile: Any, *, allow_none: bool = False) -> int | No
     return tile
 
 
-def check_ignore_index(ignore_index: int, vocab_size: int) -> None:
-    if 0 <= ignore_index < vocab_size:
-        raise ValueError(
-            f"ignore_index={ignore_index} is a real token id (vocab_size={vocab_size}); "
-            "use a negative value such as -100"
-        )
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_softcap(softcap: Any) -> float | None:
+    """``softcap``: None, or a finite Python number > 0 (returned as a float)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float):
+        raise TypeError(f"softcap must be None or a Python float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or finite and > 0, got {softcap}")
+    return float(softcap)
+
+
+def check_ignore_index(ignore_index: int) -> None:
+    """Any int64 value: rows whose target equals it are ignored, a real token id included."""
+    if not INT64_MIN <= ignore_index <= INT64_MAX:
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
 
 
 def validate_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
     """Raise if a target is neither ``ignore_index`` nor in ``[0, vocab_size)``. One host sync."""
     if targets.numel() == 0:
         return
+    targets = targets.long()  # int32 targets: compare in int64 (torch would wrap ignore_index)
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
     n_bad = int(bad.sum().item())
     if n_bad:
@@ -159,18 +172,29 @@ def validate_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) 
 # record so that every rank raises, not just the one with the bad shard.
 WEIGHT_PROBLEMS = {
     1: "its dtype is not float32, bfloat16 or float16",
-    2: "its dtype differs from hidden's",
     3: "it is on a different device than hidden",
     4: "its hidden size (dim 1) differs from hidden's last dimension",
+    5: "its bias must be 1-D [V_local], one entry per weight row",
+    6: "its bias must be float32, bfloat16 or float16, on weight's device",
 }
+
+
+def bias_problem(bias: torch.Tensor | None, weight: torch.Tensor) -> int:
+    """0 if ``bias`` (None, or ``[V_local]``) fits ``weight``, else a key of
+    ``WEIGHT_PROBLEMS``."""
+    if bias is None:
+        return 0
+    if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+        return 5
+    if bias.dtype not in SUPPORTED_DTYPES or bias.device != weight.device:
+        return 6
+    return 0
 
 
 def weight_problem(weight: torch.Tensor, hidden: torch.Tensor) -> int:
     """0 if ``weight`` fits ``hidden``, else a key of ``WEIGHT_PROBLEMS``."""
     if weight.dtype not in SUPPORTED_DTYPES:
         return 1
-    if weight.dtype != hidden.dtype:
-        return 2
     if weight.device != hidden.device:
         return 3
     if weight.shape[1] != hidden.shape[-1]:
@@ -178,10 +202,14 @@ def weight_problem(weight: torch.Tensor, hidden: torch.Tensor) -> int:
     return 0
 
 
-def weight_error(code: int, weight: torch.Tensor, hidden: torch.Tensor) -> Exception:
+def weight_error(
+    code: int, weight: torch.Tensor, hidden: torch.Tensor, bias: torch.Tensor | None = None
+) -> Exception:
     detail = (
         f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device}, "
         f"hidden {tuple(hidden.shape)} {hidden.dtype} on {hidden.device}"
     )
-    exc = TypeError if code in (1, 2) else ValueError
+    if bias is not None:
+        detail += f", bias {tuple(bias.shape)} {bias.dtype} on {bias.device}"
+    exc = TypeError if code in (1, 6) else ValueError
     return exc(f"weight does not fit hidden: {WEIGHT_PROBLEMS[code]} ({detail})")

@@ -11,10 +11,12 @@ every rank computes bit-identically, whatever the TP degree and whatever the oth
 maxima (exact in any order) and per-row float64 arithmetic::
 
     sum_v |d l[n, v]| <= (|g_lse - g_lp| + |g_lp| + 2 |g_ent| zmax_n) / T
-    zmax_n = H * max_j |h[n, j]| * max |W| / T       (>= max_v |z[n, v]|)
+    zmax_n = (H * max_j |h[n, j]| * max |W| + max |b|) / T   (>= max_v |z[n, v]|; b: the bias)
     |grad_hidden[n, j]| <= sum_v |d l[n, v]| * max |W|
 
-``max |W|`` is a MAX all-reduce over the group. With a 2.02x margin for roundings,
+With a softcap ``c``, ``|z| <= c / T`` bounds ``zmax_n`` too, and ``|d l| <= |d z| / T``
+(the cap's slope is at most 1). ``max |W|`` is a MAX all-reduce over the group. With a
+2.02x margin for roundings,
 ``e_n = floor(60 - log2(2.02 * bound))`` keeps every partial sum below ``2^60`` (int64
 holds ``2^63``); the quantum ``2^-e_n`` is ``~bound * 2^-60``, far below fp32 resolution
 of any gradient this bound is not absurdly loose for. ``e_n`` is clamped to
@@ -48,10 +50,13 @@ def row_exponents(
     g_ent: torch.Tensor | None,
     g_lse: torch.Tensor | None,
     p: LogprobParams,
+    *,
+    b_real: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(e, bad)``: per-row exponents (float64 holding integers) and non-finite rows.
 
-    Upstream gradients are fp32 per row, zero on ignored rows, or None.
+    Upstream gradients are fp32 per row, zero on ignored rows, or None. ``b_real``: the
+    shard's bias (its ``max |b|`` over the group joins the logit bound), or None.
     """
     n, h_dim = hidden.shape
     dev = hidden.device
@@ -66,11 +71,19 @@ def row_exponents(
         h_abs = torch.maximum(-h_lo.double(), h_hi.double())
     else:
         h_abs = zero
-    zmax = h_dim * h_abs * w_abs * inv_t
+    head_ok = torch.isfinite(w_abs)  # a non-finite weight (or bias) entry: every row NaN
+    if b_real is None:
+        zmax = h_dim * h_abs * w_abs * inv_t
+    else:  # |l| <= H max|h| max|W| + max|b|
+        b_abs = global_abs_max(b_real, p.tp_group, p.tp_size)
+        zmax = (h_dim * h_abs * w_abs + b_abs) * inv_t
+        head_ok = head_ok & torch.isfinite(b_abs)
+    if p.softcap is not None:  # |z| <= c / T; d l = d z (1 - tanh^2) / T, no larger
+        zmax = torch.clamp(zmax, max=p.softcap * inv_t)
     ent_term = torch.where(g_ent64 != 0, 2 * g_ent64.abs() * zmax, 0.0)
     bound = (g_lse64 - g_lp64).abs() + g_lp64.abs() + ent_term
     bound = torch.where(bound != 0, 2.02 * bound * inv_t * w_abs, 0.0)
-    bad = ~torch.isfinite(bound) | ~torch.isfinite(w_abs)
+    bad = ~torch.isfinite(bound) | ~head_ok
     bad |= ~ignored & (~torch.isfinite(h_abs) | ~torch.isfinite(lse))
     e = torch.where(bound > 0, torch.floor(60 - torch.log2(bound)), 0.0)
     e = torch.nan_to_num(e, nan=0.0, posinf=float(E_MAX), neginf=float(E_MIN))

@@ -15,6 +15,21 @@ from __future__ import annotations
 import torch
 
 _HALF = (torch.bfloat16, torch.float16)
+_FLOATS = (torch.float32, *_HALF)
+
+
+def common_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, b)`` in one GEMM dtype: the wider of the two (``torch.promote_types``: fp32
+    with bf16 or fp16, fp32 for bf16 with fp16), the narrower cast up by a differentiable
+    copy, so each gradient comes back in its input's own dtype. Never a cast down.
+    Unchanged when the dtypes agree or either is not one lp takes, or the devices differ
+    (the argument checks name those)."""
+    if a.dtype == b.dtype or a.dtype not in _FLOATS or b.dtype not in _FLOATS:
+        return a, b
+    if a.device != b.device:
+        return a, b
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    return a.to(dtype), b.to(dtype)
 
 
 def _native_fp32_out(a: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lp_kernels import _amp, _checks
+from lp_kernels._matmul import common_operands
 from lp_kernels._types import LogProbOutput, LogprobParams
 from lp_kernels.backends.torch.linear import default_chunk_rows
 from lp_kernels.distributed.dtensor import local_args
@@ -47,6 +48,8 @@ class Prepared(NamedTuple):
     params: LogprobParams
     lead: torch.Size
     """The leading shape of the outputs (``targets``' shape)."""
+    bias: torch.Tensor | None = None
+    """``[V_local]`` LM-head bias of ``linear_logprob`` (autocast-cast), or None."""
 
 
 def prepare(
@@ -68,6 +71,8 @@ def prepare(
     chunk_size: Any = None,
     validate: bool = True,
     tile_config: Any = None,
+    bias: Any = None,
+    softcap: Any = None,
 ) -> Prepared:
     """Check and resolve one call's arguments (see the public ops for their meaning).
 
@@ -115,6 +120,10 @@ def prepare(
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D [V_local, H], got shape {tuple(weight.shape)}")
         inputs, weight = _amp.autocast_inputs(inputs, weight)  # as F.linear under autocast
+        inputs, weight = common_operands(inputs, weight)  # mixed dtypes: the wider one
+        if bias is not None:  # added in fp32 whatever its dtype; F.linear casts it too
+            _checks.check_tensor(bias, "bias")
+            (bias,) = _amp.autocast_inputs(bias)
     _checks.check_targets(targets, inputs.shape[:-1], inputs.device, name)
     temperature = _checks.check_options(
         temperature=temperature,
@@ -125,14 +134,15 @@ def prepare(
         vocab_size=vocab_size,
         tp_group=tp_group,
     )
+    softcap = _checks.check_softcap(softcap)
     deterministic_tile = _checks.check_deterministic_tile(deterministic_tile, allow_none=linear)
     width = inputs.shape[-1]  # H, or V_local for logits
     if linear:
         if width == 0:
             raise ValueError("hidden must have a non-empty last dimension H")
-        problem = _checks.weight_problem(weight, inputs)
+        problem = _checks.weight_problem(weight, inputs) or _checks.bias_problem(bias, weight)
         if tp_group is None and problem:
-            raise _checks.weight_error(problem, weight, inputs)
+            raise _checks.weight_error(problem, weight, inputs, bias)
         v_local = weight.shape[0]
         # 0: the default tile; tiles may cross shard bounds (see distributed.halo)
         tile = (deterministic_tile or 0) if deterministic else DETERMINISTIC_TILE
@@ -156,7 +166,7 @@ def prepare(
     vocab_start, vocab_size = layout.start, layout.vocab_size
     if deterministic_tile is None:  # from the global vocabulary: the same on every layout
         deterministic_tile = default_deterministic_tile(vocab_size)
-    _checks.check_ignore_index(ignore_index, vocab_size)
+    _checks.check_ignore_index(ignore_index)
     if validate:
         _checks.validate_targets(targets, vocab_size, ignore_index)
     # the torch paths' token chunk: from this shard's width, or in deterministic mode from
@@ -183,9 +193,10 @@ def prepare(
         deterministic=bool(deterministic),
         deterministic_tile=deterministic_tile,
         tile_config=tile_config,
+        softcap=softcap,
     )
     lead = targets.shape
-    return Prepared(inputs.reshape(-1, width), weight, targets.reshape(-1), params, lead)
+    return Prepared(inputs.reshape(-1, width), weight, targets.reshape(-1), params, lead, bias)
 
 
 def shaped(out: tuple, lead: torch.Size):

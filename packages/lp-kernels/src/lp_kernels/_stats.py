@@ -172,7 +172,8 @@ def masked_outputs(
 
 def target_columns(targets: torch.Tensor, ignore_index: int, vocab_start: int, v_real: int):
     """``(column in this shard, target is in this shard, row is ignored)``, each ``[N]``."""
+    targets = targets.long()  # int32 targets: compare in int64 (torch would wrap ignore_index)
     ignored = targets == ignore_index
-    t_local = targets.long() - vocab_start
+    t_local = targets - vocab_start
     in_shard = (~ignored) & (t_local >= 0) & (t_local < v_real)
     return t_local, in_shard, ignored

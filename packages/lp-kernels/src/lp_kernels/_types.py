@@ -69,6 +69,8 @@ class LogprobParams:
     deterministic_tile: int = 128
     """Width of the global vocabulary tiles of ``deterministic=True`` (a multiple of 128):
     the unit of the forward's ordered merge and of grad_hidden's fixed-point sum."""
+    softcap: float | None = None
+    """Final-logit cap ``c > 0`` (``z = c tanh(l / c) / T`` on the raw logits ``l``), or None."""
     tile_config: Any = None
     """The triton backend's launch configuration (a
     ``lp_kernels.backends.triton.config.TileConfig``), or None: the pinned

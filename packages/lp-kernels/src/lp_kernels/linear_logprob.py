@@ -28,7 +28,9 @@ def linear_logprob(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
     temperature: float = 1.0,
+    softcap: float | None = None,
     ignore_index: int = -100,
     return_entropy: bool = False,
     return_lse: bool = False,
@@ -58,8 +60,11 @@ def linear_logprob(
 
     Args:
         hidden: ``[*, H]`` float32, bfloat16 or float16 last hidden states.
-        weight: ``[V_local, H]``, same dtype and device as ``hidden``: the whole LM
-            head, or this rank's contiguous vocabulary shard under ``tp_group``. Or a
+        weight: ``[V_local, H]`` float32, bfloat16 or float16 on ``hidden``'s device:
+            the whole LM head, or this rank's contiguous vocabulary shard under
+            ``tp_group``. If its dtype differs from ``hidden``'s, the GEMMs run in the
+            wider of the two (a bf16 ``hidden`` with an fp32 head: fp32, by an ``[N, H]``
+            copy of ``hidden``); each gradient comes back in its input's dtype. Or a
             DTensor on a 1-D mesh (torch-native tensor parallel, e.g. ``ColwiseParallel``
             on ``lm_head``): ``Shard(0)`` is the vocabulary-parallel case with
             ``tp_group = mesh.get_group()``, each rank's rows and ``vocab_start`` from
@@ -74,9 +79,21 @@ def linear_logprob(
             rank when the ranks' targets differ).
         targets: ``[*]`` int64 (or int32) global token ids, the leading shape of
             ``hidden``. Rows equal to ``ignore_index`` give 0 and no gradient.
+        bias: ``[V_local]`` float32, bfloat16 or float16 LM-head bias (this rank's shard
+            under ``tp_group``), or None. Its fp32 value is added to the logits inside
+            the kernels, ``l = hidden @ weight.T + bias``, before the temperature; its
+            gradient ``sum_n d loss / d l[n, v]`` is summed in fp32 in a fixed order and
+            returned in its dtype (reproducible run to run, TP-invariant with
+            ``deterministic``; a sum over rows, so not batch-invariant).
         temperature: logits are divided by it (> 0); applied in the computation,
             the weight is not copied.
-        ignore_index: target value of rows to skip; must not be a real token id.
+        softcap: None, or a cap ``c > 0``: final-logit softcapping (Gemma 2 / 3's
+            ``final_logit_softcapping``), ``z = c * tanh(l / c) / temperature`` on the raw
+            logits ``l = hidden @ weight.T (+ bias)``: the cap first, then the sampler's
+            temperature. In fp32 inside the kernels, in every output and both gradients
+            (``dz / dl = (1 - tanh^2) / T``); non-finite logits stay non-finite.
+        ignore_index: target value of rows to skip (any int64; a real token id too:
+            those rows are then ignored, e.g. a pad token masked by its id).
         return_entropy: also return the entropy of ``softmax(logits / T)`` per row
             (differentiable).
         return_lse: also return the log-sum-exp per row (differentiable; z-loss).
@@ -149,7 +166,9 @@ def linear_logprob(
         hidden,
         weight,
         targets,
+        bias=bias,
         temperature=temperature,
+        softcap=softcap,
         ignore_index=ignore_index,
         return_entropy=return_entropy,
         return_lse=return_lse,
@@ -166,5 +185,5 @@ def linear_logprob(
     # after the layout check, so ranks that disagree on `deterministic` all raise there
     function = resolve_backend(backend, prep.inputs.device, deterministic=bool(deterministic))
     with _amp.autocast_off(prep.inputs.device):  # lp's precision policy is its own
-        out = function.apply(prep.inputs, prep.weight, prep.targets, prep.params)
+        out = function.apply(prep.inputs, prep.weight, prep.bias, prep.targets, prep.params)
     return shaped(out, prep.lead)

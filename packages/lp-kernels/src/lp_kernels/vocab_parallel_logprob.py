@@ -27,6 +27,7 @@ from lp_kernels import _amp
 from lp_kernels._compile import backend_backward, eager_under_compile
 from lp_kernels._matmul import scratch
 from lp_kernels._prepare import group_tiles, prepare, shaped
+from lp_kernels._softcap import softcap_
 from lp_kernels._stats import (
     N_STATS,
     d_logits_,
@@ -44,15 +45,23 @@ from lp_kernels.tiles import DETERMINISTIC_TILE
 
 
 def _scaled_chunk(
-    logits: torch.Tensor, r0: int, r1: int, rows: int, v_real: int, inv_t: float
-) -> torch.Tensor:
-    """A fresh fp32 ``[rows, v_real]`` copy of ``logits[r0:r1, :v_real] / T``, zero-padded rows."""
+    logits: torch.Tensor,
+    r0: int,
+    r1: int,
+    rows: int,
+    v_real: int,
+    p: LogprobParams,
+    slope: bool = False,
+):
+    """``(z, s)``: a fresh fp32 ``[rows, v_real]`` copy of ``softcap(logits[r0:r1, :v_real]) /
+    T``, zero-padded rows, and the cap's slope ``1 - tanh^2`` (``slope`` and a cap) or None."""
     z = torch.empty((rows, v_real), dtype=torch.float32, device=logits.device)
     z[: r1 - r0] = logits[r0:r1, :v_real]
     z[r1 - r0 :] = 0.0
-    if inv_t != 1.0:
-        z.mul_(inv_t)
-    return z
+    s = None if p.softcap is None else softcap_(z, p.softcap, slope=slope)
+    if p.inv_temperature != 1.0:
+        z.mul_(p.inv_temperature)
+    return z, s
 
 
 def _tile_groups(logits: torch.Tensor, r0: int, r1: int, rows: int, v_real: int, p):
@@ -76,6 +85,8 @@ def _tile_groups(logits: torch.Tensor, r0: int, r1: int, rows: int, v_real: int,
         cut = -(-real // tile) * tile  # the end of the last tile with real columns
         z[:, real:cut] = float("-inf")  # the vocabulary's last tile, past its end
         z[:, cut:] = 0.0
+        if p.softcap is not None:  # -inf (past the vocabulary) stays -inf
+            softcap_(z, p.softcap)
         if p.temperature != 1.0:
             z.mul_(p.inv_temperature)
         yield j, min(g, count - j), z
@@ -102,7 +113,7 @@ class VocabParallelLogprob(torch.autograd.Function):
             return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
         stats = scratch.empty((n, N_STATS), dtype=torch.float32, device=logits.device)
         for r0, r1, rows in chunks(n, p.chunk_size):
-            z = _scaled_chunk(logits, r0, r1, rows, v_real, p.inv_temperature)
+            z, _ = _scaled_chunk(logits, r0, r1, rows, v_real, p)
             part = torch.empty((rows, N_STATS), dtype=torch.float32, device=logits.device)
             local_stats(
                 z,
@@ -130,7 +141,7 @@ class VocabParallelLogprob(torch.autograd.Function):
         g_lp, g_ent, g_lse = masked_upstream(ignored, g_lp, g_ent, g_lse)
         grad = scratch.empty((n, v_local), dtype=logits.dtype, device=logits.device)
         for r0, r1, rows in chunks(n, p.chunk_size):
-            z = _scaled_chunk(logits, r0, r1, rows, v_real, p.inv_temperature)
+            z, slope = _scaled_chunk(logits, r0, r1, rows, v_real, p, slope=True)
             dz = d_logits_(
                 z,
                 padded_rows(lse, r0, r1, rows),
@@ -144,6 +155,8 @@ class VocabParallelLogprob(torch.autograd.Function):
             )
             if p.temperature != 1.0:
                 dz.mul_(p.inv_temperature)
+            if slope is not None:  # d logits = d z / T * (1 - tanh^2)
+                dz.mul_(slope)
             dz.masked_fill_(padded_rows(ignored, r0, r1, rows, False)[:, None], 0.0)
             grad[r0:r1, :v_real] = dz[: r1 - r0]
             if v_real < v_local:
@@ -157,6 +170,7 @@ def vocab_parallel_logprob(
     targets: torch.Tensor,
     *,
     temperature: float = 1.0,
+    softcap: float | None = None,
     ignore_index: int = -100,
     return_entropy: bool = False,
     return_lse: bool = False,
@@ -182,7 +196,11 @@ def vocab_parallel_logprob(
         targets: ``[*]`` int64 (or int32) global token ids, the leading shape of
             ``logits``; ``ignore_index`` rows give 0 and no gradient.
         temperature: logits are divided by it (> 0).
-        ignore_index: target value of rows to skip; must not be a real token id.
+        softcap: None, or a cap ``c > 0``: ``z = c * tanh(logits / c) / temperature`` (the
+            cap on the raw logits, then the temperature), in fp32; ``-inf`` (masked)
+            logits stay ``-inf``.
+        ignore_index: target value of rows to skip (any int64; a real token id too:
+            those rows are then ignored, e.g. a pad token masked by its id).
         return_entropy: also return the entropy per row (differentiable).
         return_lse: also return the log-sum-exp per row (differentiable).
         tp_group: the group the vocabulary is sharded over (every rank passes the
@@ -219,6 +237,7 @@ def vocab_parallel_logprob(
         None,
         targets,
         temperature=temperature,
+        softcap=softcap,
         ignore_index=ignore_index,
         return_entropy=return_entropy,
         return_lse=return_lse,

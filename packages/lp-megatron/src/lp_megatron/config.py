@@ -97,11 +97,8 @@ class LogprobHeadConfig:
             )
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise ValueError(f"ignore_index must be an int, got {self.ignore_index!r}")
-        if self.vocab_size is not None and 0 <= self.ignore_index < self.vocab_size:
-            raise ValueError(
-                f"ignore_index={self.ignore_index} is a real token id (vocab_size="
-                f"{self.vocab_size}); use a negative value such as -100"
-            )
+        if not -(2**63) <= self.ignore_index < 2**63:
+            raise ValueError(f"ignore_index must fit in int64, got {self.ignore_index!r}")
         tile = self.deterministic_tile
         bad_tile = isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0 or tile % 128
         if tile is not None and bad_tile:

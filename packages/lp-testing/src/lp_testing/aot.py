@@ -202,24 +202,27 @@ def _patched(*settings) -> Iterator[None]:
 
 
 def _problems():
-    """(dtype, deterministic, entropy, H, deterministic_tile, V) of the linear_logprob calls
+    """(dtype, deterministic, entropy, H, deterministic_tile, V, cover) of the calls
     whose launches get compiled: both input dtype classes, both modes, with and without
     entropy, H a multiple of the tile or not, rows whose stride rules out tensor
     descriptors (H = 100 in bf16: 200 bytes), which takes the pointer path of every kernel,
     and deterministic tiles of every kind (several per backward piece, one per piece, cut
-    into pieces: see triton.deterministic.vocab_pieces)."""
+    into pieces: see triton.deterministic.vocab_pieces). ``cover``: with a bias (and its
+    gradient) and a softcap, the kernels' HAS_BIAS / BIAS_GRAD / SOFTCAP variants."""
     for det in (False, True):
         for dtype in (torch.bfloat16, torch.float32):
             for entropy, h in ((True, 256), (False, 200)):
-                yield dtype, det, entropy, h, 128, 1000
-        yield torch.bfloat16, det, True, 100, 128, 1000
+                yield dtype, det, entropy, h, 128, 1000, False
+            yield dtype, det, True, 256, 128, 1000, True
+        yield torch.bfloat16, det, True, 100, 128, 1000, False
     for dtype in (torch.bfloat16, torch.float32):
         for tile, v in ((384, 1000), (4224, 9000), (8320, 17000)):
-            yield dtype, True, True, 256, tile, v
+            yield dtype, True, True, 256, tile, v, False
+        yield dtype, True, True, 256, 4224, 9000, True
         # several vocabulary chunks at small N: the default backward's chunk groups (the
         # grad_hidden GEMM summing each chunk apart in one launch: MULTI; with "group2",
         # two groups of two, the second accumulating)
-        yield dtype, False, True, 256, 128, 25000
+        yield dtype, False, True, 256, 128, 25000, False
 
 
 def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Launch, object]:
@@ -234,16 +237,23 @@ def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Laun
         for attr, value in variant.get("patch", []):
             changes += _everywhere(attr, value)
         with _patched(*changes):
-            for dtype, det, entropy, h, tile, v in _problems():
+            for dtype, det, entropy, h, tile, v, cover in _problems():
                 gen = torch.Generator().manual_seed(0)
                 n = 300
                 hidden = torch.randn(n, h, generator=gen).to(dtype).requires_grad_()
                 weight = torch.randn(v, h, generator=gen).to(dtype).requires_grad_()
                 targets = torch.randint(0, v, (n,), generator=gen)
+                extra = {}
+                if cover:
+                    extra = {
+                        "bias": torch.randn(v, generator=gen).requires_grad_(),
+                        "softcap": 30.0,
+                    }
                 with gpu_launches(tier, variant.get("config")) as launches:
                     out = linear_logprob(
                         hidden, weight, targets, backend="triton", deterministic=det,
                         deterministic_tile=tile, return_entropy=entropy, validate=False,
+                        **extra,
                     )  # fmt: skip
                     loss = out.logprob.sum() + (out.entropy.sum() if entropy else 0)
                     loss.backward()

@@ -201,7 +201,8 @@ def make_problem(
         seed: everything is a deterministic function of the seed.
         ignore_frac: fraction of rows whose target is ``ignore_index``; when > 0 and N > 1
             at least one row is ignored, and unless it is 1.0 at least one row is not.
-        ignore_index: the value used for ignored targets.
+        ignore_index: the value used for ignored targets; a real token id is allowed
+            (then every row whose drawn target equals it is ignored too).
         padded_vocab: number of weight rows V_pad >= V; rows ``[V, V_pad)`` are Megatron
             padding (drawn large, see module docstring). None means V_pad = V.
         temperature: stored in the problem, for the op and the references.
@@ -225,8 +226,6 @@ def make_problem(
         raise ValueError(f"make_problem: padded_vocab ({v_pad}) must be >= v ({v})")
     if not 0.0 <= ignore_frac <= 1.0:
         raise ValueError(f"make_problem: ignore_frac must be in [0, 1], got {ignore_frac}")
-    if 0 <= ignore_index < v:
-        raise ValueError(f"make_problem: ignore_index {ignore_index} is a real token id")
     device = torch.device(device)
     gen_device = device if device.type != "meta" else torch.device("cpu")
 

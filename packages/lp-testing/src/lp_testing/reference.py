@@ -2,7 +2,8 @@
 
 Truth (fp64, logits materialized)::
 
-    z       = (hidden @ weight[:V].T) / T                      [N, V]  float64
+    l       = hidden @ weight[:V].T (+ bias[:V])               [N, V]  float64
+    z       = softcap(l) / T,  softcap(l) = c * tanh(l / c)    (when a cap c is given)
     lse     = logsumexp(z)                                     [N]
     logprob = z[target] - lse                                  [N]
     entropy = -(softmax(z) * log_softmax(z)).sum(-1)           [N]
@@ -95,6 +96,11 @@ def _upstream(
     return used
 
 
+def _softcapped(l: Tensor, softcap: float | None) -> Tensor:
+    """``c * tanh(l / c)`` (``c = softcap``), or ``l`` without a cap."""
+    return l if softcap is None else softcap * torch.tanh(l / softcap)
+
+
 def _vjp(outputs: dict[str, Tensor], upstream: dict[str, Tensor]) -> Tensor:
     """The scalar whose gradient is the vector-Jacobian product with ``upstream``."""
     return sum((outputs[name] * g).sum() for name, g in upstream.items())  # type: ignore[return-value]
@@ -120,8 +126,10 @@ def reference_all(
     temperature: float = 1.0,
     ignore_index: int = -100,
     vocab_size: int | None = None,
+    bias: Tensor | None = None,
+    softcap: float | None = None,
 ) -> dict[str, Tensor | None]:
-    """fp64 truth for every output and, given upstream gradients, both input gradients.
+    """fp64 truth for every output and, given upstream gradients, every input gradient.
 
     Args:
         hidden: ``[*, H]`` any float dtype (upcast exactly to float64).
@@ -133,11 +141,14 @@ def reference_all(
         temperature: logits are divided by it.
         ignore_index: target value of ignored rows.
         vocab_size: real vocabulary V; rows ``>= V`` of weight are padding. None: V_pad.
+        bias: ``[V_pad]`` LM-head bias (the full one), any float dtype, or None.
+        softcap: final-logit cap ``c > 0`` (``z = c tanh(l / c) / T``), or None.
 
     Returns:
         ``{"logprob", "entropy", "lse"}``: ``[*]`` float64, zero on ignored rows;
         ``"grad_hidden"``: ``[*, H]`` and ``"grad_weight"``: ``[V_pad, H]`` float64, or
-        None for both when no upstream gradient is given.
+        None for both when no upstream gradient is given; ``"grad_bias"``: ``[V_pad]``
+        float64 (zero on padding), or None without bias or upstream gradient.
 
     Raises:
         ValueError: targets out of range, bad vocab_size, or upstream gradients that are
@@ -152,16 +163,26 @@ def reference_all(
     )
     h64 = h2.detach().to(torch.float64).requires_grad_(bool(upstream))
     w64 = weight.detach().to(torch.float64).requires_grad_(bool(upstream))
+    leaves = [h64, w64]
+    if bias is not None:
+        if bias.shape != weight.shape[:1]:
+            raise ValueError(f"bias must be [V_pad] = {weight.shape[0]}, got {tuple(bias.shape)}")
+        leaves.append(bias.detach().to(torch.float64).requires_grad_(bool(upstream)))
     with torch.enable_grad():
-        z = (h64 @ w64[:v].T) / temperature
+        logits = h64 @ w64[:v].T
+        if bias is not None:
+            logits = logits + leaves[2][:v]
+        z = _softcapped(logits, softcap) / temperature
         stats = _statistics(z, t1, ignore_index)
         outputs = {name: value.reshape(targets.shape) for name, value in stats.items()}
         result: dict[str, Tensor | None] = {k: o.detach() for k, o in outputs.items()}
-        result["grad_hidden"] = result["grad_weight"] = None
+        result["grad_hidden"] = result["grad_weight"] = result["grad_bias"] = None
         if upstream:
-            gh, gw = torch.autograd.grad(_vjp(outputs, upstream), (h64, w64))
-            result["grad_hidden"] = gh.reshape(hidden.shape)
-            result["grad_weight"] = gw
+            grads = torch.autograd.grad(_vjp(outputs, upstream), leaves)
+            result["grad_hidden"] = grads[0].reshape(hidden.shape)
+            result["grad_weight"] = grads[1]
+            if bias is not None:
+                result["grad_bias"] = grads[2]
     return result
 
 
@@ -337,8 +358,10 @@ def reference_from_logits(
     temperature: float = 1.0,
     ignore_index: int = -100,
     vocab_size: int | None = None,
+    softcap: float | None = None,
 ) -> dict[str, Tensor | None]:
-    """fp64 truth for ``vocab_parallel_logprob``, which starts from logits.
+    """fp64 truth for ``vocab_parallel_logprob``, which starts from logits
+    (``z = softcap(logits) / T``; ``softcap``: as in :func:`reference_all`).
 
     Args:
         logits: ``[*, V_pad]`` the full (gathered) logits, any float dtype; ``z = logits / T``.
@@ -363,7 +386,7 @@ def reference_from_logits(
     )
     x64 = logits.detach().to(torch.float64).requires_grad_(bool(upstream))
     with torch.enable_grad():
-        z = x64.reshape(-1, logits.shape[-1])[:, :v] / temperature
+        z = _softcapped(x64.reshape(-1, logits.shape[-1])[:, :v], softcap) / temperature
         stats = _statistics(z, targets.reshape(-1), ignore_index)
         outputs = {name: value.reshape(targets.shape) for name, value in stats.items()}
         result: dict[str, Tensor | None] = {k: o.detach() for k, o in outputs.items()}
@@ -401,18 +424,23 @@ def materialized_baseline(
     temperature: float = 1.0,
     ignore_index: int = -100,
     vocab_size: int | None = None,
+    bias: Tensor | None = None,
+    softcap: float | None = None,
 ) -> dict[str, Tensor | None]:
     """The plain materialized-logits computation in the input dtype (the error yardstick).
 
     Logits ``hidden @ weight.T / T`` are formed in the inputs' dtype (a bf16 GEMM gives
-    bf16 logits), then upcast to float32 for ``log_softmax``, exactly as a user without
-    lp would write it. Runs on the inputs' device.
+    bf16 logits; with mixed dtypes the wider one, the other cast up), then upcast to
+    float32 for ``log_softmax``, exactly as a user without lp would write it.
+    Runs on the inputs' device. A bias is added and the cap applied in the logits' dtype
+    (``F.linear(hidden, weight, bias)``, then Gemma's ``tanh(logits / c) * c``).
 
     Arguments as in :func:`reference_all`.
 
     Returns:
-        Same keys as :func:`reference_all`: outputs ``[*]`` float32, ``grad_hidden`` and
-        ``grad_weight`` in the dtypes of hidden and weight (None without upstream gradient).
+        Same keys as :func:`reference_all`: outputs ``[*]`` float32, ``grad_hidden``,
+        ``grad_weight`` (and ``grad_bias``) in the inputs' dtypes (None without upstream
+        gradient).
     """
     h2, t1 = _flat(hidden, targets)
     v = _resolve_vocab(weight.shape[0], targets, vocab_size, ignore_index)
@@ -423,18 +451,28 @@ def materialized_baseline(
     )
     h = h2.detach().clone().requires_grad_(bool(upstream))
     w = weight.detach().clone().requires_grad_(bool(upstream))
+    leaves = [h, w]
+    if bias is not None:
+        leaves.append(bias.detach().clone().requires_grad_(bool(upstream)))
     with torch.enable_grad():
-        logits = h @ w.T
+        # mixed dtypes: the wider one, as lp_kernels does (gradients in each input's dtype)
+        dtype = torch.promote_types(h.dtype, w.dtype)
+        logits = h.to(dtype) @ w.to(dtype).T
+        if bias is not None:
+            logits = logits + leaves[2].to(dtype)
+        logits = _softcapped(logits, softcap)
         if temperature != 1.0:
             logits = logits / temperature
         stats = _baseline_statistics(logits, t1, ignore_index, v)
         outputs = {name: value.reshape(targets.shape) for name, value in stats.items()}
         result: dict[str, Tensor | None] = {k: o.detach() for k, o in outputs.items()}
-        result["grad_hidden"] = result["grad_weight"] = None
+        result["grad_hidden"] = result["grad_weight"] = result["grad_bias"] = None
         if upstream:
-            gh, gw = torch.autograd.grad(_vjp(outputs, upstream), (h, w))
-            result["grad_hidden"] = gh.reshape(hidden.shape)
-            result["grad_weight"] = gw
+            grads = torch.autograd.grad(_vjp(outputs, upstream), leaves)
+            result["grad_hidden"] = grads[0].reshape(hidden.shape)
+            result["grad_weight"] = grads[1]
+            if bias is not None:
+                result["grad_bias"] = grads[2]
     return result
 
 
@@ -448,8 +486,10 @@ def materialized_baseline_from_logits(
     temperature: float = 1.0,
     ignore_index: int = -100,
     vocab_size: int | None = None,
+    softcap: float | None = None,
 ) -> dict[str, Tensor | None]:
-    """The plain computation from low-precision logits (yardstick for the logits op).
+    """The plain computation from low-precision logits (yardstick for the logits op);
+    ``softcap`` applied in the logits' dtype.
 
     ``logits / T`` in the logits' dtype, then float32 ``log_softmax``.
 
@@ -470,7 +510,8 @@ def materialized_baseline_from_logits(
     )
     x = logits.detach().clone().requires_grad_(bool(upstream))
     with torch.enable_grad():
-        scaled = x / temperature if temperature != 1.0 else x
+        capped = _softcapped(x, softcap)
+        scaled = capped / temperature if temperature != 1.0 else capped
         stats = _baseline_statistics(scaled, targets, ignore_index, v)
         result: dict[str, Tensor | None] = {k: o.detach() for k, o in stats.items()}
         result["grad_logits"] = None

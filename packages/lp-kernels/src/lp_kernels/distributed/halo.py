@@ -141,6 +141,22 @@ def owned_halo(w_real: torch.Tensor, p) -> tuple[TileOwnership, torch.Tensor]:
     return own, halo
 
 
+def bias_halo(bias: torch.Tensor | None, v_real: int, p):
+    """``(b_real, halo)``: the shard's real bias entries in fp32 and those of its halo (the
+    next shards' entries that its crossing tile needs), exchanged as the weight's halo is
+    (every rank of the group passes a bias, or none does); ``(None, None)`` without bias."""
+    if bias is None:
+        return None, None
+    b_real = bias[:v_real].float()
+    if p.tp_size == 1:
+        return b_real, b_real[:0]
+    halo = exchange_halo(
+        b_real[:, None], p.shard_starts, p.shard_sizes, p.vocab_size, p.deterministic_tile,
+        p.tp_rank, p.tp_group,
+    )  # fmt: skip
+    return b_real, halo[:, 0]
+
+
 def with_halo(w_real: torch.Tensor, halo: torch.Tensor, start: int = 0) -> torch.Tensor:
     """This shard's real weight rows from row ``start``, followed by its halo rows: a
     view without a halo, else a copy of ``v_real - start + halo`` rows (callers that

@@ -49,12 +49,18 @@ from lp_kernels._matmul import addmm_f32_, mm_f32
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream, target_columns
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends.torch.linear import (
+    bias_grad,
     logits_grad_chunks,
     padded_rows,
     scaled_logits_chunks,
 )
 from lp_kernels.distributed.collectives import RowSums, gather_stats
-from lp_kernels.distributed.halo import owned_halo, return_halo_grad, tile_ownership
+from lp_kernels.distributed.halo import (
+    bias_halo,
+    owned_halo,
+    return_halo_grad,
+    tile_ownership,
+)
 
 MANY_TILES = 128
 """A CUDA call with more owned tiles than this warns: each tile makes its own calls."""
@@ -144,7 +150,8 @@ def merged_tile_stats(blocks, t_own, in_own, n: int, p: LogprobParams, device):
 def _owned_tiles(w_real: torch.Tensor, halo: torch.Tensor, own, tile: int):
     """``[(begin, W_j)]`` for each owned tile: its first column in this shard and its
     weight rows, a view of ``w_real``; the tile that runs into the halo is a copy of its
-    rows here joined to the halo (never the whole shard)."""
+    rows here joined to the halo (never the whole shard). ``w_real`` may be the fp32 bias
+    ``[V_r]`` too, with its halo."""
     v_real = w_real.shape[0]
     out = []
     for begin in range(own.skip, own.skip + own.ext, tile):
@@ -154,15 +161,23 @@ def _owned_tiles(w_real: torch.Tensor, halo: torch.Tensor, own, tile: int):
     return out
 
 
+def _tile_biases(b_real, b_halo, own, tile: int, count: int) -> list:
+    """Each owned tile's fp32 bias (as :func:`_owned_tiles`), or ``count`` Nones."""
+    if b_real is None:
+        return [None] * count
+    return [b for _, b in _owned_tiles(b_real, b_halo, own, tile)]
+
+
 class LinearLogprobTorchDeterministic(torch.autograd.Function):
     """TP-invariant torch implementation; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, p: LogprobParams):
+    def forward(ctx, hidden, weight, bias, targets, p: LogprobParams):
         ctx.set_materialize_grads(False)
         n = hidden.shape[0]
         v_real = p.local_real_columns(weight.shape[0])
         own, halo = owned_halo(weight[:v_real], p)
+        b_real, b_halo = bias_halo(bias, v_real, p)
         if hidden.is_cuda and own.tiles > MANY_TILES:
             warnings.warn(
                 f"deterministic=True with backend='torch' on CUDA makes its GEMMs and "
@@ -176,33 +191,42 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
             targets, p.ignore_index, p.vocab_start + own.skip, own.ext
         )
         tiles = _owned_tiles(weight[:v_real], halo, own, p.deterministic_tile)
+        b_tiles = _tile_biases(b_real, b_halo, own, p.deterministic_tile, len(tiles))
         blocks = (
             (r0, r1, rows, j, 1, z)
-            for j, (_, w_j) in enumerate(tiles)
-            for r0, r1, rows, _, z in scaled_logits_chunks(hidden, w_j, p)
+            for j, ((_, w_j), b_j) in enumerate(zip(tiles, b_tiles, strict=True))
+            for r0, r1, rows, _, z in scaled_logits_chunks(hidden, w_j, p, b_real=b_j)
         )
         lse, mean_z, zt, ent = merged_tile_stats(blocks, t_own, in_own, n, p, hidden.device)
-        ctx.save_for_backward(hidden, weight, targets, lse, mean_z, halo)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_z, halo, b_halo)
         ctx.params = p
         return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
     @staticmethod
     @backend_backward
     def backward(ctx, g_lp, g_ent, g_lse):
-        hidden, weight, targets, lse, mean_z, halo = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, mean_z, halo, b_halo = ctx.saved_tensors
         p: LogprobParams = ctx.params
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, h_dim = hidden.shape
         dev = hidden.device
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
         own = p.tile_ownership()
         tiles = _owned_tiles(w_real, halo, own, p.deterministic_tile)
-        ignored = targets == p.ignore_index
+        b_real = None if bias is None else bias[:v_real].float()
+        b_tiles = _tile_biases(b_real, b_halo, own, p.deterministic_tile, len(tiles))
+        # grad_bias over this shard's real columns, then the halo's (sent back like grad_W)
+        acc_b = None
+        if need_b:
+            acc_b = torch.zeros(v_real + own.halo, dtype=torch.float32, device=dev)
+        ignored = targets.long() == p.ignore_index
         g_lp_, g_ent_, g_lse_ = masked_upstream(ignored, g_lp, g_ent, g_lse)
         scale = bad = acc_h = None
         if need_h:
-            scale, bad = row_exponents(hidden, w_real, lse, ignored, g_lp_, g_ent_, g_lse_, p)
+            scale, bad = row_exponents(
+                hidden, w_real, lse, ignored, g_lp_, g_ent_, g_lse_, p, b_real=b_real
+            )
             acc_h = torch.zeros((n, h_dim), dtype=torch.int64, device=dev)
         acc_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         # the halo's grad_W rows are computed here, with their tile, and go back to the
@@ -219,9 +243,11 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
                 if rows_here < w_j.shape[0]:
                     acc = torch.zeros((w_j.shape[0], h_dim), dtype=torch.float32, device=dev)
             last = j == len(tiles) - 1
+            acc_bj = None if acc_b is None else acc_b[begin : begin + w_j.shape[0]]
             for r0, r1, h_c, dl in logits_grad_chunks(
-                hidden, w_j, targets, lse, mean_z, (g_lp, g_ent, g_lse), p, p.vocab_start + begin
-            ):
+                hidden, w_j, targets, lse, mean_z, (g_lp, g_ent, g_lse), p, p.vocab_start + begin,
+                b_real=b_tiles[j], grad_bias=acc_bj,
+            ):  # fmt: skip
                 if need_h:
                     # 2^e_n is an fp32 power of two (|e_n| <= 126) and |leaf| 2^e_n < 2^61
                     # (the bound): the scaling is exact in fp32, the integers those of fp64
@@ -244,5 +270,13 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
                 grad_halo, acc_w, p.shard_starts, p.shard_sizes, p.vocab_size,
                 p.deterministic_tile, p.tp_rank, p.tp_group,
             )  # fmt: skip
+        if need_b and p.tp_size > 1:  # the halo's entries to their shards, as for grad_W
+            head = acc_b[:v_real].clone()
+            return_halo_grad(
+                acc_b[v_real:, None], head[:, None], p.shard_starts, p.shard_sizes,
+                p.vocab_size, p.deterministic_tile, p.tp_rank, p.tp_group,
+            )  # fmt: skip
+            acc_b = head
         grad_w = acc_w.to(weight.dtype) if need_w else None
-        return grad_h, grad_w, None, None
+        grad_b = bias_grad(None if acc_b is None else acc_b[:v_real], bias)
+        return grad_h, grad_w, grad_b, None, None

@@ -34,6 +34,7 @@ import torch
 
 from lp_kernels._compile import backend_backward
 from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
+from lp_kernels._softcap import softcap_
 from lp_kernels._stats import (
     N_STATS,
     d_logits_,
@@ -85,39 +86,53 @@ def scaled_logits_chunks(
     w_real: torch.Tensor,
     p: LogprobParams,
     zero_rows: torch.Tensor | None = None,
+    b_real: torch.Tensor | None = None,
 ):
-    """Yield ``(r0, r1, rows, h_c, z)``: padded hidden rows and ``z = h_c W_r^T / T`` in fp32.
+    """Yield ``(r0, r1, rows, h_c, z)``: padded hidden rows and ``z = softcap(h_c W_r^T + b) /
+    T`` in fp32 (``b_real``: the fp32 bias of ``w_real``'s rows, or None; the cap if
+    ``p.softcap``).
 
     Rows flagged in ``zero_rows [N]`` get logits of a zero hidden row (``h_c`` itself is
     yielded unchanged): the backward's ignored rows, so that their d_logits are exact
     zeros even where their hidden state is not finite, at the cost of one pass over the
     ``[C, H]`` chunk rather than over ``[C, V]``.
     """
+    for r0, r1, rows, h_c, z, _ in _logits_chunks(hidden, w_real, p, zero_rows, b_real):
+        yield r0, r1, rows, h_c, z
+
+
+def _logits_chunks(hidden, w_real, p: LogprobParams, zero_rows, b_real, slope: bool = False):
+    """:func:`scaled_logits_chunks` with a sixth item: the cap's slope ``1 - tanh^2``
+    (fp32 ``[rows, V_r]``) when ``slope`` and ``p.softcap``, else None."""
     for r0, r1, rows in chunks(hidden.shape[0], p.chunk_size):
         h_c = padded_rows(hidden, r0, r1, rows)
         h_z = h_c
         if zero_rows is not None:
             h_z = torch.where(padded_rows(zero_rows, r0, r1, rows, False)[:, None], 0, h_c)
         z = mm_f32(h_z, w_real.T)  # [rows, V_r]
+        if b_real is not None:
+            z.add_(b_real)
+        s = None
+        if p.softcap is not None:  # on the raw logits, before the temperature
+            s = softcap_(z, p.softcap, slope=slope)
         if p.temperature != 1.0:
             z.mul_(p.inv_temperature)
-        yield r0, r1, rows, h_c, z
+        yield r0, r1, rows, h_c, z, s
 
 
 class LinearLogprobTorch(torch.autograd.Function):
     """Chunked torch implementation; see the module docstring."""
 
     @staticmethod
-    def forward(
-        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, p: LogprobParams
-    ):
+    def forward(ctx, hidden, weight, bias, targets, p: LogprobParams):
         ctx.set_materialize_grads(False)
         n = hidden.shape[0]
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
+        b_real = None if bias is None else bias[:v_real].float()
         t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
         stats = scratch.empty((n, N_STATS), dtype=torch.float32, device=hidden.device)
-        for r0, r1, rows, _, z in scaled_logits_chunks(hidden, w_real, p):
+        for r0, r1, rows, _, z in scaled_logits_chunks(hidden, w_real, p, b_real=b_real):
             part = torch.empty((rows, N_STATS), dtype=torch.float32, device=hidden.device)
             local_stats(
                 z,
@@ -129,19 +144,21 @@ class LinearLogprobTorch(torch.autograd.Function):
             stats[r0:r1] = part[: r1 - r0]
         gathered = gather_stats(stats, p.tp_group, p.tp_size)
         lse, mean_z, zt, ent = merge_stats(gathered, entropy=p.return_entropy)
-        ctx.save_for_backward(hidden, weight, targets, lse, mean_z)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_z)
         ctx.params = p
         return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
     @staticmethod
     @backend_backward
     def backward(ctx, g_lp, g_ent, g_lse):
-        hidden, weight, targets, lse, mean_z = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, mean_z = ctx.saved_tensors
         p: LogprobParams = ctx.params
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, h_dim = hidden.shape
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
+        b_real = None if bias is None else bias[:v_real].float()
+        acc_b = torch.zeros(v_real, dtype=torch.float32, device=hidden.device) if need_b else None
         reduce_h = p.tp_size > 1 and p.reduce_grad_hidden
         grad_h = None
         if need_h:
@@ -151,8 +168,9 @@ class LinearLogprobTorch(torch.autograd.Function):
         # each chunk's rows are final at once: their TP sum runs beside the next GEMMs
         sums = RowSums(grad_h, p.tp_group, p.tp_size, enabled=need_h and reduce_h)
         for r0, r1, h_c, dl in logits_grad_chunks(
-            hidden, w_real, targets, lse, mean_z, (g_lp, g_ent, g_lse), p
-        ):
+            hidden, w_real, targets, lse, mean_z, (g_lp, g_ent, g_lse), p,
+            b_real=b_real, grad_bias=acc_b,
+        ):  # fmt: skip
             if need_h:
                 grad_h[r0:r1] = mm_f32(dl, w_real)[: r1 - r0]
                 sums.ready(r1)
@@ -162,17 +180,38 @@ class LinearLogprobTorch(torch.autograd.Function):
             sums.finish()
             grad_h = grad_h.to(hidden.dtype)
         grad_w = acc_w.to(weight.dtype) if need_w else None  # no copy for fp32 weights
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, bias_grad(acc_b, bias), None, None
+
+
+def bias_grad(acc_b: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """grad_bias in the bias' dtype from its fp32 sum over the real columns (zero past them:
+    padding columns)."""
+    if acc_b is None:
+        return None
+    out = torch.zeros_like(bias)
+    out[: acc_b.shape[0]] = acc_b
+    return out
 
 
 def logits_grad_chunks(
-    hidden, w_real, targets, lse, mean_z, upstream, p: LogprobParams, vocab_start=None
+    hidden,
+    w_real,
+    targets,
+    lse,
+    mean_z,
+    upstream,
+    p: LogprobParams,
+    vocab_start=None,
+    b_real=None,
+    grad_bias=None,
 ):
     """Yield ``(r0, r1, h_c, d_l)`` per chunk: the padded hidden rows and ``d loss / d logits``.
 
     ``d_l [rows, V_r]`` is rounded to the input dtype, ready for the two gradient GEMMs;
     padding rows and ignored rows have zero upstream gradient. ``w_real``'s first row is
-    vocabulary id ``vocab_start`` (default: the shard's start).
+    vocabulary id ``vocab_start`` (default: the shard's start). ``b_real``: the fp32 bias of
+    ``w_real``'s rows, or None; ``grad_bias`` (fp32 ``[V_r]``, or None) gets each chunk's
+    fp32 column sums of ``d_l`` added, in chunk order.
     """
     v_real = w_real.shape[0]
     start = p.vocab_start if vocab_start is None else vocab_start
@@ -180,17 +219,20 @@ def logits_grad_chunks(
     g_lp, g_ent, g_lse = masked_upstream(ignored, *upstream)
     if g_ent is not None and mean_z is None:
         raise RuntimeError("entropy gradient without return_entropy (internal error)")
-    # ignored rows: logits of a zero row and a zero lse / E, so d_logits = 1 * 0 exactly
-    lse = torch.where(ignored, 0.0, lse)
+    # ignored rows: logits of a zero row (the bias alone) and lse = +inf, E = 0, so that
+    # p = 0 and d_logits = 0 * 0 exactly; padding rows likewise
+    lse = torch.where(ignored, float("inf"), lse)
     mean_z = None if mean_z is None else torch.where(ignored, 0.0, mean_z)
 
     def pad(x, r0, r1, rows):
         return None if x is None else padded_rows(x, r0, r1, rows)
 
-    for r0, r1, rows, h_c, z in scaled_logits_chunks(hidden, w_real, p, zero_rows=ignored):
+    for r0, r1, rows, h_c, z, slope in _logits_chunks(
+        hidden, w_real, p, ignored, b_real, slope=True
+    ):
         dz = d_logits_(
             z,
-            padded_rows(lse, r0, r1, rows),
+            padded_rows(lse, r0, r1, rows, float("inf")),
             pad(mean_z, r0, r1, rows),
             padded_rows(t_local, r0, r1, rows),
             padded_rows(in_shard, r0, r1, rows, False),
@@ -200,4 +242,8 @@ def logits_grad_chunks(
         )
         if p.temperature != 1.0:
             dz.mul_(p.inv_temperature)
+        if slope is not None:  # d l = d z / T * (1 - tanh^2)
+            dz.mul_(slope)
+        if grad_bias is not None:
+            grad_bias += dz.sum(dim=0)
         yield r0, r1, h_c, dz.to(hidden.dtype)

@@ -71,6 +71,7 @@ from lp_kernels._fixed_point import row_exponents
 from lp_kernels._matmul import addmm_f32_, scratch
 from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream
 from lp_kernels._types import LogprobParams
+from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
     dlogits_blocks,
     grad_weight_buffer,
@@ -87,7 +88,7 @@ from lp_kernels.backends.triton.fixed_point import (
 from lp_kernels.backends.triton.forward import forward_stats, merge
 from lp_kernels.backends.triton.gemm import matmul_acc
 from lp_kernels.distributed.collectives import RowSums, gather_stats
-from lp_kernels.distributed.halo import owned_halo, return_halo_grad, with_halo
+from lp_kernels.distributed.halo import bias_halo, owned_halo, return_halo_grad, with_halo
 from lp_kernels.tiles import DETERMINISTIC_TILE as TILE
 
 # Tiles wider than half a vocabulary chunk (the default tile's plan): the memory that the
@@ -190,25 +191,34 @@ def _codes_in(t_all, c0: int, count: int):
     return torch.where(hit, t_all - c0, t_all.clamp(max=-1))
 
 
-def _span_blocks(hidden, w_real, halo, t_all, lse, mean_z, grads, p, cfg, spans, width):
+def _span_blocks(hidden, w_real, halo, t_all, lse, mean_z, grads, p, cfg, spans, width, bias=None):
     """:func:`dlogits_blocks` over the backward's spans (columns of the
     shard's real rows, then the halo), with each span's weight rows: ``(v_begin, v_count,
     blocks, w_span)``. Spans within the real rows read them in place; the spans from the
     first one that runs past them (into the halo) read a copy of the rows from its start
     joined to the halo (:func:`_weight_parts`): at most a tile or a vocabulary chunk. The
     d_logits buffer keeps its width, so every GEMM call is the one it would be on one
-    joined operand."""
+    joined operand. ``bias``: None, or ``(b_real, b_halo, grad_bias)``: the fp32 bias of
+    the shard's real rows and of its halo, and the fp32 grad_bias over both (the column
+    sums of d l are added to it)."""
     v_real = w_real.shape[0]
     k = next((j for j, (b, c, *_) in enumerate(spans) if b + c > v_real), len(spans))
     cross = spans[k][0] if k < len(spans) else v_real
     parts = _weight_parts(w_real, halo, 0, cross)  # one part without a halo (k = all)
-    for (c0, w), sub in zip(parts, (spans[:k], spans[k:]), strict=False):
+    b_parts = [(None, None)] * len(parts)
+    if bias is not None:
+        b_real, b_halo, grad_bias = bias
+        b_parts = [
+            (b, None if grad_bias is None else grad_bias[c0 : c0 + b.shape[0]])
+            for c0, b in _weight_parts(b_real, b_halo, 0, cross)
+        ]
+    for (c0, w), (b, g_b), sub in zip(parts, b_parts, (spans[:k], spans[k:]), strict=False):
         if not sub:
             continue
         local = [(b - c0, c) for b, c in sub]
         t = t_all if c0 == 0 else _codes_in(t_all, c0, w.shape[0])
         for v_begin, v_count, blocks in dlogits_blocks(
-            hidden, w, t, lse, mean_z, grads, p, cfg, pieces=(local, width)
+            hidden, w, t, lse, mean_z, grads, p, cfg, (local, width), b, g_b
         ):
             yield c0 + v_begin, v_count, blocks, w[v_begin : v_begin + v_count]
 
@@ -217,7 +227,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
     """TP-invariant fused implementation; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, p: LogprobParams):
+    def forward(ctx, hidden, weight, bias, targets, p: LogprobParams):
         ctx.set_materialize_grads(False)
         cfg, _ = deterministic_config(
             hidden.device, hidden.dtype, p.deterministic_tile, p.tile_config
@@ -226,6 +236,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         halo_rows = p.tile_ownership().halo
         hidden, w_real, t_all, ignored = kernel_inputs(hidden, weight, targets, p, halo_rows)
         own, halo = owned_halo(w_real, p)
+        b_real, b_halo = bias_halo(bias, w_real.shape[0], p)
         # The owned tiles in one launch over the shard's rows, or, with a halo, two: the
         # tiles within the shard (a view), then the last one over its rows joined to the
         # halo (a copy of one tile); each launch's splits are whole tiles. Every rank
@@ -233,45 +244,57 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         tile = p.deterministic_tile
         cross = own.skip + (own.tiles - 1) * tile if halo.shape[0] else own.skip + own.ext
         parts = _weight_parts(w_real, halo, own.skip, cross)
-        launches = [(c0, w) for c0, w in parts if w.shape[0]] or parts[:1]
+        b_parts = [None] * len(parts)
+        if b_real is not None:
+            b_parts = [b for _, b in _weight_parts(b_real, b_halo, own.skip, cross)]
+        launches = [(c0, w, b) for (c0, w), b in zip(parts, b_parts, strict=True) if w.shape[0]]
+        launches = launches or [(*parts[0], b_parts[0])]
         fwd = []
-        for i, (c0, w) in enumerate(launches):
+        for i, (c0, w, b) in enumerate(launches):
             tiles = triton.cdiv(w.shape[0], tile)
             if i == len(launches) - 1:
                 tiles = own.max_tiles - (c0 - own.skip) // tile
             t_w = _codes_in(t_all, c0, w.shape[0])  # target codes in the launch's columns
-            fwd.append((w, t_w, dataclasses.replace(p, max_v_local=tiles * tile)))
+            fwd.append((w, t_w, dataclasses.replace(p, max_v_local=tiles * tile), b))
         n = hidden.shape[0]
         parts = []
         step = _stats_rows(p, cfg, own.max_tiles)
         for r0 in range(0, max(n, 1), step):
             r1 = min(n, r0 + step)
-            stats = [forward_stats(hidden[r0:r1], w, t[r0:r1], pf, cfg) for w, t, pf in fwd]
+            stats = [forward_stats(hidden[r0:r1], w, t[r0:r1], pf, cfg, b) for w, t, pf, b in fwd]
             stats = stats[0] if len(stats) == 1 else torch.cat(stats)  # [T_max, rows, 4]
             gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, T_max, rows, 4]
             parts.append(merge(gathered.flatten(0, 1), entropy=p.return_entropy))
         lse, mean_z, zt, ent = (
             None if part[0] is None else torch.cat(part) for part in zip(*parts, strict=True)
         )
-        ctx.save_for_backward(hidden, weight, t_all, ignored, lse, mean_z, halo)
+        ctx.save_for_backward(hidden, weight, bias, t_all, ignored, lse, mean_z, halo, b_halo)
         ctx.params = p
         return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
     @staticmethod
     @backend_backward
     def backward(ctx, g_lp, g_ent, g_lse):
-        hidden, weight, t_all, ignored, lse, mean_z, halo = ctx.saved_tensors
+        hidden, weight, bias, t_all, ignored, lse, mean_z, halo, b_halo = ctx.saved_tensors
         p: LogprobParams = ctx.params
         tile = p.deterministic_tile
         cfg, fixed = deterministic_config(hidden.device, hidden.dtype, tile, p.tile_config)
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, h_dim = hidden.shape
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
         own = p.tile_ownership()
         grads = masked_upstream(ignored, g_lp, g_ent, g_lse)
         dev = hidden.device
-        spans, n_frag, width = backward_spans(own, p, cfg.vocab_chunk, need_w)
+        # the head fragment's span (several tiles per piece) serves grad_W and grad_bias
+        spans, n_frag, width = backward_spans(own, p, cfg.vocab_chunk, need_w or need_b)
+        b_real = None if bias is None else bias[:v_real].float()
+        span_bias = None  # (b_real, b_halo, grad_bias over the real rows, then the halo)
+        if bias is not None:
+            acc_b = None
+            if need_b:
+                acc_b = torch.zeros(v_real + own.halo, dtype=torch.float32, device=dev)
+            span_bias = (b_real, b_halo, acc_b)
         # Pieces within one tile each (tiles wider than half a chunk) are cut alike on every
         # layout, and so are the d_logits buffer's shape and strides: then cuBLAS may
         # compute grad_W (the same call on every layout; a piece that runs into the halo
@@ -286,7 +309,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         )  # tiles rounded per pass (per_tile)
         pending = 0  # tiles whose products wait in leaf32 (per_tile)
         if need_h:
-            e, bad = row_exponents(hidden, w_real, lse, ignored, *grads, p)
+            e, bad = row_exponents(hidden, w_real, lse, ignored, *grads, p, b_real=b_real)
             scale = torch.exp2(e).float()
             # the first rounding overwrites it (ACC=False), unless no tile is here
             alloc = torch.empty if own.ext > 0 else torch.zeros
@@ -327,7 +350,9 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             halo_alloc = torch.empty if n > 0 else torch.zeros
             grad_halo = halo_alloc((own.halo, h_dim), dtype=weight.dtype, device=dev)
         for j, (v_begin, v_count, blocks, w_chunk) in enumerate(
-            _span_blocks(hidden, w_real, halo, t_all, lse, mean_z, grads, p, cfg, spans, width)
+            _span_blocks(
+                hidden, w_real, halo, t_all, lse, mean_z, grads, p, cfg, spans, width, span_bias
+            )
         ):
             local = max(0, min(v_begin + v_count, v_real) - v_begin)  # its grad_W rows
             # and its rows of grad_halo (per_tile): the span's columns [local, v_count)
@@ -389,4 +414,15 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                 grad_halo, grad_w, p.shard_starts, p.shard_sizes, p.vocab_size, tile,
                 p.tp_rank, p.tp_group,
             )  # fmt: skip
-        return grad_h, grad_w, None, None
+        grad_b = None
+        if need_b:
+            acc_b = span_bias[2]
+            if per_tile and p.tp_size > 1:  # the halo's entries to their shards, as grad_W's
+                head = acc_b[:v_real].clone()
+                return_halo_grad(
+                    acc_b[v_real:, None], head[:, None], p.shard_starts, p.shard_sizes,
+                    p.vocab_size, tile, p.tp_rank, p.tp_group,
+                )  # fmt: skip
+                acc_b = head
+            grad_b = bias_grad(acc_b[:v_real], bias)
+        return grad_h, grad_w, grad_b, None, None

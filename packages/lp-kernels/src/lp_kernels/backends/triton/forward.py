@@ -26,21 +26,22 @@ from lp_kernels.backends.triton.config import (
     logit_flags,
     tma_ok,
 )
-from lp_kernels.backends.triton.tl_utils import grouped, logits_tile
+from lp_kernels.backends.triton.tl_utils import grouped, logits_tile, softcap_tile
 
 # ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit(do_not_specialize=["N", "V_real", "splits", "group"])
 def fwd_stats_kernel(
-    h_src, w_src, t_ptr, stats_ptr,
-    N, H, V_real, inv_t, splits, group,
+    h_src, w_src, t_ptr, stats_ptr, b_ptr,
+    N, H, V_real, inv_t, cap, inv_cap, splits, group,
     stride_hn, stride_hh, stride_wv, stride_wh,
     V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target]."""
+    """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target],
+    with z = softcap(h W^T (+ b)) / T (``SOFTCAP``: c tanh(l / c))."""
     i_n, i_s = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -58,6 +59,10 @@ def fwd_stats_kernel(
             h_src, w_src, i_n * BLOCK_N, v0, m_n, m_v, H, stride_hn, stride_hh, stride_wv,
             stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET, PRECISION, TMA,
         )  # fmt: skip
+        if HAS_BIAS:  # fp32 bias of the tile's columns
+            b_z += tl.load(b_ptr + o_v, mask=m_v, other=0.0)[None, :]
+        if SOFTCAP:
+            b_z, _ = softcap_tile(b_z, cap, inv_cap)
         b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
         # masked: a split that is not a multiple of BLOCK_V (deterministic_tile) ends
         # inside a tile whose masked columns belong to the next split
@@ -125,8 +130,10 @@ def forward_stats(
     t_col: torch.Tensor,
     p: LogprobParams,
     cfg: TileConfig,
+    b_real: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[S, N, 4]`` fp32 partial statistics of this shard's splits.
+    """``[S, N, 4]`` fp32 partial statistics of this shard's splits (``b_real``: the fp32
+    bias of ``w_real``'s rows, or None).
 
     S is set by the largest shard of the group, so that every rank exchanges the same
     number of bytes; splits past this shard's end report ``m = -inf, s = a = t = 0``.
@@ -140,15 +147,21 @@ def forward_stats(
     blocks_n = triton.cdiv(n, cfg.block_n)
     h_src, w_src, tma = logits_sources(hidden, w_real, cfg)
     fwd_stats_kernel[(blocks_n * splits,)](
-        h_src, w_src, t_col, stats,
-        n, h_dim, v_real, p.inv_temperature, splits, group_size(cfg, blocks_n),
+        h_src, w_src, t_col, stats, t_col if b_real is None else b_real,
+        n, h_dim, v_real, p.inv_temperature, *cap_args(p), splits, group_size(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1),
         V_SPLIT=cfg.v_split, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
-        ENTROPY=p.return_entropy, TMA=tma,
+        ENTROPY=p.return_entropy, TMA=tma, HAS_BIAS=b_real is not None,
+        SOFTCAP=p.softcap is not None,
         **logit_flags(hidden, cfg),
         **launch_opts(cfg, hidden.device),
     )  # fmt: skip
     return stats
+
+
+def cap_args(p: LogprobParams) -> tuple[float, float]:
+    """``(cap, 1 / cap)`` of the kernels' ``SOFTCAP`` path (unused without a cap)."""
+    return (p.softcap, 1.0 / p.softcap) if p.softcap is not None else (1.0, 1.0)
 
 
 def logits_sources(hidden: torch.Tensor, w_real: torch.Tensor, cfg: TileConfig):

@@ -66,6 +66,7 @@ from lp_kernels._matmul import addmm_f32_, scratch
 from lp_kernels._prepare import prepare, shaped
 from lp_kernels._stats import masked_outputs, masked_upstream
 from lp_kernels._types import LogProbOutput, LogprobParams
+from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
     chunk_group,
     dlogits_blocks,
@@ -86,29 +87,30 @@ class LinearLogprobTriton(torch.autograd.Function):
     """Fused Triton implementation; see the module docstring."""
 
     @staticmethod
-    def forward(
-        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, p: LogprobParams
-    ):
+    def forward(ctx, hidden, weight, bias, targets, p: LogprobParams):
         ctx.set_materialize_grads(False)
         cfg = p.tile_config or config_for(hidden.device, hidden.dtype)
         hidden, w_real, t_col, ignored = kernel_inputs(hidden, weight, targets, p)
-        stats = forward_stats(hidden, w_real, t_col, p, cfg)
+        b_real = None if bias is None else bias[: w_real.shape[0]].float()
+        stats = forward_stats(hidden, w_real, t_col, p, cfg, b_real)
         gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, S, N, 4]
         lse, mean_z, zt, ent = merge(gathered.flatten(0, 1), entropy=p.return_entropy)
-        ctx.save_for_backward(hidden, weight, t_col, ignored, lse, mean_z)
+        ctx.save_for_backward(hidden, weight, bias, t_col, ignored, lse, mean_z)
         ctx.params = p
         return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
 
     @staticmethod
     @backend_backward
     def backward(ctx, g_lp, g_ent, g_lse):
-        hidden, weight, t_col, ignored, lse, mean_z = ctx.saved_tensors
+        hidden, weight, bias, t_col, ignored, lse, mean_z = ctx.saved_tensors
         p: LogprobParams = ctx.params
         cfg = p.tile_config or config_for(hidden.device, hidden.dtype)
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, h_dim = hidden.shape
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
+        b_real = None if bias is None else bias[:v_real].float()
+        acc_b = torch.zeros(v_real, dtype=torch.float32, device=hidden.device) if need_b else None
         grads = masked_upstream(ignored, g_lp, g_ent, g_lse)
         grad_h32 = None
         if need_h:  # the first vocabulary chunk writes every element (accumulate=False)
@@ -131,7 +133,7 @@ class LinearLogprobTriton(torch.autograd.Function):
             spans = [(b, min(span, v_real - b)) for b in range(0, v_real, span)]
             pieces = (spans, min(span, pad128(v_real)))
         for v_begin, v_count, blocks in dlogits_blocks(
-            hidden, w_real, t_col, lse, mean_z, grads, p, cfg, pieces
+            hidden, w_real, t_col, lse, mean_z, grads, p, cfg, pieces, b_real, acc_b
         ):
             w_chunk = w_real[v_begin : v_begin + v_count]
             gw_slice = grad_w[v_begin : v_begin + v_count] if need_w else None
@@ -158,7 +160,7 @@ class LinearLogprobTriton(torch.autograd.Function):
         if need_h:
             sums.finish()
             grad_h = grad_h32.to(hidden.dtype)
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, bias_grad(acc_b, bias), None, None
 
 
 @eager_under_compile
@@ -191,5 +193,5 @@ def linear_logprob_with_config(
     det = prep.params.deterministic
     function = LinearLogprobTritonDeterministic if det else LinearLogprobTriton
     with _amp.autocast_off(prep.inputs.device):
-        out = function.apply(prep.inputs, prep.weight, prep.targets, prep.params)
+        out = function.apply(prep.inputs, prep.weight, prep.bias, prep.targets, prep.params)
     return shaped(out, prep.lead)

@@ -3,6 +3,7 @@
 - :func:`grouped`: the launch order (row blocks ``group`` at a time, rows fastest).
 - :func:`logits_tile`: one fp32 tile of ``h W^T`` (the forward and the d_logits kernel).
 - :func:`operand_ptrs` and :func:`gemm_step`: one K step of lp's GEMMs (fp32 and fixed point).
+- :func:`softcap_tile`: final-logit softcapping of a logits block and its slope.
 
 Operands come through tensor descriptors (``TMA``) or masked pointer loads; both feed the
 same ``tl.dot`` sequence. Under the interpreter (``INTERPRET``) dots are an fp32
@@ -57,6 +58,25 @@ def logits_tile(
         else:
             b_acc = tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=PRECISION)
     return b_acc
+
+
+@triton.jit
+def softcap_tile(b_l, cap, inv_cap):
+    """``(c tanh(l / c), 1 - tanh^2(l / c))`` of an fp32 block, from ``exp`` only (no
+    libdevice under the interpreter; the formula of ``lp_kernels._softcap``): ``e =
+    exp(-2|x|)``, ``tanh = sign(x) (1 - e) / (1 + e)``, its series below ``|x| = 1/8``,
+    slope ``4e / (1 + e)^2``; non-finite logits pass through."""
+    b_x = b_l * inv_cap
+    b_a = tl.abs(b_x)
+    b_e = tl.exp(-2.0 * b_a)
+    b_t = (1.0 - b_e) / (1.0 + b_e)
+    b_a2 = b_a * b_a
+    b_ts = b_a * (1.0 + b_a2 * (-1.0 / 3.0 + b_a2 * (2.0 / 15.0 + b_a2 * (-17.0 / 315.0))))
+    b_t = tl.where(b_a < 0.125, b_ts, b_t)
+    b_t = tl.where(b_x < 0, -b_t, b_t)
+    b_z = tl.where(b_a < float("inf"), cap * b_t, b_l)
+    b_1e = 1.0 + b_e
+    return b_z, 4.0 * b_e / (b_1e * b_1e)
 
 
 @triton.jit
