@@ -41,9 +41,11 @@ nox.options.error_on_missing_interpreters = True
 PYTHON = "3.12"
 # Every Python lp supports; pyenv provides them here (.python-version lists them, 3.12 first).
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
-# The lowest torch lp-kernels declares (pyproject: torch>=2.8) and the triton it pins: the
-# first triton with triton.tools.tensor_descriptor, which the Triton backend imports.
-TORCH_FLOOR, TRITON_FLOOR = "2.8.0", "3.4.0"
+# The lowest torch lp-kernels declares (pyproject: torch>=2.10) and the triton it pins.
+# triton.tools.tensor_descriptor, which the Triton backend imports, arrived in triton 3.4, but
+# the interpreters of 3.4 and 3.5 reject the descriptors of lp's unaligned test shapes
+# ("stride must be 16-byte aligned"); 3.6 passes.
+TORCH_FLOOR, TRITON_FLOOR = "2.10.0", "3.6.0"
 ROOT = Path(__file__).parent
 SRC_DIRS = [ROOT / "packages" / pkg / "src" for pkg in ("lp-kernels", "lp-testing", "lp-megatron")]
 # Every workspace member, found by globbing: a new packages/* member is built and checked too.
@@ -163,7 +165,7 @@ def compat_floor(session: nox.Session) -> None:
     """The compat subset on the oldest Python with the lowest declared torch and its triton."""
     _needs_venv(session)
     _uv_sync(session, "--all-packages")
-    # PyPI's torch wheel pins its triton (2.8.0 -> 3.4.0) and its CUDA 12 libraries.
+    # PyPI's torch wheel pins its triton (2.10.0 -> 3.6.0) and its CUDA 12 libraries.
     session.run_install(
         "uv",
         "pip",
