@@ -47,9 +47,9 @@ PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 # ("stride must be 16-byte aligned"); 3.6 passes.
 TORCH_FLOOR, TRITON_FLOOR = "2.10.0", "3.6.0"
 ROOT = Path(__file__).parent
-SRC_DIRS = [ROOT / "packages" / pkg / "src" for pkg in ("lp-kernels", "lp-testing", "lp-megatron")]
 # Every workspace member, found by globbing: a new packages/* member is built and checked too.
 PACKAGES = sorted(p.parent for p in ROOT.glob("packages/*/pyproject.toml"))
+SRC_DIRS = [package / "src" for package in PACKAGES]
 KERNEL_TESTS = "packages/lp-kernels/tests"
 # The compat subset (~2-4 min per Python on 2 cores): both backends (the Triton one in the
 # interpreter at small sizes), argument errors, autocast and torch.compile glue (inductor
