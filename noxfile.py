@@ -1,9 +1,12 @@
 """Nox sessions for lp.
 
-    cpu     (default, what CI runs)  install the workspace from uv.lock, run the CPU tests
-    gpu-tp  the GPU and multi-GPU tests; also runs offline against an installed env (--no-venv)
-    lint    ruff check + black --check
-    bench   the main-job command (`lp bench`)
+    cpu           (default, what CI runs)  install the workspace from uv.lock, run the CPU tests
+    compat        a fast CPU subset on every supported Python (compat-3.10 ... compat-3.13)
+    compat-floor  the same subset on Python 3.10 with the lowest torch/triton lp declares
+    wheels        build every package (wheel + sdist), check them, install each alone, import it
+    gpu-tp        the GPU and multi-GPU tests; also offline against an installed env (--no-venv)
+    lint          ruff check + black --check
+    bench         the main-job command (`lp bench`)
 
 Each session gets its own uv virtualenv under .nox/ and installs the workspace into it with
 `uv sync --locked`, so the tests run exactly what uv.lock pins.
@@ -23,6 +26,7 @@ a GPU machine with its own torch and triton and no network runs the GPU tests:
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -35,11 +39,37 @@ nox.options.default_venv_backend = "uv"
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.12"
+# Every Python lp supports; pyenv provides them here (.python-version lists them, 3.12 first).
+PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
+# The lowest torch lp-kernels declares (pyproject: torch>=2.10) and the triton it pins.
+# triton.tools.tensor_descriptor, which the Triton backend imports, arrived in triton 3.4, but
+# the interpreters of 3.4 and 3.5 reject the descriptors of lp's unaligned test shapes
+# ("stride must be 16-byte aligned"); 3.6 passes.
+TORCH_FLOOR, TRITON_FLOOR = "2.10.0", "3.6.0"
 ROOT = Path(__file__).parent
-SRC_DIRS = [
-    ROOT / "packages" / pkg / "src"
-    for pkg in ("lp-kernels", "lp-testing", "lp-megatron", "lp-hf", "lp-bench")
+# Every workspace member, found by globbing: a new packages/* member is built and checked too.
+PACKAGES = sorted(p.parent for p in ROOT.glob("packages/*/pyproject.toml"))
+SRC_DIRS = [package / "src" for package in PACKAGES]
+KERNEL_TESTS = "packages/lp-kernels/tests"
+# The compat subset (~2-4 min per Python on 2 cores): both backends (the Triton one in the
+# interpreter at small sizes), argument errors, autocast and torch.compile glue (inductor
+# included), two gloo tensor-parallel runs, lp-testing's own tests and one Megatron TP=2 parity
+# test (megatron-core 0.16.1 on 3.10/3.11, 0.19.x on 3.12+).
+COMPAT_TESTS = [
+    f"{KERNEL_TESTS}/test_linear_parity.py",
+    f"{KERNEL_TESTS}/test_errors.py",
+    f"{KERNEL_TESTS}/test_vocab_parallel_logprob.py",
+    f"{KERNEL_TESTS}/test_amp.py",
+    f"{KERNEL_TESTS}/test_compile.py",
+    f"{KERNEL_TESTS}/test_tensor_parallel.py::test_linear_logprob_tp_matches_single_process[2-torch]",
+    f"{KERNEL_TESTS}/test_tensor_parallel.py::test_linear_logprob_tp_matches_single_process[3-triton]",
+    "packages/lp-testing/tests",
+    "packages/lp-megatron/tests/test_megatron_head.py::test_parity_with_stock_logits[tp2]",
 ]
+VERSIONS = (
+    "import sys, torch, triton; print(f'python {sys.version.split()[0]}, torch {torch.__version__},"
+    " triton {triton.__version__}')"
+)
 CPU_TESTS = "not gpu and not multigpu"
 GPU_TESTS = "gpu or multigpu"
 GPU_CHECK = (
@@ -62,9 +92,22 @@ def _uv_sync(session: nox.Session, *args: str) -> None:
         "uv",
         "sync",
         "--locked",
+        # The venv's own interpreter: without it uv would replace a 3.10 venv with the
+        # .python-version default (3.12).
+        "--python",
+        _venv_python(session),
         *args,
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
     )
+
+
+def _venv_python(session: nox.Session) -> str:
+    return str(Path(session.virtualenv.bin) / "python")
+
+
+def _needs_venv(session: nox.Session) -> None:
+    if _no_venv(session):
+        session.error(f"{session.name} installs into its own venvs: run it without --no-venv")
 
 
 def _python(session: nox.Session) -> str:
@@ -78,11 +121,12 @@ def _source_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(paths)}
 
 
-def _pytest(session: nox.Session, marker: str) -> None:
-    """Run pytest on the `marker` selection; exit code 5 (no tests collected) fails."""
+def _pytest(session: nox.Session, marker: str, *paths: str) -> None:
+    """Run pytest on the `marker` selection (of `paths`, default the configured testpaths);
+    exit code 5 (no tests collected) fails."""
     env = {"OMP_NUM_THREADS": "1"}  # fork after a threaded torch op hangs in OpenMP otherwise
     if not _no_venv(session):
-        session.run("pytest", "-m", marker, *session.posargs, env=env)
+        session.run("pytest", "-m", marker, *paths, *session.posargs, env=env)
         return
     # Load the plugin by module name, unless lp-testing is installed: then its pytest11
     # entry point loads it, and a second `-p lp_testing.plugin` makes pytest refuse to start.
@@ -95,7 +139,9 @@ def _pytest(session: nox.Session, marker: str) -> None:
     )
     plugin = [] if str(installed).strip().endswith("True") else ["-p", "lp_testing.plugin"]
     env |= _source_env()
-    session.run(_python(session), "-m", "pytest", *plugin, "-m", marker, *session.posargs, env=env)
+    session.run(
+        _python(session), "-m", "pytest", *plugin, "-m", marker, *paths, *session.posargs, env=env
+    )
 
 
 @nox.session(python=PYTHON)
@@ -103,6 +149,101 @@ def cpu(session: nox.Session) -> None:
     """CPU tests (torch backend, Triton interpreter, gloo ranks). What CI runs."""
     _uv_sync(session, "--all-packages")
     _pytest(session, CPU_TESTS)
+
+
+@nox.session(python=PYTHONS)
+def compat(session: nox.Session) -> None:
+    """A fast CPU subset of the tests on each supported Python, installed from uv.lock."""
+    _needs_venv(session)
+    _uv_sync(session, "--all-packages")
+    session.run("python", "-c", VERSIONS)
+    _pytest(session, CPU_TESTS, *COMPAT_TESTS)
+
+
+@nox.session(name="compat-floor", python=PYTHONS[0])
+def compat_floor(session: nox.Session) -> None:
+    """The compat subset on the oldest Python with the lowest declared torch and its triton."""
+    _needs_venv(session)
+    _uv_sync(session, "--all-packages")
+    # PyPI's torch wheel pins its triton (2.10.0 -> 3.6.0) and its CUDA 12 libraries.
+    session.run_install(
+        "uv",
+        "pip",
+        "install",
+        "--python",
+        _venv_python(session),
+        f"torch=={TORCH_FLOOR}",
+        f"triton=={TRITON_FLOOR}",
+    )
+    check = (
+        f"import torch, triton; assert torch.__version__.split('+')[0] == {TORCH_FLOOR!r}, "
+        f"torch.__version__; assert triton.__version__ == {TRITON_FLOOR!r}, triton.__version__"
+    )
+    session.run("python", "-c", check)
+    session.run("python", "-c", VERSIONS)
+    _pytest(session, CPU_TESTS, *COMPAT_TESTS)
+
+
+@nox.session(python=PYTHON)
+def wheels(session: nox.Session) -> None:
+    """Build every package's wheel and sdist, check them, install each wheel alone, import it.
+
+    Each wheel goes into a fresh `uv venv`, its dependencies resolved from the wheels just
+    built (`--find-links`) and PyPI, constrained to uv.lock's versions so that uv's cache
+    serves torch. lp-kernels must import, and compute, with torch alone."""
+    _needs_venv(session)
+    _uv_sync(session, "--only-group", "dev")  # packaging and trove-classifiers for the checks
+    tmp = Path(session.create_tmp())
+    dist, venvs = tmp / "dist", tmp / "venvs"
+    for path in (dist, venvs):
+        shutil.rmtree(path, ignore_errors=True)
+    for package in PACKAGES:
+        # sdist first, then the wheel from the sdist: proves the sdist is complete.
+        session.run("uv", "build", "--out-dir", str(dist), str(package), external=True)
+    session.run("python", str(ROOT / ".ci" / "check_dists.py"), str(dist))
+    constraints = tmp / "constraints.txt"
+    session.run(
+        "uv",
+        "export",
+        "--locked",
+        "--all-packages",
+        "--no-emit-workspace",
+        "--no-default-groups",
+        "--no-hashes",
+        "--no-header",
+        "--quiet",
+        "--output-file",
+        str(constraints),
+        external=True,
+    )
+    wheel_files = sorted(dist.glob("*.whl"))
+    if len(wheel_files) != len(PACKAGES):
+        session.error(f"{len(PACKAGES)} packages but {len(wheel_files)} wheels in {dist}")
+    for wheel in wheel_files:
+        venv = venvs / wheel.name.split("-")[0]
+        python = str(venv / "bin" / "python")
+        session.run("uv", "venv", "--quiet", "--python", PYTHON, str(venv), external=True)
+        session.run(
+            "uv",
+            "pip",
+            "install",
+            "--python",
+            python,
+            "--find-links",
+            str(dist),
+            "--constraints",
+            str(constraints),
+            str(wheel),
+            external=True,
+        )
+        # PYTHONPATH unset: only what the wheel installed may be imported.
+        session.run(
+            python,
+            str(ROOT / ".ci" / "import_wheel.py"),
+            str(wheel),
+            external=True,
+            env={"PYTHONPATH": ""},
+        )
 
 
 @nox.session(name="gpu-tp", python=PYTHON)
