@@ -106,6 +106,12 @@ def prepare(
     else:
         problem, v_local, align = 0, width, None
         tile = deterministic_tile if deterministic else DETERMINISTIC_TILE
+    if tp_group is None and v_local == 0:
+        what = "weight has no rows" if linear else "logits has an empty last dimension"
+        raise ValueError(
+            f"{what} (V_local = 0): without tp_group it must hold the whole vocabulary, "
+            f"at least one entry (got shape {tuple((weight if linear else inputs).shape)})"
+        )
     layout = resolve_vocab(
         tp_group,
         v_local=v_local,
