@@ -110,6 +110,7 @@ class VocabParallelLogprob(torch.autograd.Function):
                 padded_rows(in_shard, r0, r1, rows, False),
                 entropy=p.return_entropy,
                 out=part,
+                masked=True,  # logits may be masked to -inf (top-k / top-p)
             )
             stats[r0:r1] = part[: r1 - r0]
         lse, mean_z, zt, ent = merge_stats(
@@ -141,6 +142,7 @@ class VocabParallelLogprob(torch.autograd.Function):
                     None if g is None else padded_rows(g, r0, r1, rows)
                     for g in (g_lp, g_ent, g_lse)
                 ),
+                masked=True,
             )
             if p.temperature != 1.0:
                 dz.mul_(p.inv_temperature)
