@@ -5,9 +5,11 @@ given (group, local layout) all-gathers a small int64 record from every rank (sh
 start, vocab_size, H, dtype, flags) and checks the whole table on every rank with the same
 code, so a bad layout raises the same ``ValueError`` on every rank and no rank is left
 waiting. The resolved layout is cached per group; later calls with the same local layout
-spend no collective and no host sync. Caveat: the cache is per rank, so a layout that
-changes on some ranks but not on others is not re-checked in lockstep; change layouts on
-every rank together (Megatron never changes them).
+spend no collective and no host sync. Caveat: the cache is per rank, so with
+``validate=False`` a layout that changes on some ranks but not on others is not
+re-checked in lockstep; change layouts on every rank together (Megatron never changes
+them). With ``validate=True`` the per-call record (:mod:`lp_kernels.distributed.contract`)
+carries the layout key and :func:`check_table` checks it on every call.
 """
 
 from __future__ import annotations
