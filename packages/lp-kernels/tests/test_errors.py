@@ -43,8 +43,28 @@ def _call(**over):
             "its dtype is not float32, bfloat16 or float16",
         ),
         ({"weight": torch.ones(V, H + 1)}, ValueError, "hidden size"),
-        ({"weight": torch.ones(0, H)}, ValueError, "V_local = 0"),
-        ({"weight": torch.ones(V, H, device="meta")}, ValueError, "different device"),
+        ({"weight": torch.ones(0, H)}, ValueError, r"weight has no rows \(V_local = 0\)"),
+        ({"weight": torch.ones(V, H, device="meta")}, ValueError, "weight is on the meta device"),
+        ({"hidden": torch.ones(N, H, device="meta")}, ValueError, "hidden is on the meta device"),
+        (
+            {"targets": torch.zeros(N, dtype=torch.long, device="meta")},
+            ValueError,
+            "targets is on the meta device",
+        ),
+        (
+            {"weight": torch.eye(V, H).to_sparse()},
+            TypeError,
+            "weight must be a dense \\(strided\\) tensor, got layout torch.sparse_coo",
+        ),
+        (
+            {"weight": torch.eye(V, H).to_sparse_csr()},
+            TypeError,
+            "weight must be a dense \\(strided\\) tensor, got layout torch.sparse_csr",
+        ),
+        ({"tp_group": "world"}, TypeError, "tp_group must be None or a torch.distributed.Pro"),
+        ({"tp_group": 0}, TypeError, "tp_group must be None or a torch.distributed.Pro"),
+        ({"ignore_index": -(2**63) - 1}, ValueError, "ignore_index must fit in int64"),
+        ({"ignore_index": 2**63}, ValueError, "ignore_index must fit in int64"),
         ({"bias": [0.0] * V}, TypeError, "bias must be a torch.Tensor"),
         ({"bias": torch.zeros(V + 1)}, ValueError, r"its bias must be 1-D \[V_local\]"),
         ({"bias": torch.zeros(1, V)}, ValueError, r"its bias must be 1-D \[V_local\]"),
@@ -119,3 +139,20 @@ def test_vocab_parallel_logprob_bad_arguments():
         vocab_parallel_logprob(logits, targets, temperature=-2.0)
     with pytest.raises(ValueError, match="deterministic_tile must be a positive multiple of 128"):
         vocab_parallel_logprob(logits, targets, deterministic=True, deterministic_tile=64)
+    with pytest.raises(ValueError, match=r"logits has an empty last dimension \(V_local = 0\)"):
+        vocab_parallel_logprob(torch.randn(N, 0), targets)
+    with pytest.raises(ValueError, match="logits is on the meta device"):
+        vocab_parallel_logprob(logits.to("meta"), targets)
+    with pytest.raises(TypeError, match=r"logits must be a dense \(strided\) tensor"):
+        vocab_parallel_logprob(logits.to_sparse(), targets)
+    with pytest.raises(TypeError, match=r"tp_group must be None or a torch\.distributed"):
+        vocab_parallel_logprob(logits, targets, tp_group="world")
+    with pytest.raises(ValueError, match="ignore_index must fit in int64"):
+        vocab_parallel_logprob(logits, targets, ignore_index=-(2**63) - 1)
+
+
+@pytest.mark.gpu
+def test_weight_on_another_device():
+    hidden, weight, targets = _args()
+    with pytest.raises(ValueError, match="different device than hidden"):
+        linear_logprob(hidden, weight.cuda(), targets)

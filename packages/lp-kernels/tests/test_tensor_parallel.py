@@ -163,8 +163,9 @@ def test_vocab_parallel_logprob_tp_matches_single_process():
         )
 
 
-def _count_gathers_rank(rank, world):
-    """Layout validation costs one all-gather on the first call only."""
+def _count_gathers_rank(rank, world, validate):
+    """validate=True: one per-call record and the statistics, every call. validate=False:
+    the layout table on the first call of a layout only, then the statistics."""
     calls = []
     real = lp_layout.dist.all_gather_into_tensor
 
@@ -179,7 +180,7 @@ def _count_gathers_rank(rank, world):
         counts = []
         for _ in range(3):
             before = len(calls)
-            linear_logprob(p.hidden, w, p.targets, tp_group=dist.group.WORLD)
+            linear_logprob(p.hidden, w, p.targets, tp_group=dist.group.WORLD, validate=validate)
             counts.append(len(calls) - before)
         return counts
     finally:
@@ -187,8 +188,10 @@ def _count_gathers_rank(rank, world):
 
 
 def test_layout_is_validated_once_per_group_and_layout():
-    for counts in run_ranks(_count_gathers_rank, 2, timeout=60):
+    for counts in run_ranks(_count_gathers_rank, 2, False, timeout=60):
         assert counts == [2, 1, 1]  # layout table + statistics, then statistics only
+    for counts in run_ranks(_count_gathers_rank, 2, True, timeout=60):
+        assert counts == [2, 2, 2]  # the per-call record (layout included) + statistics
 
 
 def _bad_layout_rank(rank, world, case):

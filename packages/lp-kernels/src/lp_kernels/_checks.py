@@ -18,6 +18,7 @@ import torch
 from lp_kernels.tiles import DETERMINISTIC_TILE
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -48,11 +49,35 @@ def check_tensor(x: Any, name: str, *, min_dim: int = 1) -> torch.Tensor:
             f"{name} is a DTensor (placements {tuple(x.placements)}); lp takes local "
             f"tensors here. {what}"
         )
+    if x.layout != torch.strided:
+        raise TypeError(
+            f"{name} must be a dense (strided) tensor, got layout {x.layout}; "
+            f"pass {name}.to_dense()"
+        )
+    if x.device.type == "meta":
+        raise ValueError(
+            f"{name} is on the meta device (shapes only, no data); lp computes on real "
+            "tensors: materialize it on cpu or cuda first (e.g. module.to_empty(...) and load "
+            "the weights)"
+        )
     if x.dim() < min_dim:
         raise ValueError(
             f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}"
         )
     return x
+
+
+def check_tp_group(tp_group: Any) -> None:
+    """``tp_group``: None or a ``torch.distributed.ProcessGroup``."""
+    if tp_group is None:
+        return
+    group_type = getattr(torch.distributed, "ProcessGroup", None)
+    if group_type is None or not isinstance(tp_group, group_type):
+        raise TypeError(
+            "tp_group must be None or a torch.distributed.ProcessGroup (e.g. "
+            "torch.distributed.new_group(...), or torch.distributed.group.WORLD once the "
+            f"default group is initialized), got {type(tp_group).__name__} {tp_group!r}"
+        )
 
 
 def check_float_dtype(x: torch.Tensor, name: str) -> None:
@@ -95,6 +120,11 @@ def check_options(
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not INT64_MIN <= ignore_index <= INT64_MAX:
+        raise ValueError(
+            f"ignore_index must fit in int64 (targets are compared with it as int64), got "
+            f"{ignore_index}; use a negative value such as -100"
+        )
     if chunk_size is not None and (
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
     ):
@@ -106,6 +136,7 @@ def check_options(
             raise ValueError(f"{name} must be None or a non-negative int, got {val!r}")
     if vocab_size == 0:
         raise ValueError("vocab_size must be >= 1")
+    check_tp_group(tp_group)
     if tp_group is None and vocab_start not in (None, 0):
         raise ValueError(
             f"vocab_start={vocab_start} needs tp_group: without it the weight is the whole "

@@ -65,8 +65,36 @@ def eager_under_compile(fn: Callable[P, R]) -> Callable[P, R]:
     return op
 
 
+TWICE = (
+    "lp's ops are differentiable once: their backward computes the first-order gradient "
+    "only, so a second derivative through it (torch.autograd.grad(..., create_graph=True), "
+    "e.g. a gradient penalty, or an upstream gradient that itself requires grad) would be "
+    "silently zero. Compute the first-order gradient without create_graph, or take the "
+    "logits path (hidden @ weight.T, log_softmax) for higher-order terms"
+)
+"""The message of the RuntimeError a backward raises when asked for a graph of itself."""
+
+
+def differentiable_once(fn: Callable) -> Callable:
+    """Decorator for a ``backward(ctx, *grads)``: raise :data:`TWICE` (``RuntimeError``)
+    when the engine builds a graph of the backward (grad mode on inside it, which is
+    ``create_graph=True``) or an upstream gradient requires grad. Never a silent zero."""
+
+    @functools.wraps(fn)
+    def backward(ctx, *grads):
+        if torch.is_grad_enabled() or any(
+            isinstance(g, torch.Tensor) and g.requires_grad for g in grads
+        ):
+            raise RuntimeError(TWICE)
+        return fn(ctx, *grads)
+
+    return backward
+
+
 def backend_backward(fn: Callable) -> Callable:
-    """Decorator for a backend Function's ``backward``: ``once_differentiable``, autocast
-    off (:func:`lp_kernels._amp.backward_without_autocast`), eager under
-    ``torch.compile``."""
-    return eager_under_compile(backward_without_autocast(once_differentiable(fn)))
+    """Decorator for a backend Function's ``backward``: differentiable once
+    (:func:`differentiable_once`, then ``once_differentiable``), autocast off
+    (:func:`lp_kernels._amp.backward_without_autocast`), eager under ``torch.compile``."""
+    return eager_under_compile(
+        backward_without_autocast(differentiable_once(once_differentiable(fn)))
+    )

@@ -6,7 +6,10 @@ its logits ``[*, V_local]`` (``weight=None``). Checks that depend only on argume
 rank passes alike raise at once; those that involve a rank's own shard travel in the
 cross-rank layout record (:mod:`lp_kernels.distributed.layout`), so they raise on every
 rank. The data-dependent target check is the one host sync, skipped with
-``validate=False``.
+``validate=False``. Under a ``tp_group`` of several ranks with ``validate=True``, the
+per-call rank contract (:mod:`lp_kernels.distributed.contract`) exchanges one record of
+the call, which also carries the layout and the targets' verdict: every rank raises the
+same error, and the call still has one host sync.
 
 A DTensor weight (torch-native tensor parallel) is first turned into its local tensors and
 tensor-parallel arguments (:mod:`lp_kernels.distributed.dtensor`).
@@ -17,13 +20,15 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from lp_kernels import _amp, _checks
 from lp_kernels._matmul import common_operands
 from lp_kernels._types import LogProbOutput, LogprobParams
 from lp_kernels.backends.torch.linear import default_chunk_rows
+from lp_kernels.distributed.contract import call_fields, exchange_call_record
 from lp_kernels.distributed.dtensor import local_args
-from lp_kernels.distributed.layout import resolve_vocab
+from lp_kernels.distributed.layout import layout_key, resolve_vocab
 from lp_kernels.tiles import DETERMINISTIC_TILE, default_deterministic_tile
 
 GROUP_COLUMNS = 16384
@@ -73,10 +78,14 @@ def prepare(
     tile_config: Any = None,
     bias: Any = None,
     softcap: Any = None,
+    hint: str | None = None,
 ) -> Prepared:
     """Check and resolve one call's arguments (see the public ops for their meaning).
 
     ``weight=None``: ``inputs`` are logits (``deterministic_tile`` then must be an int).
+    ``hint``: appended to the per-call rank contract's errors (``validate=True`` under a
+    ``tp_group`` of several ranks; :func:`lp_kernels.distributed.contract.exchange_call_record`),
+    for a caller that knows a likely cause of ranks disagreeing.
 
     Raises:
         TypeError, ValueError: as documented by the public ops; layout errors on every rank.
@@ -150,24 +159,55 @@ def prepare(
     else:
         problem, v_local, align = 0, width, None
         tile = deterministic_tile if deterministic else DETERMINISTIC_TILE
-    layout = resolve_vocab(
-        tp_group,
-        v_local=v_local,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        hidden=width if linear else 0,
-        dtype=inputs.dtype,
-        deterministic=bool(deterministic),
-        device=inputs.device,
-        problem=problem,
-        tile=tile,
-        align=align,
-    )
+    if tp_group is None and v_local == 0:
+        what = "weight has no rows" if linear else "logits has an empty last dimension"
+        raise ValueError(
+            f"{what} (V_local = 0): without tp_group it must hold the whole vocabulary, "
+            f"at least one entry (got shape {tuple((weight if linear else inputs).shape)})"
+        )
+    layout_args = {
+        "v_local": v_local,
+        "vocab_start": vocab_start,
+        "vocab_size": vocab_size,
+        "hidden": width if linear else 0,
+        "dtype": inputs.dtype,
+        "deterministic": bool(deterministic),
+        "problem": problem,
+        "tile": tile,
+        "align": align,
+    }
+    # the per-call rank contract: one record per call, before any size-dependent collective
+    exchange = validate and tp_group is not None and dist.get_world_size(tp_group) > 1
+    if exchange:
+        layout = exchange_call_record(
+            tp_group,
+            key=layout_key(**layout_args),
+            fields=call_fields(
+                n=targets.numel(),
+                linear=linear,
+                return_entropy=bool(return_entropy),
+                return_lse=bool(return_lse),
+                reduce_grad_hidden=bool(reduce_grad_hidden),
+                temperature=temperature,
+                ignore_index=ignore_index,
+                inputs_grad=inputs.requires_grad,
+                weight_grad=linear and weight.requires_grad,
+                backend=backend,
+                device=inputs.device,
+            ),
+            targets=targets,
+            ignore_index=ignore_index,
+            device=inputs.device,
+            inputs=name,
+            hint=hint,
+        )
+    else:
+        layout = resolve_vocab(tp_group, device=inputs.device, **layout_args)
     vocab_start, vocab_size = layout.start, layout.vocab_size
     if deterministic_tile is None:  # from the global vocabulary: the same on every layout
         deterministic_tile = default_deterministic_tile(vocab_size)
     _checks.check_ignore_index(ignore_index)
-    if validate:
+    if validate and not exchange:  # the exchange has checked the targets' range
         _checks.validate_targets(targets, vocab_size, ignore_index)
     # the torch paths' token chunk: from this shard's width, or in deterministic mode from
     # a width every layout shares (the tile, or vocab_parallel_logprob's group of tiles),

@@ -45,11 +45,16 @@ def local_stats(
     *,
     entropy: bool,
     out: torch.Tensor,
+    masked: bool = False,
 ) -> None:
     """Fill ``out [C, 4]`` with one shard's (m, s, a, t) for scaled fp32 logits ``z [C, Vr]``.
 
     ``z`` is overwritten (it becomes ``z - m``). ``target_local [C]`` int64 holds the
-    target's column in this shard, valid where ``in_shard [C]`` is true.
+    target's column in this shard, valid where ``in_shard [C]`` is true. ``masked``: ``z``
+    may hold ``-inf`` (masked vocabulary entries), whose entropy term ``e (z - m)`` is
+    ``0 x -inf``; it is taken as 0 (the limit), which leaves every other term's bits alone.
+    A row whose entries here are all ``-inf`` reports ``m = -inf, s = a = 0`` (it drops out
+    of the merge exactly, as an empty shard does).
     """
     if z.shape[1] == 0:
         out[:, 0] = float("-inf")
@@ -59,10 +64,13 @@ def local_stats(
     out[:, 3] = torch.where(in_shard, z.gather(1, idx).squeeze(1), 0.0)
     m = z.amax(dim=1)
     out[:, 0] = m
-    z.sub_(m.unsqueeze(1))  # z - m
+    # a row all -inf here: subtract 0, not -inf (-inf - -inf would be NaN); exp gives 0
+    z.sub_(torch.where(m == float("-inf"), 0.0, m).unsqueeze(1))  # z - m
     e = torch.exp(z)
     out[:, 1] = e.sum(dim=1)
-    if entropy:
+    if entropy and masked:
+        out[:, 2] = torch.where(e > 0, e * z, 0.0).sum(dim=1)
+    elif entropy:
         out[:, 2] = e.mul_(z).sum(dim=1)
     else:
         out[:, 2] = 0.0
@@ -124,16 +132,23 @@ def d_logits_(
     g_lp: torch.Tensor | None,
     g_ent: torch.Tensor | None,
     g_lse: torch.Tensor | None,
+    *,
+    masked: bool = False,
 ) -> torch.Tensor:
     """Turn scaled fp32 logits ``z [C, Vr]`` into ``d loss / d z`` in place and return it.
 
     Upstream gradients are per row ([C] fp32, zero on ignored rows) or None (unused).
+    ``masked``: ``z`` may hold ``-inf``; there ``p = 0`` and the entropy factor
+    ``-g_ent (z - E)`` is infinite, so the entry's gradient is taken as its limit, 0 (plus
+    ``g_lp`` at a masked target: ``d log p_t / d z_t = 1 - p_t``).
     """
     c0 = lse_coefficient(g_lp, g_lse, z.shape[0], z.device)
     if g_ent is not None:
         assert mean_z is not None
         z.sub_(mean_z.unsqueeze(1))  # z - E
         p = torch.exp(z + (mean_z - lse).unsqueeze(1))
+        if masked:  # -inf - E: p = 0 there; 0 x inf must not reach the product
+            z.masked_fill_(z == float("-inf"), 0.0)
         z.mul_(-g_ent.unsqueeze(1)).add_(c0.unsqueeze(1)).mul_(p)
     else:
         z.sub_(lse.unsqueeze(1)).exp_().mul_(c0.unsqueeze(1))

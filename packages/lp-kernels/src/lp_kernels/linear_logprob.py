@@ -133,9 +133,16 @@ def linear_logprob(
             fused kernel; CUDA, or CPU under ``TRITON_INTERPRET=1``), or ``"auto"``:
             triton on CUDA devices of compute capability >= 8.0, else torch.
         chunk_size: token rows per step of the torch backend (memory knob, at least
-            16 are used); None = a default from the shard width (with
+            16 are used; fewer N use N rounded up to a power of two, so the scratch
+            follows ``min(N, chunk_size)``); None = a default from the shard width (with
             ``deterministic``: the tile width) and the device, never from N.
-        validate: check target ids (one host sync). False: no host sync at all.
+        validate: check target ids (one host sync). Under a ``tp_group`` of several
+            ranks it also exchanges one small record of the call (one tiny
+            all-gather), so that ranks disagreeing on N, targets, temperature,
+            options, ``requires_grad`` or layout, or one rank with a bad target, all
+            raise the same ``ValueError`` instead of mixing or hanging. False: no host
+            sync and no such collective; the caller guarantees all of that (pass the
+            same ``validate`` on every rank).
 
     Returns:
         ``LogProbOutput(logprob, entropy, lse)``, each ``[*]`` float32 (entropy and
@@ -147,9 +154,13 @@ def linear_logprob(
             ``Shard(0)`` or ``Replicate``.
         ValueError: shape mismatches, bad options, targets out of range (with
             ``validate=True``), an inconsistent shard layout (on every rank), shard
-            bounds off multiples of 128 with ``deterministic=True``; a DTensor weight
-            with ``tp_group`` or ``vocab_start``, on a 2-D mesh, or with a DTensor
-            ``hidden`` / ``targets`` not Replicate on its mesh.
+            bounds off multiples of 128 with ``deterministic=True``, ranks that disagree
+            within a call (``validate=True``, on every rank); a DTensor weight with
+            ``tp_group`` or ``vocab_start``, on a 2-D mesh, or with a DTensor ``hidden`` /
+            ``targets`` not Replicate on its mesh.
+        RuntimeError: in backward, asked for a second derivative (``create_graph=True``
+            or an upstream gradient that requires grad): lp's ops are differentiable
+            once.
 
     Example:
         >>> import torch

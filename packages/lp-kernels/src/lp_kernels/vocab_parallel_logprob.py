@@ -121,6 +121,7 @@ class VocabParallelLogprob(torch.autograd.Function):
                 padded_rows(in_shard, r0, r1, rows, False),
                 entropy=p.return_entropy,
                 out=part,
+                masked=True,  # logits may be masked to -inf (top-k / top-p)
             )
             stats[r0:r1] = part[: r1 - r0]
         lse, mean_z, zt, ent = merge_stats(
@@ -152,6 +153,7 @@ class VocabParallelLogprob(torch.autograd.Function):
                     None if g is None else padded_rows(g, r0, r1, rows)
                     for g in (g_lp, g_ent, g_lse)
                 ),
+                masked=True,
             )
             if p.temperature != 1.0:
                 dz.mul_(p.inv_temperature)
@@ -185,6 +187,9 @@ def vocab_parallel_logprob(
     """Log-probabilities of ``targets`` from (vocabulary-sharded) logits, in fp32.
 
     Same semantics as :func:`lp_kernels.linear_logprob` with ``z = logits / T``.
+    Logits may be masked to ``-inf`` (top-k / top-p): masked entries have probability 0
+    and every output and gradient stays exact and finite; a masked target has logprob
+    ``-inf`` (with a finite gradient); a row with every entry ``-inf`` gives NaN.
     Works chunk by chunk in fp32 whatever the logits dtype; the backward writes
     each chunk's gradient into one preallocated buffer (the returned gradient).
     Under ``torch.compile`` it runs eagerly behind a graph break (same bits as eager);
@@ -209,10 +214,13 @@ def vocab_parallel_logprob(
             ``rank * V_local`` under ``tp_group`` (even shards only).
         vocab_size: the real global vocabulary; columns ``>= vocab_size`` are
             padding, excluded from the softmax, and get zero gradient.
-        chunk_size: token rows per step (at least 16 are used); None = a default
+        chunk_size: token rows per step (at least 16 are used; fewer N use N rounded
+            up to a power of two); None = a default
             from the shard width (with ``deterministic``: from the width of its groups
             of tiles, the same on every layout) and device, never from N.
-        validate: check target ids (one host sync); False = no host sync.
+        validate: check target ids (one host sync), and under a ``tp_group`` of several
+            ranks exchange one record of the call so that disagreeing ranks all raise
+            (see :func:`lp_kernels.linear_logprob`); False = no host sync, no exchange.
         deterministic: tensor-parallel invariance: outputs and the logits gradient are
             bitwise identical for any TP degree and any layout whose shard bounds are
             multiples of 128 (else ``ValueError`` on every rank): partials of each

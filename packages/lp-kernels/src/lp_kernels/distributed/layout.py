@@ -5,9 +5,11 @@ given (group, local layout) all-gathers a small int64 record from every rank (sh
 start, vocab_size, H, dtype, flags) and checks the whole table on every rank with the same
 code, so a bad layout raises the same ``ValueError`` on every rank and no rank is left
 waiting. The resolved layout is cached per group; later calls with the same local layout
-spend no collective and no host sync. Caveat: the cache is per rank, so a layout that
-changes on some ranks but not on others is not re-checked in lockstep; change layouts on
-every rank together (Megatron never changes them).
+spend no collective and no host sync. Caveat: the cache is per rank, so with
+``validate=False`` a layout that changes on some ranks but not on others is not
+re-checked in lockstep; change layouts on every rank together (Megatron never changes
+them). With ``validate=True`` the per-call record (:mod:`lp_kernels.distributed.contract`)
+carries the layout key and :func:`check_table` checks it on every call.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _DTYPE_NAMES = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
 _UNSET = -1
 # Fields of the per-rank record, in order.
-_FIELDS = (
+LAYOUT_FIELDS = (
     "v_local",
     "vocab_start",
     "vocab_size",
@@ -96,6 +98,38 @@ def clear_layout_cache() -> None:
     _CACHE.clear()
 
 
+def layout_key(
+    *,
+    v_local: int,
+    vocab_start: int | None,
+    vocab_size: int | None,
+    hidden: int,
+    dtype: torch.dtype,
+    deterministic: bool,
+    tile: int,
+    problem: int = 0,
+    align: int | None = None,
+) -> tuple[int, ...]:
+    """This rank's layout record (the fields of :data:`LAYOUT_FIELDS`), as int64 values."""
+    return (
+        v_local,
+        _UNSET if vocab_start is None else vocab_start,
+        _UNSET if vocab_size is None else vocab_size,
+        hidden,
+        _DTYPE_CODES.get(dtype, 0),
+        int(deterministic),
+        tile,
+        tile if align is None else align,
+        problem,
+    )
+
+
+def cache_layout(group: Any, key: tuple[int, ...], layout: ShardLayout) -> None:
+    """Remember ``layout`` as the validated layout of ``group`` for the local ``key``
+    (the per-call record checks the layout itself; later ``validate=False`` calls reuse it)."""
+    _CACHE.put(group, key, layout)
+
+
 def resolve_layout(
     group: Any,
     *,
@@ -121,16 +155,16 @@ def resolve_layout(
             are not contiguous, overlap, disagree on vocab_size / H / dtype / flags,
             or when uneven shards lack an explicit ``vocab_start``.
     """
-    key = (
-        v_local,
-        _UNSET if vocab_start is None else vocab_start,
-        _UNSET if vocab_size is None else vocab_size,
-        hidden,
-        _DTYPE_CODES.get(dtype, 0),
-        int(deterministic),
-        tile,
-        tile if align is None else align,
-        problem,
+    key = layout_key(
+        v_local=v_local,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        hidden=hidden,
+        dtype=dtype,
+        deterministic=deterministic,
+        tile=tile,
+        problem=problem,
+        align=align,
     )
     cached = _CACHE.get(group, key)
     if cached is not None:
@@ -141,7 +175,7 @@ def resolve_layout(
     table = torch.empty(world * len(key), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(table, mine, group=group)
     rows = [tuple(r) for r in table.view(world, len(key)).tolist()]
-    layout = _check_table(rows, rank)
+    layout = check_table(rows, rank)
     _CACHE.put(group, key, layout)
     return layout
 
@@ -190,9 +224,9 @@ def resolve_vocab(
     return ShardLayout(starts=(0,), sizes=(v_local,), vocab_size=vocab_size, rank=0)
 
 
-def _check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:
+def check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:
     """Validate the gathered per-rank records; every rank runs this on the same rows."""
-    recs = [dict(zip(_FIELDS, r, strict=True)) for r in rows]
+    recs = [dict(zip(LAYOUT_FIELDS, r, strict=True)) for r in rows]
     world = len(recs)
 
     def first_disagreement(field: str) -> str | None:

@@ -85,7 +85,9 @@ def _tile_stats(z: torch.Tensor, t_rel, hit, tile: int, *, entropy: bool) -> tor
         z = zz
     zz = z.view(rows, n_tiles, tile)
     m = zz.amax(dim=2)
-    d = zz - m[..., None]  # -inf past the vocabulary's end
+    # -inf past the vocabulary's end and at masked entries; a tile all -inf in a row
+    # (masked) subtracts 0, not -inf, so its e = 0 and it drops out of the merge exactly
+    d = zz - torch.where(m == float("-inf"), 0.0, m)[..., None]
     e = torch.exp(d)
     out[..., 0] = m
     out[..., 1] = e.sum(dim=2)

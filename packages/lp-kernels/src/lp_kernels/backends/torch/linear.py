@@ -21,11 +21,15 @@ parallelism, an fp32 [N, H] buffer for the grad_hidden all-reduce. Never [N, V].
 Batch invariance (on CPU): a row's outputs and its grad_hidden row do not depend
 on N, on the other rows or on ``chunk_size``. BLAS picks other kernels for a few
 rows (MKL's GEMV path for one or two rows changes the bits), so every block of work
-has exactly ``chunk`` (>= 16) rows, the last one zero-padded; padding rows carry zero
-upstream gradient. On CUDA this backend is run-to-run reproducible but NOT batch-
-invariant: cuBLAS and torch's reductions choose their summation order from the shape
-and even from a row's position in the block (measured on H200 with fixed-shape
-padded chunks). The triton backend, the default on CUDA, is batch-invariant there.
+has the same number of rows, at least 16, the last one zero-padded; padding rows carry
+zero upstream gradient. That number is the chunk, or for N below it N rounded up to a
+power of two (``block_rows``): the scratch follows ``min(N, chunk)``, never a huge
+``chunk_size`` alone. On CPU a row's bits do not depend on the block's row count (from 16
+rows on; tested with ``torch.equal`` across chunk sizes and N). On CUDA this backend is
+run-to-run reproducible but NOT batch-invariant: cuBLAS and torch's reductions choose
+their summation order from the shape and even from a row's position in the block
+(measured on H200 with fixed-shape padded chunks). The triton backend, the default on
+CUDA, is batch-invariant there.
 """
 
 from __future__ import annotations
@@ -74,11 +78,23 @@ def padded_rows(
     return out
 
 
-def chunks(n: int, chunk: int):
-    """``(r0, r1, rows)`` for each block; every block is padded to ``rows`` (>= 16) rows."""
+def block_rows(n: int, chunk: int) -> int:
+    """Rows of every block of ``n`` token rows under a ``chunk``: ``chunk`` (at least 16)
+    when ``n`` fills it, else ``n`` rounded up to a power of two (at least 16, at most the
+    chunk). So the scratch is bounded by ``min(n, chunk)`` rows (up to 2 x, or 16 rows),
+    whatever ``chunk_size`` says, and one call has one block shape."""
     chunk = max(chunk, _MIN_ROWS)  # BLAS takes other code paths for a few rows
-    for r0 in range(0, n, chunk):
-        yield r0, min(n, r0 + chunk), chunk
+    if n >= chunk:
+        return chunk
+    return min(chunk, max(_MIN_ROWS, 1 << max(n - 1, 0).bit_length()))
+
+
+def chunks(n: int, chunk: int):
+    """``(r0, r1, rows)`` for each block; every block is padded to ``rows`` rows
+    (:func:`block_rows`)."""
+    rows = block_rows(n, chunk)
+    for r0 in range(0, n, rows):
+        yield r0, min(n, r0 + rows), rows
 
 
 def scaled_logits_chunks(
