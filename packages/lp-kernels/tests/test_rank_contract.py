@@ -32,6 +32,9 @@ CASES = {  # case -> what every rank's message must contain
     "entropy-flag": "disagree on return_entropy in this call",
     "ignore-index": "disagree on ignore_index in this call (rank 0: -100, rank 1: -1)",
     "logits-targets": "disagree on the targets in this call",
+    "softcap": "disagree on softcap in this call (rank 0: None, rank 1: 30.0)",
+    "bias": "disagree on whether a bias is passed (and requires grad) in this call (rank 0: "
+    "no bias, rank 1: a bias)",
     "hint": "disagree on the targets in this call (an order-sensitive checksum of their "
     "values: rank 0: ",
 }
@@ -67,6 +70,10 @@ def _call(rank, case, device):
             kw["return_entropy"] = True
         elif case == "ignore-index":
             kw["ignore_index"] = -1
+        elif case == "softcap":
+            kw["softcap"] = 30.0
+        elif case == "bias":
+            kw["bias"] = torch.zeros(weight.shape[0], device=weight.device)
     if case == "requires-grad" and rank == 0:
         hidden.requires_grad_()
     if case == "hint":

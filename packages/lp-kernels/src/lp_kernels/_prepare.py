@@ -194,6 +194,8 @@ def prepare(
                 weight_grad=linear and weight.requires_grad,
                 backend=backend,
                 device=inputs.device,
+                softcap=softcap,
+                bias=bias,
             ),
             targets=targets,
             ignore_index=ignore_index,

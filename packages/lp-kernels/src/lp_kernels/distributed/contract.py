@@ -9,9 +9,9 @@ before any size-dependent collective::
 
     each rank:  record = layout key (LAYOUT_FIELDS: shard size, start, vocab_size, H,
                          dtype, deterministic, tile, alignment, weight-problem code)
-                       + the call (N, op, flags, temperature as float64 bits,
-                         ignore_index, requires_grad of each input, grad mode, backend,
-                         device type)
+                       + the call (N, op, flags, temperature and softcap as float64
+                         bits, ignore_index, requires_grad of each input, whether a
+                         bias is passed, grad mode, backend, device type)
                        + its targets, reduced on device: an order-sensitive checksum,
                          the smallest and the largest id that is not ignore_index
                   [len(CALL_FIELDS)] int64, the same size on every rank and every call
@@ -58,9 +58,11 @@ _CALL = (
     ("return_lse", "return_lse"),
     ("reduce_grad_hidden", "reduce_grad_hidden"),
     ("temperature", "temperature"),
+    ("softcap", "softcap"),
     ("ignore_index", "ignore_index"),
     ("inputs_grad", "whether {inputs} requires grad"),
     ("weight_grad", "whether weight requires grad"),
+    ("bias", "whether a bias is passed (and requires grad)"),
     ("grad_enabled", "grad mode (torch.is_grad_enabled())"),
     ("backend", "backend"),
     ("device", "device type"),
@@ -109,6 +111,8 @@ def call_fields(
     weight_grad: bool,
     backend: str,
     device: torch.device,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[int, ...]:
     """The host part of the per-call record (the fields of ``_CALL``), as int64 values."""
     return (
@@ -118,9 +122,11 @@ def call_fields(
         int(return_lse),
         int(reduce_grad_hidden),
         _float_bits(temperature),
+        0 if softcap is None else _float_bits(softcap),  # a cap is > 0: 0 means none
         ignore_index,
         int(inputs_grad),
         int(weight_grad),
+        0 if bias is None else 1 + int(bias.requires_grad),
         int(torch.is_grad_enabled()),
         _BACKENDS.index(backend),
         0 if device.type == "cpu" else 1 if device.type == "cuda" else 2,
@@ -130,6 +136,10 @@ def call_fields(
 def _shown(field: str, value: int) -> str:
     if field == "temperature":
         return repr(_bits_float(value))
+    if field == "softcap":
+        return "None" if value == 0 else repr(_bits_float(value))
+    if field == "bias":
+        return ("no bias", "a bias", "a bias that requires grad")[value]
     if field == "backend":
         return repr(_BACKENDS[value])
     if field == "op":
