@@ -205,3 +205,21 @@ def test_lp_kernels_never_prints(source):
         and node.func.id == "print"
     ]
     assert not calls, calls
+
+
+def test_no_package_init_shadows_a_module_it_uses_with_a_subpackage():
+    """A subpackage named like a top-level module (``backends/torch``) binds that name in its
+    parent package's namespace once imported, so code in the parent's ``__init__`` that uses
+    the module (``torch.cuda``) would reach the subpackage instead: such an ``__init__``
+    must import nothing of that name."""
+    for init in sorted(ROOT.glob("packages/*/src/**/__init__.py")):
+        subpackages = {p.parent.name for p in init.parent.glob("*/__init__.py")}
+        tree = ast.parse(init.read_text())
+        imported = {
+            alias.asname or alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        }
+        clash = sorted(imported & subpackages)
+        assert not clash, f"{init.relative_to(ROOT)} imports {clash}, also its subpackage names"

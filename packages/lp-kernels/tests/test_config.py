@@ -110,3 +110,20 @@ def test_gemm_output_tile_follows_the_grid(m, n, width, monkeypatch):
     assert gemm.mm_block_n(bf16, m, n, dev) == bf16.mm_block_n
     monkeypatch.undo()
     assert tri.sm_count(torch.device("cpu")) is None
+
+
+def test_auto_backend_on_a_cuda_device_picks_triton(monkeypatch):
+    """``backend="auto"`` asks the CUDA device's capability (faked here: the CPU suite has no
+    GPU): >= 8.0 gives the triton Function, below it the torch one."""
+    import torch
+
+    from lp_kernels.backends import resolve
+    from lp_kernels.backends.torch.linear import LinearLogprobTorch
+    from lp_kernels.backends.triton.function import LinearLogprobTriton
+
+    monkeypatch.setattr(resolve, "triton_importable", lambda: True)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve.resolve_backend("auto", cuda) is LinearLogprobTriton
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert resolve.resolve_backend("auto", cuda) is LinearLogprobTorch

@@ -3,7 +3,7 @@
 The public entry point prepares its arguments (``lp_kernels._prepare``: checks,
 autocast, the tensor-parallel layout validated once per group and layout then cached,
 target ids checked with one host sync unless ``validate=False``), picks a backend
-(``lp_kernels.backends.resolve_backend``) and flattens the leading dimensions. The
+(``lp_kernels.backends.resolve.resolve_backend``) and flattens the leading dimensions. The
 numerics live in the backends and in ``lp_kernels._stats``.
 """
 
@@ -17,7 +17,7 @@ from lp_kernels import _amp
 from lp_kernels._compile import eager_under_compile
 from lp_kernels._prepare import prepare, shaped
 from lp_kernels._types import LogProbOutput
-from lp_kernels.backends import resolve_backend
+from lp_kernels.backends.resolve import resolve_backend
 
 Backend = Literal["auto", "torch", "triton"]
 

@@ -21,7 +21,7 @@ the usual cause). The numbers are those of the installed Triton, which
 need not be the GPU machine's.
 
 It must run in a process without ``TRITON_INTERPRET=1`` (``triton.jit`` then returns
-interpreter objects that cannot be compiled). ``lp_kernels.backends.triton_interpreting``
+interpreter objects that cannot be compiled). ``lp_kernels.backends.resolve.triton_interpreting``
 is patched instead, so the triton backend accepts CPU tensors. Usage::
 
     python -m lp_testing.aot [--tiers large,mid,small] [--variants all] [--jobs N]
@@ -157,7 +157,7 @@ def gpu_launches(tier: str = "large", config_fields: dict | None = None) -> Iter
     (fn, Launch) into the yielded list without running it."""
     from triton.runtime.jit import JITFunction
 
-    import lp_kernels.backends as backends
+    import lp_kernels.backends.resolve as backends
     import lp_kernels.backends.triton.config as config
     import lp_kernels.backends.triton.fixed_point as fixed_point
     import lp_kernels.backends.triton.tl_utils as tl_utils
