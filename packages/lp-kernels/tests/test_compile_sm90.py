@@ -80,7 +80,16 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
         if (m := re.search(r"(\d+) regs +(\d+) B stack", line))
     ]
     assert len(frames) == len(lines), lines[:3]
-    assert all(stack <= 2048 for stack, _, _ in frames), max(frames)
+    # The optional logit transforms (bias, softcap) keep more [BLOCK_N, BLOCK_V] blocks live
+    # in the d_logits epilogue (the softcap slope across the softmax terms): with all of
+    # bias, its gradient, softcap and entropy, the bf16 128 x 256 tile spills about 2.2 KB
+    # per thread on sm_90 (measured with lp_testing.aot; its GPU cost is not yet measured).
+    # They get their own ceiling, well short of the cliff; the default path keeps 2 KB.
+    optional = [f for f in frames if "HAS_BIAS=True" in f[2] or "SOFTCAP=True" in f[2]]
+    default = [f for f in frames if f not in optional]
+    assert optional and default
+    assert all(stack <= 2048 for stack, _, _ in default), max(default)
+    assert all(stack <= 3072 for stack, _, _ in optional), max(optional)
     # Every launch pins FMA contraction (triton.config.FP_FUSION), the merge's included.
     assert all("enable_fp_fusion=True" in line for line in lines)
     assert any(" merge_kernel[" in line for line in lines)
