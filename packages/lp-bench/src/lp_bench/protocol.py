@@ -438,6 +438,8 @@ def _measure(row: dict, cfg: BenchConfig, inputs: tuple, ref: dict | None, tp_kw
                     wl.grad[:real], ref["grad_weight"][start : start + real]
                 )
                 if bl is not None:
+                    if bl.grad is None:
+                        raise RuntimeError("no gradient reached the bias (the step ignored it)")
                     row["err_grad_bias"] = rel_err(
                         bl.grad[:real], ref["grad_bias"][start : start + real]
                     )
