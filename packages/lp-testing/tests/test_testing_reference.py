@@ -194,7 +194,11 @@ def test_reference_chunked_equals_reference_all(grads: str, rows: int) -> None:
     up = {k: v for k, v in p.upstream().items() if k in CHUNKED_GRADS[grads]}
     truth = reference_all(p.hidden, p.weight, p.targets, **up, **p.op_kwargs())
     got = reference_chunked(p.hidden, p.weight, p.targets, **up, **p.op_kwargs(), rows=rows)
+    assert got.keys() == truth.keys()
+    assert truth["grad_bias"] is None and got["grad_bias"] is None  # no bias given
     for key, want in truth.items():
+        if want is None:
+            continue
         assert got[key].dtype == torch.float64 and got[key].shape == want.shape, key
         torch.testing.assert_close(got[key], want, rtol=1e-12, atol=1e-12, msg=key)
     assert torch.equal(got["grad_weight"][97:], torch.zeros(7, 16, dtype=torch.float64))
@@ -212,6 +216,9 @@ def test_reference_chunked_fp32_and_without_gradients() -> None:
         p.hidden, p.weight, p.targets, **up, **p.op_kwargs(), dtype=torch.float32, rows=8
     )
     for key, want in truth.items():
+        if key == "grad_bias":
+            assert want is None and got[key] is None
+            continue
         assert got[key].dtype == torch.float32, key
         err = float((got[key].double() - want).norm() / want.norm())
         assert err < 1e-5, (key, err)  # fp32 rounding, not a different formula
@@ -226,8 +233,11 @@ def test_reference_chunked_fp32_and_without_gradients() -> None:
         ({"rows": 0}, "rows must be >= 1"),
         ({"dtype": torch.float16}, "dtype must be torch.float64 or float32"),
         ({"vocab_size": 500}, "vocab_size must be in"),
+        ({"softcap": 0.0}, "softcap must be a finite number > 0"),
+        ({"softcap": float("nan")}, "softcap must be a finite number > 0"),
+        ({"bias": torch.zeros(10)}, r"bias must be \[V_pad\] = 11"),
     ],
-    ids=["rows-zero", "fp16", "vocab-too-big"],
+    ids=["rows-zero", "fp16", "vocab-too-big", "softcap-zero", "softcap-nan", "bias-shape"],
 )
 def test_reference_chunked_rejects_bad_arguments(kwargs: dict, message: str) -> None:
     from lp_testing import reference_chunked
@@ -235,6 +245,47 @@ def test_reference_chunked_rejects_bad_arguments(kwargs: dict, message: str) -> 
     p = make_problem(4, 8, 11)
     with pytest.raises(ValueError, match=message):
         reference_chunked(p.hidden, p.weight, p.targets, **kwargs)
+
+
+@pytest.mark.parametrize("grads", list(CHUNKED_GRADS), ids=list(CHUNKED_GRADS))
+@pytest.mark.parametrize(
+    ("bias", "softcap"),
+    [(True, None), (False, 1.5), (True, 1.5)],
+    ids=["bias", "cap1.5", "bias+cap1.5"],
+)
+def test_reference_chunked_bias_and_softcap_equal_reference_all(grads, bias, softcap) -> None:
+    """The closed form with a bias and a cap (``dl = dz (1 - tanh^2) / T``, grad_bias the
+    column sum of dl): the autograd truth to fp64 rounding, across blocks of rows, with
+    padding columns, ignored rows and a temperature; a cap small enough to bend the logits."""
+    from lp_testing import reference_chunked
+
+    p = make_problem(
+        (2, 5), 16, 97, padded_vocab=104, ignore_frac=0.3, temperature=0.7, dtype=torch.bfloat16
+    )
+    b = torch.linspace(-1.5, 1.5, 104).to(torch.bfloat16) if bias else None
+    up = {k: v for k, v in p.upstream().items() if k in CHUNKED_GRADS[grads]}
+    kw = {"bias": b, "softcap": softcap, **p.op_kwargs()}
+    truth = reference_all(p.hidden, p.weight, p.targets, **up, **kw)
+    got = reference_chunked(p.hidden, p.weight, p.targets, **up, **kw, rows=3)
+    plain = reference_all(p.hidden, p.weight, p.targets, **up, **p.op_kwargs())
+    assert got.keys() == truth.keys()
+    assert (got["grad_bias"] is None) == (not bias)
+    for key, want in truth.items():
+        if want is None:
+            continue
+        assert got[key].dtype == torch.float64 and got[key].shape == want.shape, key
+        torch.testing.assert_close(got[key], want, rtol=1e-12, atol=1e-12, msg=key)
+        if plain[key] is not None:  # the options change every output and gradient
+            assert not torch.allclose(want, plain[key]), key
+    assert torch.equal(got["grad_weight"][97:], torch.zeros(7, 16, dtype=torch.float64))
+    if bias:
+        assert torch.equal(got["grad_bias"][97:], torch.zeros(7, dtype=torch.float64))
+    fp32 = reference_chunked(p.hidden, p.weight, p.targets, **up, **kw, dtype=torch.float32)
+    for key, want in truth.items():
+        if want is not None:
+            assert fp32[key].dtype == torch.float32, key
+            err = float((fp32[key].double() - want).norm() / want.norm())
+            assert err < 1e-5, (key, err)
 
 
 @pytest.mark.parametrize("softcap", [None, 2.5], ids=["nocap", "cap2.5"])

@@ -1,7 +1,8 @@
 """``lp``: the command line of lp-bench (the project's main job).
 
     lp bench   [--grid] [--mode train,fwd] [--entropy [off|on|both]] [--shapes S1,..|NxHxV]
-               [--backends ...] [--dtype ...] [--temperature T] [--reps R] [--warmup W]
+               [--backends ...] [--dtype ...] [--temperature T] [--softcap C] [--bias]
+               [--reps R] [--warmup W]
                [--warm-s S] [--device auto|cpu|cuda] [--tp N] [--seed S] [--no-check]
                [--out DIR]
     lp check   [--quick] [--no-tp] [--tp-timeout S]
@@ -190,6 +191,8 @@ def bench_config(
         check=not args.no_check,
         seed=args.seed,
         tp=args.tp,
+        softcap=args.softcap,
+        bias=args.bias,
     )
 
 
@@ -209,7 +212,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, device: st
     say(
         f"modes {', '.join(cfg.modes)}; entropy {entropy}; "
         f"providers {', '.join(cfg.providers)}; dtypes {', '.join(cfg.dtypes)}; "
-        f"T={cfg.temperature}; median of {cfg.reps} after {cfg.warmup} warm-up"
+        f"T={cfg.temperature}"
+        + (f"; {protocol.options_label(cfg.softcap, cfg.bias)}" if cfg.softcap or cfg.bias else "")
+        + f"; median of {cfg.reps} after {cfg.warmup} warm-up"
         + (f" (and >= {cfg.warm_s:g} s: steady clocks)" if cfg.warm_s else "")
         + f"; {floors}errors vs the {ref} reference"
         + (
@@ -467,6 +472,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="default bf16 on GPU, both (fp32 + bf16) on CPU",
     )
     bench.add_argument("--temperature", type=_temperature_arg, default=1.0, help="default 1")
+    bench.add_argument(
+        "--softcap",
+        type=_positive_float,
+        default=None,
+        metavar="C",
+        help="final-logit softcapping, z = C tanh(l / C) / T (Gemma 2/3: 30), passed to every "
+        "provider (lp: softcap=; materialized: on the logits in their dtype); default off",
+    )
+    bench.add_argument(
+        "--bias",
+        action="store_true",
+        help="a random LM-head bias [V] in the input dtype (requiring grad in train mode), "
+        "passed to every provider; rows gain err_grad_bias; default off",
+    )
     bench.add_argument(
         "--reps", type=_positive_int, default=None, help="timed runs (default 5 GPU, 3 CPU)"
     )

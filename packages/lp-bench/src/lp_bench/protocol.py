@@ -5,6 +5,9 @@ each (the row schema is :data:`ROW_KEYS`). Per shape and dtype, in one process:
 
 - inputs: bf16 (on GPU) ``hidden [N, H]``, ``weight [V, H]`` with LM-like logit magnitudes
   (std about 2), targets, a per-token upstream gradient for logprob (and one for entropy);
+  with ``bias``, a random ``bias [V]`` in the input dtype (:func:`make_bias`), a leaf that
+  requires grad in train mode; with ``softcap``, the logits' cap (both passed to every
+  provider, whose row is skipped where it cannot take them);
 - floor (GPU only), per mode, measured in the same run at steady state: ``train``: four
   back-to-back cuBLAS ``[N, H] x [H, V]`` matmuls (forward logits, backward recompute, two
   gradient GEMMs); ``fwd``: one such matmul;
@@ -14,14 +17,16 @@ each (the row schema is :data:`ROW_KEYS`). Per shape and dtype, in one process:
   ``warmup`` steps (and, on GPU, at least ``warm_s`` seconds of them, so that each is timed
   at the clock its own sustained load settles to); peak memory above the inputs, the
   returned gradients included (:mod:`lp_bench.memory`); norm-wise relative errors of
-  logprob, entropy and both gradients against the reference, max abs error of logprob.
+  logprob, entropy and the gradients (hidden, weight, bias) against the reference, max abs
+  error of logprob.
 
 ``train`` steps run forward + backward; ``fwd`` steps run under ``torch.no_grad`` with
 inputs that do not require grad. With entropy, a train step backpropagates through both
 logprob and entropy; a fwd step computes both.
 
 Under tensor parallelism (``tp > 1``, every rank of a torchrun launch runs the loop),
-each rank holds an even 128-aligned shard of the head (:func:`tp_shard`); the floor is
+each rank holds an even 128-aligned shard of the head and of the bias (:func:`tp_shard`);
+the floor is
 that of one rank's shard; times and peaks are the maxima over the ranks; errors are rank
 0's outputs, its grad_weight shard and the all-reduced grad_hidden against the full
 reference. Single-device providers are marked skipped.
@@ -59,7 +64,14 @@ DTYPES: dict[str, torch.dtype] = {
 """Input dtypes by their command-line name."""
 FLOOR_MATMULS: dict[str, int] = {"train": 4, "fwd": 1}
 """The floor of each mode, in matmuls of the step's shape."""
-ERROR_KEYS = ("err_logprob", "maxabs_logprob", "err_entropy", "err_grad_hidden", "err_grad_weight")
+ERROR_KEYS = (
+    "err_logprob",
+    "maxabs_logprob",
+    "err_entropy",
+    "err_grad_hidden",
+    "err_grad_weight",
+    "err_grad_bias",
+)
 ENV_ROW_KEYS = ("device", "device_name", "torch", "triton", "lp_kernels", "commit", "date")
 """The run's environment, copied into every row so that each row stands alone."""
 ROW_KEYS = (
@@ -75,6 +87,8 @@ ROW_KEYS = (
     "dtype",
     "tp",
     "temperature",
+    "softcap",
+    "bias",
     "floor_ms",
     "floor_matmuls",
     "ms",
@@ -152,17 +166,25 @@ def make_inputs(
     return hidden, weight, targets, grad_out
 
 
+def make_bias(v: int, *, seed: int = 0, device: str = "cuda", dtype=torch.bfloat16):
+    """A random LM-head ``bias [V]`` (std 1) in ``dtype``, from its own seed stream (the
+    other inputs of :func:`make_inputs` are the same with and without it)."""
+    g = torch.Generator(device="cpu").manual_seed(seed + 2)
+    return torch.randn(v, generator=g).to(device, dtype)
+
+
 def tp_shard(weight: torch.Tensor, tp: int, rank: int) -> tuple[torch.Tensor, int]:
-    """This rank's ``[V_pad / tp, H]`` shard of ``weight`` and its global start.
+    """This rank's ``[V_pad / tp, H]`` shard of ``weight`` (or ``[V_pad / tp]`` of a bias
+    ``[V]``) and its global start.
 
     The vocabulary is padded to a multiple of 128 x tp (as Megatron pads it), with zero
     rows that ``vocab_size`` excludes, so shards are even and 128-aligned
     (``deterministic=True`` accepts them).
     """
-    v, h = weight.shape
+    v, rest = weight.shape[0], weight.shape[1:]
     size = -(-v // (128 * tp)) * 128
     start = rank * size
-    shard = torch.zeros((size, h), dtype=weight.dtype, device=weight.device)
+    shard = torch.zeros((size, *rest), dtype=weight.dtype, device=weight.device)
     real = max(0, min(size, v - start))
     shard[:real] = weight[start : start + real]
     return shard, start
@@ -208,6 +230,10 @@ class BenchConfig:
     """Seed of the inputs."""
     tp: int = 1
     """Tensor-parallel degree: under torchrun, each rank holds V / tp rows of the head."""
+    softcap: float | None = None
+    """Final-logit cap ``c``: ``z = c * tanh(l / c) / T``; None: no cap."""
+    bias: bool = False
+    """Add a random LM-head bias ``[V]`` (:func:`make_bias`) to the logits."""
 
     def __post_init__(self) -> None:
         for mode in self.modes:
@@ -220,6 +246,10 @@ class BenchConfig:
             raise ValueError("BenchConfig: shapes, providers, dtypes, modes, entropy are non-empty")
         if self.reps < 1 or self.warmup < 0 or self.warm_s < 0 or self.tp < 1:
             raise ValueError("BenchConfig: need reps >= 1, warmup >= 0, warm_s >= 0, tp >= 1")
+        if self.softcap is not None and not (0 < self.softcap < float("inf")):
+            raise ValueError(
+                f"BenchConfig.softcap: must be None or a finite number > 0, got {self.softcap}"
+            )
 
     @property
     def size(self) -> int:
@@ -233,10 +263,16 @@ def run_label(mode: str, entropy: bool) -> str:
     return f"{mode}+entropy" if entropy else mode
 
 
+def options_label(softcap: float | None, bias: bool | None) -> str:
+    """``softcap 30, bias``, ``softcap 30``, ``bias`` or ``""``: a run's logit options."""
+    parts = [] if softcap is None else [f"softcap {softcap:g}"]
+    return ", ".join(parts + (["bias"] if bias else []))
+
+
 def _reference(cfg: BenchConfig, inputs: tuple, grad_ent, *, grads: bool, entropy: bool):
     from lp_testing.reference import reference_chunked
 
-    hidden, weight, targets, grad_out = inputs
+    hidden, weight, targets, grad_out, bias = inputs
     up = {}
     if grads:
         up["grad_logprob"] = grad_out
@@ -248,6 +284,8 @@ def _reference(cfg: BenchConfig, inputs: tuple, grad_ent, *, grads: bool, entrop
         targets,
         **up,
         temperature=cfg.temperature,
+        bias=bias,
+        softcap=cfg.softcap,
         dtype=torch.float32 if cfg.device == "cuda" else torch.float64,
     )
 
@@ -270,11 +308,16 @@ def bench_problem(
     hidden, weight, targets, grad_out = make_inputs(
         n, h, v, seed=cfg.seed, device=cfg.device, dtype=DTYPES[dtype_name]
     )
-    tp_kwargs, shard, start = None, weight, 0
+    bias = None
+    if cfg.bias:
+        bias = make_bias(v, seed=cfg.seed, device=cfg.device, dtype=DTYPES[dtype_name])
+    tp_kwargs, shard, bias_shard, start = None, weight, bias, 0
     if cfg.tp > 1:
         import torch.distributed as dist
 
         shard, start = tp_shard(weight, cfg.tp, dist.get_rank())
+        if bias is not None:
+            bias_shard, _ = tp_shard(bias, cfg.tp, dist.get_rank())
         tp_kwargs = {"tp_group": dist.group.WORLD, "vocab_start": start, "vocab_size": v}
     grad_ent = None
     if any(cfg.entropy):
@@ -298,7 +341,7 @@ def bench_problem(
                 key = (train, train and entropy)  # fwd: outputs only, the same for both
                 if key not in refs:
                     refs[key] = _reference(
-                        cfg, (hidden, weight, targets, grad_out), grad_ent, grads=train,
+                        cfg, (hidden, weight, targets, grad_out, bias), grad_ent, grads=train,
                         entropy=entropy,
                     )  # fmt: skip
                 ref = refs[key]
@@ -307,9 +350,11 @@ def bench_problem(
                 row |= {"mode": mode, "entropy": entropy, "provider": prov, "shape": name}
                 row |= {"N": n, "H": h, "V": v, "dtype": dtype_name, "tp": cfg.tp}
                 row |= {"temperature": cfg.temperature, "floor_ms": floor}
+                row |= {"softcap": cfg.softcap, "bias": cfg.bias}
                 row |= {"deterministic": is_deterministic(prov)}
                 row["floor_matmuls"] = FLOOR_MATMULS[mode] if cuda else None
-                _measure(row, cfg, (hidden, shard, targets, grad_out, grad_ent), ref, tp_kwargs)
+                inputs = (hidden, shard, targets, grad_out, grad_ent, bias_shard)
+                _measure(row, cfg, inputs, ref, tp_kwargs)
                 if cfg.tp > 1:
                     _gather_row(row, cfg)
                 if cuda:
@@ -334,12 +379,18 @@ def _gather_row(row: dict, cfg: BenchConfig) -> None:
 
 def _measure(row: dict, cfg: BenchConfig, inputs: tuple, ref: dict | None, tp_kwargs) -> None:
     """Time, memory and errors of one provider, into ``row`` (a failure is a row too)."""
-    hidden, shard, targets, grad_out, grad_ent = inputs
+    hidden, shard, targets, grad_out, grad_ent, bias = inputs
     mode, prov, v = row["mode"], row["provider"], row["V"]
     train = mode == "train"
     try:
         prep = make_provider(
-            prov, mode=mode, temperature=cfg.temperature, entropy=row["entropy"], tp=tp_kwargs
+            prov,
+            mode=mode,
+            temperature=cfg.temperature,
+            entropy=row["entropy"],
+            tp=tp_kwargs,
+            softcap=cfg.softcap,
+            bias=bias is not None,
         )
     except Unsupported as exc:
         row["skipped"] = str(exc)
@@ -347,11 +398,18 @@ def _measure(row: dict, cfg: BenchConfig, inputs: tuple, ref: dict | None, tp_kw
     row["entropy_computed"], row["note"] = prep.entropy, prep.note
     hl = hidden.detach().requires_grad_(train)
     wl = shard.detach().requires_grad_(train)
+    bl = None if bias is None else bias.detach().requires_grad_(train)
+    extra = {} if bl is None else {"bias": bl}
+
+    def clear() -> None:
+        hl.grad = wl.grad = None
+        if bl is not None:
+            bl.grad = None
 
     def step():
-        hl.grad = wl.grad = None
+        clear()
         with torch.set_grad_enabled(train):
-            return prep.step(hl, wl, targets, grad_out, grad_ent)
+            return prep.step(hl, wl, targets, grad_out, grad_ent, **extra)
 
     try:
         if cfg.device == "cuda":
@@ -359,7 +417,7 @@ def _measure(row: dict, cfg: BenchConfig, inputs: tuple, ref: dict | None, tp_kw
             times = time_cuda(step, warmup=warm, reps=cfg.reps)
         else:
             times = time_cpu(step, warmup=cfg.warmup, reps=cfg.reps)
-        hl.grad = wl.grad = None
+        clear()
         peak = peak_bytes(step, cfg.device)
         logprob, ent = step()  # the results checked (the memory run may be traced)
         ms = statistics.median(times)
@@ -379,12 +437,18 @@ def _measure(row: dict, cfg: BenchConfig, inputs: tuple, ref: dict | None, tp_kw
                 row["err_grad_weight"] = rel_err(
                     wl.grad[:real], ref["grad_weight"][start : start + real]
                 )
+                if bl is not None:
+                    if bl.grad is None:
+                        raise RuntimeError("no gradient reached the bias (the step ignored it)")
+                    row["err_grad_bias"] = rel_err(
+                        bl.grad[:real], ref["grad_bias"][start : start + real]
+                    )
         del logprob, ent
     except torch.OutOfMemoryError as exc:
         row["error"] = f"OOM: {str(exc).splitlines()[0]}"
     except Exception as exc:  # a provider's failure is a row, not the end of the run
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    hl.grad = wl.grad = None
+    clear()
 
 
 def run_bench(

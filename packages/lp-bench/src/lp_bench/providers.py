@@ -1,11 +1,12 @@
 """What ``lp bench`` times: named providers that set up one step, and nothing else.
 
-A provider turns ``(mode, entropy, temperature)`` into a :class:`Prepared` step
-``step(hidden, weight, targets, grad_out, grad_entropy) -> (logprob, entropy)``:
+A provider turns ``(mode, entropy, temperature, softcap, bias)`` into a :class:`Prepared`
+step ``step(hidden, weight, targets, grad_out, grad_entropy, bias=None) -> (logprob,
+entropy)``:
 
 - ``train``: forward, then backward with the per-token upstream gradient ``grad_out`` on
   logprob (and ``grad_entropy`` on entropy when the step computes it); the harness reads
-  the gradients from ``hidden.grad`` / ``weight.grad``;
+  the gradients from ``hidden.grad`` / ``weight.grad`` (and ``bias.grad``);
 - ``fwd``: forward only; the harness calls it under ``torch.no_grad`` with inputs that do
   not require grad (what a trainer does for reference and old-policy log-probs).
 
@@ -13,10 +14,16 @@ It returns the detached per-token outputs (None where a provider has none), whic
 harness compares with the reference. Timing, memory and errors are the harness's
 (:mod:`lp_bench.protocol`), the same for every provider.
 
+With ``softcap=c`` the logits are capped, ``c * tanh(l / c)``, before the temperature;
+with a bias (the step's ``bias [V]``, given when the provider was made with
+``bias=True``), ``l = hidden @ weight.T + bias``. lp's providers pass both to
+``linear_logprob``; peers whose installed function does not take them are skipped.
+
 Providers: ``lp-triton``, ``lp-torch``, ``lp-auto`` (lp's backends), their ``-det``
 variants (``deterministic=True`` with its default tile), ``lp-triton-det128``
-(``deterministic_tile=128``), ``materialized`` (logits in the input dtype, fp32
-``log_softmax``, gather: what a trainer without lp writes) and peers when importable, never
+(``deterministic_tile=128``), ``materialized`` (logits in the input dtype, the bias and
+the cap applied to them there as HF Gemma 2 does, fp32 ``log_softmax``, gather: what a
+trainer without lp writes) and peers when importable, never
 dependencies: ``liger`` (liger-kernel's fused linear cross entropy; a scalar loss, so
 timing and memory only) and ``cce`` (Apple's cut-cross-entropy, per-token). Peers have no
 entropy: with entropy requested they run logprob only and say so (:attr:`Prepared.note`).
@@ -25,6 +32,7 @@ entropy: with entropy requested they run logprob only and say so (:attr:`Prepare
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -50,7 +58,8 @@ PEERS = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}  # provider -> mod
 ALL_PROVIDERS = (*LP_PROVIDERS, "materialized", *PEERS)
 TRITON_PROVIDERS = ("lp-triton", "lp-triton-det", "lp-triton-det128")
 
-# step(hidden, weight, targets, grad_out, grad_entropy) -> (logprob | None, entropy | None)
+# step(hidden, weight, targets, grad_out, grad_entropy, bias=None)
+#     -> (logprob | None, entropy | None)
 Step = Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]]
 
 
@@ -91,13 +100,21 @@ def materialized_outputs(
     ignore_index: int | None = None,
     entropy: bool = False,
     lse: bool = False,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """What a naive trainer computes: ``[N, V]`` logits in the input dtype, fp32 softmax.
 
+    The model's head, ``F.linear(hidden, weight, bias)``, and its final-logit cap
+    ``tanh(logits / c) * c`` run in the logits' dtype (as HF Gemma 2 does); the capped
+    logits are upcast to fp32, divided by the temperature and go through ``log_softmax``.
     Returns ``logprob`` (and ``entropy``, ``lse`` when asked) ``[N]`` float32, differentiable;
     with ``ignore_index``, rows with that target are 0.
     """
-    logits = (hidden @ weight.T).float()  # [N, V]
+    logits = torch.nn.functional.linear(hidden, weight, bias)  # [N, V]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)  # [N, V]
@@ -122,16 +139,20 @@ def provider_lp(
     deterministic: bool = False,
     tile: int | None = None,
     tp: dict | None = None,
+    softcap: float | None = None,
 ) -> Prepared:
     """lp's ``linear_logprob``; ``tp``: ``tp_group``, ``vocab_start``, ``vocab_size`` kwargs;
-    ``tile``: ``deterministic_tile`` (None: the default)."""
+    ``tile``: ``deterministic_tile`` (None: the default); the step's ``bias`` (this rank's
+    shard under TP) and ``softcap`` go to ``linear_logprob`` as they are."""
     from lp_kernels import linear_logprob
 
-    def step(hidden, weight, targets, grad_out, grad_entropy=None):
+    def step(hidden, weight, targets, grad_out, grad_entropy=None, bias=None):
         out = linear_logprob(
             hidden,
             weight,
             targets,
+            bias=bias,
+            softcap=softcap,
             temperature=temperature,
             return_entropy=entropy,
             backend=backend,
@@ -150,13 +171,24 @@ def provider_lp(
 
 
 def provider_materialized(
-    *, mode: Mode = "train", temperature: float = 1.0, entropy: bool = False
+    *,
+    mode: Mode = "train",
+    temperature: float = 1.0,
+    entropy: bool = False,
+    softcap: float | None = None,
+    bias: bool = False,
 ) -> Prepared:
     """The materialized-logits path (:func:`materialized_outputs`)."""
 
-    def step(hidden, weight, targets, grad_out, grad_entropy=None):
+    def step(hidden, weight, targets, grad_out, grad_entropy=None, bias=None):
         out = materialized_outputs(
-            hidden, weight, targets, temperature=temperature, entropy=entropy
+            hidden,
+            weight,
+            targets,
+            temperature=temperature,
+            entropy=entropy,
+            bias=bias,
+            softcap=softcap,
         )
         if entropy:
             finish(mode, [out["logprob"], out["entropy"]], [grad_out, grad_entropy])
@@ -174,20 +206,43 @@ def _peer_check(name: str, temperature: float) -> None:
         raise Unsupported("peers run at temperature 1 only")
 
 
+def peer_options(name: str, fn: Callable, *, softcap: float | None, bias: bool) -> dict:
+    """The ``softcap=`` keyword for peer ``name``'s function ``fn`` (empty without a cap);
+    raises :class:`Unsupported` when the installed ``fn`` takes no ``softcap`` / ``bias``
+    keyword that the run needs. The bias itself is passed at each step."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no introspectable signature: nothing can be claimed
+        params = {}
+    for option, needed in (("softcap", softcap is not None), ("bias", bias)):
+        if needed and option not in params:
+            raise Unsupported(f"the installed {PEERS[name]} takes no {option}=")
+    return {} if softcap is None else {"softcap": softcap}
+
+
 def _logprob_only(name: str, entropy: bool) -> str | None:
     return f"logprob only: {name} has no entropy" if entropy else None
 
 
 def provider_liger(
-    *, mode: Mode = "train", temperature: float = 1.0, entropy: bool = False
+    *,
+    mode: Mode = "train",
+    temperature: float = 1.0,
+    entropy: bool = False,
+    softcap: float | None = None,
+    bias: bool = False,
 ) -> Prepared:
     """liger-kernel's fused linear cross entropy; its backward is fused into the forward for
-    a scalar loss, so it runs as ``sum(CE)`` (timing and memory only, no per-token output)."""
+    a scalar loss, so it runs as ``sum(CE)`` (timing and memory only, no per-token output).
+    ``softcap`` and the bias go to its ``softcap=`` and ``bias=`` keywords."""
     _peer_check("liger", temperature)
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    def step(hidden, weight, targets, grad_out, grad_entropy=None):
-        loss = liger_fused_linear_cross_entropy(hidden, weight, targets, reduction="sum")
+    opts = peer_options("liger", liger_fused_linear_cross_entropy, softcap=softcap, bias=bias)
+
+    def step(hidden, weight, targets, grad_out, grad_entropy=None, bias=None):
+        extra = opts if bias is None else {**opts, "bias": bias}
+        loss = liger_fused_linear_cross_entropy(hidden, weight, targets, reduction="sum", **extra)
         if mode == "train":
             loss.backward()
         return None, None
@@ -196,14 +251,23 @@ def provider_liger(
 
 
 def provider_cce(
-    *, mode: Mode = "train", temperature: float = 1.0, entropy: bool = False
+    *,
+    mode: Mode = "train",
+    temperature: float = 1.0,
+    entropy: bool = False,
+    softcap: float | None = None,
+    bias: bool = False,
 ) -> Prepared:
-    """Apple's cut-cross-entropy, per-token loss (``logprob = -loss``), default settings."""
+    """Apple's cut-cross-entropy, per-token loss (``logprob = -loss``), default settings;
+    ``softcap`` and the bias go to its ``softcap=`` and ``bias=`` keywords."""
     _peer_check("cce", temperature)
     from cut_cross_entropy import linear_cross_entropy
 
-    def step(hidden, weight, targets, grad_out, grad_entropy=None):
-        logprob = -linear_cross_entropy(hidden, weight, targets, reduction="none")
+    opts = peer_options("cce", linear_cross_entropy, softcap=softcap, bias=bias)
+
+    def step(hidden, weight, targets, grad_out, grad_entropy=None, bias=None):
+        extra = opts if bias is None else {**opts, "bias": bias}
+        logprob = -linear_cross_entropy(hidden, weight, targets, reduction="none", **extra)
         finish(mode, [logprob], [grad_out])
         return logprob.detach(), None
 
@@ -217,10 +281,17 @@ def make_provider(
     temperature: float = 1.0,
     entropy: bool = False,
     tp: dict | None = None,
+    softcap: float | None = None,
+    bias: bool = False,
 ) -> Prepared:
-    """The step of provider ``name``; raises :class:`Unsupported` where it cannot run."""
+    """The step of provider ``name``; raises :class:`Unsupported` where it cannot run.
+
+    ``softcap``: the final-logit cap, or None; ``bias``: whether the harness passes a
+    ``[V_local]`` bias to each step (the step's ``bias=``)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if softcap is not None and not (0 < softcap < float("inf")):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
     if name in LP_PROVIDERS:
         backend = name.removeprefix("lp-").removesuffix("128").removesuffix("-det")
         return provider_lp(
@@ -231,6 +302,7 @@ def make_provider(
             deterministic=is_deterministic(name) is True,
             tile=128 if name.endswith("-det128") else None,
             tp=tp,
+            softcap=softcap,
         )
     if name not in ALL_PROVIDERS:
         raise ValueError(f"unknown provider {name!r}; choose from {', '.join(ALL_PROVIDERS)}")
@@ -241,7 +313,7 @@ def make_provider(
         "liger": provider_liger,
         "cce": provider_cce,
     }[name]
-    return factory(mode=mode, temperature=temperature, entropy=entropy)
+    return factory(mode=mode, temperature=temperature, entropy=entropy, softcap=softcap, bias=bias)
 
 
 def provider_available(name: str, device: str) -> str | None:

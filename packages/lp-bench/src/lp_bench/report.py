@@ -2,10 +2,11 @@
 of ``lp report`` (docs/benchmarks.md's tables, regenerated from one results file).
 
 Markdown, from one file: a header (device, torch, triton, commit, date); one table per
-run (mode x {logprob, +entropy}, and dtype where a run has several) with a row per
-provider and a column per shape, each cell the time over the floor (ms on CPU, which has
-no floor); then one memory table (peak above the inputs) and one error table (the worst
-norm-wise relative error against the reference of logprob, entropy and the gradients).
+run (mode x {logprob, +entropy}, and dtype where a run has several; a run with a logit
+cap or a bias says so in its title: ``softcap 30, bias``) with a row per provider and a
+column per shape, each cell the time over the floor (ms on CPU, which has no floor); then
+one memory table (peak above the inputs) and one error table (the worst norm-wise relative
+error against the reference of logprob, entropy and the gradients).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lp_bench.protocol import ERROR_KEYS, run_label
+from lp_bench.protocol import ERROR_KEYS, options_label, run_label
 
 LOGPROB_ONLY = "*"
 """Marks a cell whose provider ran logprob only in an entropy run."""
@@ -46,28 +47,43 @@ def _why(row: dict) -> str:
     return row.get("note") or ""
 
 
+def row_options(row: dict) -> str:
+    """The row's logit options (``softcap 30, bias``; ``""`` for none or an older file)."""
+    return options_label(row.get("softcap"), row.get("bias"))
+
+
+def _run_cell(row: dict) -> str:
+    opts = row_options(row)
+    return run_label(row["mode"], row["entropy"]) + (f" ({opts})" if opts else "")
+
+
 def bench_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Header and cells of ``lp bench``'s table (4 label columns; free text last)."""
+    """Header and cells of ``lp bench``'s table (4 label columns; free text last); the run
+    column names the logit options (``train (softcap 30, bias)``)."""
     head = ["run", "shape", "dtype", "provider", "ms", "floor ms", "x floor", "MiB", "mem/mat"]
     head += ["err logprob", "maxabs lp"]
     keys = ["err_logprob", "maxabs_logprob"]
     if any(r.get("err_entropy") is not None for r in rows):
         head.append("err entropy")
         keys.append("err_entropy")
-    head += ["err grad_h", "err grad_w", "note"]
+    head += ["err grad_h", "err grad_w"]
     keys += ["err_grad_hidden", "err_grad_weight"]
+    if any(r.get("err_grad_bias") is not None for r in rows):
+        head.append("err grad_b")
+        keys.append("err_grad_bias")
+    head.append("note")
     base = {
-        (r["mode"], r["entropy"], r["shape"], r["dtype"]): r
+        (_run_cell(r), r["shape"], r["dtype"]): r
         for r in rows
         if r["provider"] == "materialized" and _ok(r)
     }
     cells = []
     for r in rows:
-        lead = [run_label(r["mode"], r["entropy"]), r["shape"], r["dtype"], r["provider"]]
+        lead = [_run_cell(r), r["shape"], r["dtype"], r["provider"]]
         if not _ok(r):
             cells.append([*lead, *["-"] * (len(head) - 5), _why(r)])
             continue
-        mat = base.get((r["mode"], r["entropy"], r["shape"], r["dtype"]))
+        mat = base.get((lead[0], r["shape"], r["dtype"]))
         ratio = r["peak_bytes"] / mat["peak_bytes"] if mat and mat["peak_bytes"] else None
         cells.append(
             [
@@ -120,8 +136,12 @@ def markdown(doc: dict) -> str:
         f"commit {env.get('commit', '?')}, {env.get('date', '?')}",
         "",
     ]
-    runs = list(dict.fromkeys((r["mode"], r["entropy"], r["dtype"]) for r in rows))
-    multi_dtype = len({d for _, _, d in runs}) > 1
+    runs = list(dict.fromkeys((r["mode"], r["entropy"], r["dtype"], row_options(r)) for r in rows))
+    multi_dtype = len({run[2] for run in runs}) > 1
+    option_sets = list(dict.fromkeys(run[3] for run in runs))
+    multi_options = len(option_sets) > 1
+    # one set of logit options for the whole file: named in the memory and error titles
+    shared = f" ({option_sets[0]})" if not multi_options and option_sets[0] else ""
     footnotes = set()
 
     def time_cell(r: dict) -> str:
@@ -134,12 +154,17 @@ def markdown(doc: dict) -> str:
             text += LOGPROB_ONLY
         return text
 
-    for mode, entropy, dtype in runs:
-        sel = [r for r in rows if (r["mode"], r["entropy"], r["dtype"]) == (mode, entropy, dtype)]
+    for mode, entropy, dtype, opts in runs:
+        sel = [
+            r
+            for r in rows
+            if (r["mode"], r["entropy"], r["dtype"], row_options(r)) == (mode, entropy, dtype, opts)
+        ]
         what = "logprob + entropy" if entropy else "logprob"
         floor = {"train": "4 matmuls", "fwd": "1 matmul"}[mode]
         unit = f"x floor ({floor})" if cuda else "ms (CPU: no floor)"
-        title = f"{mode}, {what}{f', {dtype}' if multi_dtype else ''}: {unit}"
+        title = f"{mode}, {what}{f', {dtype}' if multi_dtype else ''}"
+        title += f"{f', {opts}' if opts else ''}: {unit}"
         head, cells = _grid(sel, time_cell, lambda r: r["provider"])
         out += [f"**{title}**", "", md_table(head, cells), ""]
     if footnotes:
@@ -147,6 +172,8 @@ def markdown(doc: dict) -> str:
 
     def label(r: dict) -> str:
         tag = run_label(r["mode"], r["entropy"]) + (f", {r['dtype']}" if multi_dtype else "")
+        if multi_options and row_options(r):
+            tag += f", {row_options(r)}"
         return f"{r['provider']} ({tag})"
 
     unit, scale = ("GiB", 2**30) if cuda else ("MiB", 2**20)
@@ -156,7 +183,7 @@ def markdown(doc: dict) -> str:
         return status if status is not None else f"{r['peak_bytes'] / scale:.2f}"
 
     head, cells = _grid(rows, mem_cell, label)
-    out += [f"**peak memory above the inputs, {unit}**", "", md_table(head, cells), ""]
+    out += [f"**peak memory above the inputs, {unit}{shared}**", "", md_table(head, cells), ""]
 
     def err_cell(r: dict) -> str:
         status = _status(r)
@@ -168,8 +195,10 @@ def markdown(doc: dict) -> str:
     ref = "fp32" if cuda else "fp64"
     head, cells = _grid(rows, err_cell, label)
     out += [
-        f"**worst relative error against the {ref} reference** (logprob, entropy, grad_hidden, "
-        "grad_weight)",
+        f"**worst relative error against the {ref} reference{shared}** (logprob, entropy, "
+        "grad_hidden, grad_weight"
+        + (", grad_bias" if any(r.get("bias") for r in rows) else "")
+        + ")",
         "",
         md_table(head, cells),
     ]

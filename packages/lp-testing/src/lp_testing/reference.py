@@ -197,6 +197,8 @@ def reference_chunked(
     temperature: float = 1.0,
     ignore_index: int = -100,
     vocab_size: int | None = None,
+    bias: Tensor | None = None,
+    softcap: float | None = None,
     dtype: torch.dtype = torch.float64,
     rows: int = 2048,
 ) -> dict[str, Tensor | None]:
@@ -206,16 +208,18 @@ def reference_chunked(
     ``[rows, V]`` in ``dtype`` (TF32 off), its statistics, and the closed-form gradient of
     the per-row vector-Jacobian product::
 
+        l  = hidden[rows] @ W^T (+ b),  z = softcap(l) / T
         p  = softmax(z),  logp = log p,  Hn = entropy
-        dz = g_lp (onehot(target) - p) - g_ent p (logp + Hn) + g_lse p,   then / T
-        grad_hidden[rows] = dz @ W,   grad_weight += dz^T @ hidden[rows]
+        dz = g_lp (onehot(target) - p) - g_ent p (logp + Hn) + g_lse p
+        dl = dz / T  (with a cap c: dz (1 - tanh^2(l / c)) / T)
+        grad_hidden[rows] = dl @ W,   grad_weight += dl^T @ hidden[rows],   grad_bias += sum dl
 
     Ignored rows contribute nothing; weight rows ``>= V`` (padding) get exact zeros. Runs
     on the inputs' device, without autograd.
 
     Args:
         hidden, weight, targets, grad_logprob, grad_entropy, grad_lse, temperature,
-            ignore_index, vocab_size: as in :func:`reference_all`.
+            ignore_index, vocab_size, bias, softcap: as in :func:`reference_all`.
         dtype: ``torch.float64`` (the truth) or ``torch.float32`` (a GPU-shape reference).
         rows: rows per block, >= 1 (memory: about three ``[rows, V]`` tensors in ``dtype``).
 
@@ -223,9 +227,11 @@ def reference_chunked(
         The keys of :func:`reference_all`, in ``dtype``.
 
     Raises:
-        ValueError: as :func:`reference_all`, or a ``rows`` < 1, or a ``dtype`` that is not
-            float64 / float32.
+        ValueError: as :func:`reference_all`, or a ``rows`` < 1, a ``dtype`` that is not
+            float64 / float32, or a ``softcap`` that is not a finite number > 0.
     """
+    if softcap is not None and not (0 < softcap < float("inf")):
+        raise ValueError(f"reference_chunked: softcap must be a finite number > 0, got {softcap}")
     if dtype not in (torch.float64, torch.float32):
         raise ValueError(f"reference_chunked: dtype must be torch.float64 or float32, got {dtype}")
     if rows < 1:
@@ -238,9 +244,17 @@ def reference_chunked(
     flat_up = {name: g.reshape(-1) for name, g in upstream.items()}
     n, dev = h2.shape[0], h2.device
     w = weight.detach()[:v].to(dtype)
+    b = None
+    if bias is not None:
+        if bias.shape != weight.shape[:1]:
+            raise ValueError(f"bias must be [V_pad] = {weight.shape[0]}, got {tuple(bias.shape)}")
+        b = bias.detach()[:v].to(dtype)
     outs = {name: torch.zeros(n, dtype=dtype, device=dev) for name in OUTPUTS}
     grad_h = torch.zeros(h2.shape, dtype=dtype, device=dev) if upstream else None
     grad_w = torch.zeros(weight.shape, dtype=dtype, device=dev) if upstream else None
+    grad_b = None
+    if upstream and bias is not None:
+        grad_b = torch.zeros(weight.shape[:1], dtype=dtype, device=dev)
     prev_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -249,7 +263,16 @@ def reference_chunked(
                 r1 = min(r0 + rows, n)
                 h = h2[r0:r1].detach().to(dtype)
                 t = t1[r0:r1]
-                z = (h @ w.T) / temperature  # [rows, V]
+                z = h @ w.T  # [rows, V] raw logits l
+                if b is not None:
+                    z += b
+                slope = None  # d softcap(l) / dl = 1 - tanh^2(l / c)
+                if softcap is not None:
+                    z.div_(softcap).tanh_()
+                    if upstream:
+                        slope = 1 - z * z
+                    z.mul_(softcap)
+                z /= temperature
                 stats = _statistics(z, t, ignore_index)
                 for name in OUTPUTS:
                     outs[name][r0:r1] = stats[name]
@@ -272,14 +295,19 @@ def reference_chunked(
                 if "lse" in flat_up:
                     dz += (flat_up["lse"][r0:r1] * keep)[:, None] * p
                 dz /= temperature
+                if slope is not None:
+                    dz *= slope
                 grad_h[r0:r1] = dz @ w
                 grad_w[:v].addmm_(dz.T, h)
-                del z, logp, p, dz
+                if grad_b is not None:
+                    grad_b[:v] += dz.sum(0)
+                del z, logp, p, dz, slope
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
     result: dict[str, Tensor | None] = {k: o.reshape(targets.shape) for k, o in outs.items()}
     result["grad_hidden"] = None if grad_h is None else grad_h.reshape(hidden.shape)
     result["grad_weight"] = grad_w
+    result["grad_bias"] = grad_b
     return result
 
 
