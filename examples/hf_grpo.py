@@ -18,7 +18,8 @@ model's logits (``log_softmax`` -> gather). It prints both losses and gradient n
 largest gradient difference, ``max|ratio - 1|`` of the update (0 with lp: the rollout's
 and the update's log-probs are the same bits), and the peak memory of the
 update (forward + backward) of each: on CUDA ``torch.cuda.max_memory_allocated``, on CPU
-the peak of live tensor storage bytes seen by a ``TorchDispatchMode``.
+the peak of live tensor storage bytes seen by ``lp_bench.memory.LiveBytes`` (a
+``TorchDispatchMode``).
 
     python examples/hf_grpo.py                     # CPU, vocab 32000
     python examples/hf_grpo.py --device cuda --dtype bfloat16 --vocab 151936 --hidden 1024
@@ -32,42 +33,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from lp_bench.memory import LiveBytes
 from lp_hf import install_logprob_head
 
 CLIP, BETA, ENT_COEF = 0.2, 0.04, 1e-3
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of tensor storages allocated while active (a CPU stand-in for
-    ``torch.cuda.max_memory_allocated``): every op output whose storage is new is tracked
-    by weak reference until it is freed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        seen = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if _dense(t)}
-        for t in tree_leaves(out):
-            if _dense(t):
-                storage = t.untyped_storage()
-                if storage._cdata not in seen:
-                    ref = (StorageWeakRef(storage), storage.nbytes())
-                    self.live.setdefault(storage._cdata, ref)
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return out
-
-
-def _dense(t: object) -> bool:
-    return isinstance(t, torch.Tensor) and t.layout == torch.strided
 
 
 def peak_bytes(run: Callable[[], Any], device: torch.device) -> tuple[Any, int]:

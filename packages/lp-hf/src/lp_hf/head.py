@@ -42,7 +42,6 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any, Literal
 
 import torch
@@ -175,12 +174,7 @@ class LogprobHead:
     def __enter__(self) -> LogprobHead:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.remove()
 
     @contextlib.contextmanager

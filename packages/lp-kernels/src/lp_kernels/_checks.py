@@ -2,7 +2,7 @@
 
 Checks that depend only on arguments every rank passes identically (hidden,
 targets, scalar options) raise at once. Checks that involve a rank's own shard go
-through the cross-rank layout table (``distributed.layout.resolve_layout``) so they raise on every
+through the cross-rank layout table (``distributed.layout.resolve_vocab``) so they raise on every
 rank. The data-dependent target check costs exactly one host sync and no
 collective, and is skipped with ``validate=False``.
 """

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -242,12 +241,7 @@ class LogprobHead:
     def __enter__(self) -> LogprobHead:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.remove()
 
     def logprobs(

@@ -6,6 +6,7 @@ Data flow of one :func:`run_ranks` call::
     ------                                   -------------------------------------------------
     pickle (fn, args, kwargs) ----bytes----> set_num_threads(1); apply the parent's environment
     temp dir: FileStore file, stack files    init_process_group(backend, FileStore, rank, world)
+                                             wait on the store until every rank's init returned
     wait(result pipes, sentinels, deadline)  value = fn(r, world_size, *args, **kwargs)
                                              destroy_process_group()            (in a finally)
     <-------------- bytes: ("ok", value with tensors moved to CPU) | ("error", traceback text)
@@ -233,6 +234,19 @@ def _is_skip(exc: BaseException) -> bool:
     return outcomes is not None and isinstance(exc, outcomes.Skipped)
 
 
+def _all_ranks_joined(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Return once every rank's ``init_process_group`` has returned.
+
+    Gloo connects its full mesh inside ``init_process_group``, and a rank's init can return
+    before its peers' have: a rank whose ``fn`` returns at once would then destroy its group
+    while a peer is still connecting to it ("connectFullMesh ... Connection closed by
+    peer"). A key per rank on the job's own store (outside the group's key prefix) orders
+    every teardown after every init, without a collective and for every backend.
+    """
+    store.set(f"lp_testing/joined/{rank}", "1")
+    store.wait([f"lp_testing/joined/{r}" for r in range(world_size)], timedelta(seconds=timeout_s))
+
+
 def _child_main(spec: _ChildSpec, rank: int, conn: Connection, alive: Connection) -> None:
     """Entry point of one rank (runs in the child process)."""
     torch.set_num_threads(1)  # first: 2 cores shared by all ranks; no OpenMP oversubscription
@@ -267,6 +281,7 @@ def _child_main(spec: _ChildSpec, rank: int, conn: Connection, alive: Connection
             timeout=timedelta(seconds=spec.group_timeout_s),
             **init_kwargs,
         )
+        _all_ranks_joined(store, rank, spec.world_size, spec.group_timeout_s)
         try:
             value = fn(rank, spec.world_size, *args, **kwargs)
         except BaseException:

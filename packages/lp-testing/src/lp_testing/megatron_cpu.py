@@ -42,7 +42,6 @@ Example::
 from __future__ import annotations
 
 import importlib
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -174,10 +173,5 @@ class MegatronCpuPatches:
     def __enter__(self) -> MegatronCpuPatches:
         return self.apply()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.restore()

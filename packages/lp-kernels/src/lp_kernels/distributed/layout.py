@@ -130,7 +130,7 @@ def cache_layout(group: Any, key: tuple[int, ...], layout: ShardLayout) -> None:
     _CACHE.put(group, key, layout)
 
 
-def resolve_layout(
+def resolve_vocab(
     group: Any,
     *,
     v_local: int,
@@ -139,22 +139,35 @@ def resolve_layout(
     hidden: int,
     dtype: torch.dtype,
     deterministic: bool,
-    tile: int,
     device: torch.device,
     problem: int = 0,
+    tile: int = DETERMINISTIC_TILE,
     align: int | None = None,
 ) -> ShardLayout:
-    """Return the validated layout of ``group``, checking it across ranks on first use.
+    """This rank's view of the validated layout.
 
-    With ``deterministic``, shard bounds must be multiples of ``align`` (default: the
-    tile; ``linear_logprob`` passes 128, its ranks lend each other the rows of tiles that
-    cross a bound, see :func:`tile_ownership`).
+    Without a group the layout is one shard ``[0, v_local)``. Under a group it is checked
+    across ranks on first use (one all-gather of :func:`layout_key`) and cached. With
+    ``deterministic``, shard bounds must be multiples of ``align`` (default: the tile;
+    ``linear_logprob`` passes 128, its ranks lend each other the rows of tiles that cross a
+    bound, see :func:`tile_ownership`).
 
     Raises:
         ValueError: on every rank, naming the offending rank and field, when shards
             are not contiguous, overlap, disagree on vocab_size / H / dtype / flags,
             or when uneven shards lack an explicit ``vocab_start``.
     """
+    if group is None:
+        if v_local == 0:
+            raise ValueError("the vocabulary dimension is empty (V_local = 0)")
+        if vocab_size is None:
+            vocab_size = v_local
+        elif vocab_size > v_local:
+            raise ValueError(
+                f"vocab_size={vocab_size} exceeds the {v_local} vocabulary entries given "
+                "(without tp_group they are the whole vocabulary)"
+            )
+        return ShardLayout(starts=(0,), sizes=(v_local,), vocab_size=vocab_size, rank=0)
     key = layout_key(
         v_local=v_local,
         vocab_start=vocab_start,
@@ -178,50 +191,6 @@ def resolve_layout(
     layout = check_table(rows, rank)
     _CACHE.put(group, key, layout)
     return layout
-
-
-def resolve_vocab(
-    group: Any,
-    *,
-    v_local: int,
-    vocab_start: int | None,
-    vocab_size: int | None,
-    hidden: int,
-    dtype: torch.dtype,
-    deterministic: bool,
-    device: torch.device,
-    problem: int = 0,
-    tile: int = DETERMINISTIC_TILE,
-    align: int | None = None,
-) -> ShardLayout:
-    """This rank's view of the validated layout (checked across ranks under a group).
-
-    Without a group the layout is one shard ``[0, v_local)``.
-    """
-    if group is not None:
-        return resolve_layout(
-            group,
-            v_local=v_local,
-            vocab_start=vocab_start,
-            vocab_size=vocab_size,
-            hidden=hidden,
-            dtype=dtype,
-            deterministic=deterministic,
-            tile=tile,
-            device=device,
-            problem=problem,
-            align=align,
-        )
-    if v_local == 0:
-        raise ValueError("the vocabulary dimension is empty (V_local = 0)")
-    if vocab_size is None:
-        vocab_size = v_local
-    elif vocab_size > v_local:
-        raise ValueError(
-            f"vocab_size={vocab_size} exceeds the {v_local} vocabulary entries given "
-            "(without tp_group they are the whole vocabulary)"
-        )
-    return ShardLayout(starts=(0,), sizes=(v_local,), vocab_size=vocab_size, rank=0)
 
 
 def check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:
