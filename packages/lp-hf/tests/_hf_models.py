@@ -11,6 +11,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+try:  # Gemma 2: final-logit softcapping in the model's forward, after lm_head
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    ARCHS["gemma2"] = (Gemma2Config, Gemma2ForCausalLM)
+except ImportError:  # pragma: no cover - an old transformers
+    pass
 
 
 def tiny_model(
@@ -23,9 +29,22 @@ def tiny_model(
     seed: int = 0,
     attn: str = "sdpa",
     dtype: torch.dtype = torch.float32,
+    softcap: float | None = None,
+    bias: bool = False,
 ) -> torch.nn.Module:
-    """A randomly initialised 2-layer model; the same seed gives the same weights."""
+    """A randomly initialised 2-layer model; the same seed gives the same weights.
+
+    ``softcap``: gemma2's ``final_logit_softcapping`` (its forward applies it after
+    lm_head). ``bias``: lm_head becomes an ``nn.Linear(H, V, bias=True)`` (untied only).
+    """
     config_cls, model_cls = ARCHS[arch]
+    extra = {}
+    if arch == "gemma2":
+        extra = dict(head_dim=hidden // 4, final_logit_softcapping=softcap)
+    elif softcap is not None:
+        raise ValueError(f"{arch} applies no final-logit softcap")
+    if bias and tied:
+        raise ValueError("a biased lm_head is untied")
     config = config_cls(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -36,11 +55,17 @@ def tiny_model(
         max_position_embeddings=256,
         tie_word_embeddings=tied,
         attn_implementation=attn,
+        **extra,
     )
     torch.manual_seed(seed)
-    model = model_cls(config).to(dtype)
+    model = model_cls(config)
+    if bias:
+        model.lm_head = torch.nn.Linear(hidden, vocab, bias=True)
+    model = model.to(dtype)
     with torch.no_grad():  # a visible scale: random init gives near-uniform softmaxes
         model.get_output_embeddings().weight.normal_(0.0, 0.5)
+        if bias:
+            model.lm_head.bias.normal_(0.0, 1.0)
     model.eval()  # no dropout; gradients still flow
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     return model

@@ -10,7 +10,10 @@ Data flow of one :meth:`LogprobHead.logprobs` call::
         decoder -> hidden [B, T', H] -> the model's own slicing (logits_to_keep)
         lm_head(hidden)      same module object; its forward is the head's while installed
           (FSDP2: pre-forward hook all-gathers lm_head.weight; post-backward reduce-scatters)
-          linear_logprob(hidden, lm_head.weight, targets) -> stacked [B, T', 1 + e + l] fp32
+          linear_logprob(hidden, lm_head.weight, targets, bias=lm_head.bias,
+                         softcap=config.final_logit_softcapping)
+            -> stacked [B, T', 1 + e + l] fp32
+        (the model's own softcapping after lm_head is off for this forward: see below)
         out.logits = that stacked tensor (the model's output field, no [B, T, V] logits)
       -> LogProbOutput(logprob, entropy, lse), each [B, T'] fp32
 
@@ -34,6 +37,16 @@ the output layer outside it (a plain ``model(...)``, generation, or the recomput
 activation-checkpointed region that contains ``lm_head``) raises ``RuntimeError``;
 ``with head.paused():`` gives the stock logits for generation. transformers' own
 ``gradient_checkpointing_enable()`` checkpoints the decoder layers only, which is fine.
+
+Final-logit softcapping (Gemma 2 / 3: ``config.final_logit_softcapping = c``): the model's
+forward caps what ``lm_head`` returned, ``c * tanh(logits / c)``, when that config field is
+not None. lp applies the cap inside the kernels instead (``softcap=c``, before the
+temperature), so for the length of the model forward of one ``logprobs`` call the head sets
+``model.config.final_logit_softcapping = None`` and restores it in a ``finally``: the model
+returns the head's result unchanged. A model that caps the logits by other means (a copy
+of the value taken at init, a ``text_config`` field, a module) changes the result, which
+the identity check refuses with ``RuntimeError``. While a call runs, another thread using
+the same config object would see the field as None.
 """
 
 from __future__ import annotations
@@ -49,19 +62,59 @@ import torch
 from lp_hf.targets import next_token_targets, slice_to_keep
 from lp_kernels import LogProbOutput, linear_logprob
 
-__all__ = ["HeadConfig", "LogprobHead", "install_logprob_head"]
+__all__ = ["HeadConfig", "LogprobHead", "install_logprob_head", "model_softcap"]
 
 Backend = Literal["auto", "torch", "triton"]
 _BACKENDS = ("auto", "torch", "triton")
 _HEAD_ATTR = "_lp_hf_logprob_head"
 
+# The config field of the final-logit softcap that transformers' Gemma 2 / 3 (and Gemma-like)
+# causal LMs apply after the output layer; lp applies it in the kernels (``softcap=``).
+_SOFTCAP_FIELD = "final_logit_softcapping"
+
 # Config fields of transformers models that post-process the logits after the output layer
-# (the head would give log-probs of the unprocessed logits): name -> value meaning "none".
+# in ways lp does not reproduce (the head would give log-probs of the unprocessed logits):
+# name -> value meaning "none".
 _LOGIT_POSTPROCESSING = {
-    "final_logit_softcapping": None,  # Gemma 2 / 3
     "logit_scale": 1.0,  # Cohere
     "logits_scaling": 1.0,  # Granite (divides)
 }
+
+
+def model_softcap(model: torch.nn.Module) -> float | None:
+    """The model's final-logit softcap: ``model.config.final_logit_softcapping`` (None when
+    the config has no such field or it is None).
+
+    Raises:
+        ValueError, TypeError: the field is set to something other than a positive finite
+            number.
+    """
+    value = getattr(getattr(model, "config", None), _SOFTCAP_FIELD, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"model.config.{_SOFTCAP_FIELD} must be None or a float, got {value!r}")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(
+            f"model.config.{_SOFTCAP_FIELD} must be None or > 0 and finite, got {value!r}"
+        )
+    return float(value)
+
+
+@contextlib.contextmanager
+def _softcap_off(model: torch.nn.Module, softcap: float | None) -> Iterator[None]:
+    """Inside, ``model.config.final_logit_softcapping`` is None (lp applies the cap itself);
+    restored on exit, also after an error."""
+    if softcap is None:
+        yield
+        return
+    config = model.config
+    before = getattr(config, _SOFTCAP_FIELD)
+    setattr(config, _SOFTCAP_FIELD, None)
+    try:
+        yield
+    finally:
+        setattr(config, _SOFTCAP_FIELD, before)
 
 
 def _check_temperature(value: Any, name: str = "temperature") -> float:
@@ -121,6 +174,8 @@ class _Call:
     temperature: float
     return_entropy: bool
     return_lse: bool
+    softcap: float | None = field(default=None)
+    """The model's final-logit softcap, applied by lp (the model's own is off meanwhile)."""
     result: torch.Tensor | None = field(default=None)
     mesh: Any = field(default=None)
     """The weight's device mesh under torch-native tensor parallel, else None."""
@@ -220,7 +275,9 @@ class LogprobHead:
             hidden,
             layer.weight,  # under FSDP2 the unsharded weight, only inside this forward
             targets,
+            bias=layer.bias,  # None, or [V] (unsharded by FSDP2's hooks like the weight)
             temperature=call.temperature,
+            softcap=call.softcap,
             ignore_index=cfg.ignore_index,
             return_entropy=call.return_entropy,
             return_lse=call.return_lse,
@@ -265,10 +322,12 @@ class LogprobHead:
         """Run the model and return per-position log-probs of the next token.
 
         Position ``t`` holds ``log p(labels[:, t + 1] | tokens <= t)``, as transformers'
-        causal-LM loss shifts labels; see :func:`lp_hf.next_token_targets` for the
-        positions that get 0 (the last one, ``ignore_index`` labels, ``attention_mask ==
-        0`` at ``t`` or ``t + 1``, packed-sequence boundaries found from
-        ``position_ids``).
+        causal-LM loss shifts labels, under ``softmax(z)`` with ``z = c * tanh(l / c) / T``
+        when the model config sets ``final_logit_softcapping = c`` (else ``z = l / T``),
+        ``l`` the output layer's logits (its bias included); see
+        :func:`lp_hf.next_token_targets` for the positions that get 0 (the last one,
+        ``ignore_index`` labels, ``attention_mask == 0`` at ``t`` or ``t + 1``,
+        packed-sequence boundaries found from ``position_ids``).
 
         Args:
             input_ids: ``[B, T]`` token ids (or None with ``inputs_embeds=`` in
@@ -339,16 +398,18 @@ class LogprobHead:
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             model_kwargs["logits_to_keep"] = logits_to_keep
         model_kwargs.setdefault("use_cache", False)
-        call = _Call(targets, temp, return_entropy, return_lse)
+        softcap = model_softcap(self.model)
+        call = _Call(targets, temp, return_entropy, return_lse, softcap)
         self._call = call
         try:
-            output = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                return_dict=True,
-                **model_kwargs,
-            )
+            with _softcap_off(self.model, softcap):
+                output = self.model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    return_dict=True,
+                    **model_kwargs,
+                )
         finally:
             self._call = None
         stacked = getattr(output, "logits", None)
@@ -369,7 +430,8 @@ class LogprobHead:
             raise RuntimeError(
                 "the model changed what its output layer returned before returning it as "
                 f"logits{why}; lp-hf supports models that return the output layer's result "
-                "unchanged (no softcapping or scaling of logits)"
+                "unchanged, or apply config.final_logit_softcapping to it (no scaling of "
+                "logits, no softcap other than that config field)"
             )
         entropy = stacked[..., 1] if return_entropy else None
         lse = stacked[..., 1 + int(return_entropy)] if return_lse else None
@@ -428,11 +490,16 @@ def install_logprob_head(
 ) -> LogprobHead:
     """Make a transformers causal LM's output layer compute lp's log-probs, not logits.
 
-    The output layer (``model.get_output_embeddings()``, an ``nn.Linear`` without bias)
-    stays the same module object with the same weight ``Parameter`` (tied or not);
-    only its forward is replaced by an instance attribute, removed by
+    The output layer (``model.get_output_embeddings()``, an ``nn.Linear``, with or without
+    a bias) stays the same module object with the same weight ``Parameter`` (tied or not)
+    and bias; only its forward is replaced by an instance attribute, removed by
     :meth:`LogprobHead.remove`. Parameters, ``state_dict`` and optimizer state are
     unchanged. Install before or after ``fully_shard``.
+
+    A bias goes to lp as ``bias=`` (its gradient lands on the bias ``Parameter``); the
+    model config's ``final_logit_softcapping`` (Gemma 2 / 3), read at each call, goes to
+    lp as ``softcap=``, and the model's own softcapping is off while the head computes
+    (see the module docstring).
 
     Args:
         model: a ``transformers.PreTrainedModel`` (or any module with
@@ -449,9 +516,10 @@ def install_logprob_head(
     Raises:
         TypeError: no ``get_output_embeddings()``, or the output layer is not an
             ``nn.Linear``.
-        ValueError: the layer has a bias, the model post-processes its logits
-            (softcapping, scaling), its forward is already replaced (e.g. accelerate
-            offload hooks), or a head with other options is installed.
+        ValueError: the model scales its logits (``logit_scale``, ``logits_scaling``) or
+            sets ``final_logit_softcapping`` to something other than None or a positive
+            float, the layer's forward is already replaced (e.g. accelerate offload
+            hooks), or a head with other options is installed.
 
     Example:
         >>> head = install_logprob_head(model)  # doctest: +SKIP
@@ -486,8 +554,6 @@ def install_logprob_head(
             "model.get_output_embeddings() must be an nn.Linear (the LM head), got "
             f"{type(layer).__name__}"
         )
-    if layer.bias is not None:
-        raise ValueError("the output layer has a bias; lp computes logits as hidden @ weight.T")
     if "forward" in layer.__dict__ and getattr(layer, "_is_hooked", False):
         raise ValueError(
             "the output layer is tensor-parallel through transformers' tp_plan, which replaces "
@@ -507,8 +573,9 @@ def install_logprob_head(
         if value is not None and value != neutral:
             raise ValueError(
                 f"the model post-processes its logits ({name}={value!r}); lp-hf computes "
-                "log-probs of the output layer's plain logits"
+                "log-probs of the output layer's logits, softcapped by final_logit_softcapping"
             )
+    model_softcap(model)  # a bad value fails here, not at the first call
     head = LogprobHead(model, layer, config)
     head._install()
     return head
