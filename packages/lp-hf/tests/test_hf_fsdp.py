@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")  # the GPU hosts may lack it
 
-from _hf_models import GRAD_REL, grads, stock_logprobs, tiny_model
+from _hf_models import ARCHS, GRAD_REL, grads, stock_logprobs, tiny_model
 
 from lp_testing import run_ranks, set_forkserver_preload
 
@@ -51,6 +51,13 @@ def _loss(logprob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
     return -(logprob.sum() + 0.1 * entropy.sum()) / (WORLD * ROWS * T)
 
 
+def _model(arch, tied, vocab):
+    """The tiny model of a case; gemma2: an untied lm_head with a bias and a softcap."""
+    if arch == "gemma2":
+        return tiny_model(arch, tied=False, vocab=vocab, attn="eager", softcap=2.0, bias=True)
+    return tiny_model(arch, tied=tied, vocab=vocab)
+
+
 def _fsdp_rank(rank, world, arch, tied, vocab, install_first):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -60,7 +67,7 @@ def _fsdp_rank(rank, world, arch, tied, vocab, install_first):
     from lp_hf import install_logprob_head
 
     mesh = init_device_mesh("cpu", (world,))
-    model = tiny_model(arch, tied=tied, vocab=vocab)
+    model = _model(arch, tied, vocab)
     if install_first:
         head = install_logprob_head(model)
     for layer in model.model.layers:
@@ -97,12 +104,18 @@ def _fsdp_rank(rank, world, arch, tied, vocab, install_first):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "arch,tied,vocab,install_first",
-    [("llama", False, 311, False), ("qwen2", True, 500, True)],
-    ids=["llama-untied-prime-vocab", "qwen2-tied-installed-before-sharding"],
+    [("llama", False, 311, False), ("qwen2", True, 500, True), ("gemma2", False, 311, False)],
+    ids=[
+        "llama-untied-prime-vocab",
+        "qwen2-tied-installed-before-sharding",
+        "gemma2-softcap-and-bias",
+    ],
 )
 def test_fsdp2_sharded_grads_equal_the_full_model_shards(arch, tied, vocab, install_first):
+    if arch not in ARCHS:
+        pytest.skip("transformers lacks Gemma2")
     ids, labels, mask = _global_batch(vocab)
-    stock = tiny_model(arch, tied=tied, vocab=vocab)
+    stock = _model(arch, tied, vocab)
     lp, ent, _ = stock_logprobs(stock, ids, labels, attention_mask=mask)
     _loss(lp, ent).backward()
     full = grads(stock)
