@@ -38,12 +38,15 @@ class Case:
     temperature: float = 1.0
     vocab_size: int | None = None
     extras: bool = False  # also return entropy and lse and put them in the loss
+    bias: bool = False  # the output layer gets a (random) bias
 
     @property
     def name(self) -> str:
         s = f"sp{int(self.sp)}-tied{int(self.tied)}"
         if self.extras:
             s += f"-T{self.temperature}-V{self.vocab_size}-ent-lse"
+        if self.bias:
+            s += "-bias"
         return s
 
 
@@ -51,6 +54,7 @@ def _cases(tp: int) -> list[Case]:
     cases = [Case(sp, tied) for sp in ([False, True] if tp > 1 else [False]) for tied in (0, 1)]
     cases = [Case(bool(c.sp), bool(c.tied)) for c in cases]
     cases.append(Case(sp=tp > 1, tied=True, temperature=0.7, vocab_size=97, extras=True))
+    cases.append(Case(sp=False, tied=False, temperature=0.7, extras=True, bias=True))
     return cases
 
 
@@ -84,6 +88,20 @@ def _build(tp: int, sp: bool, tied: bool, seed: int = 1234, vocab: int = V_PADDE
         max_sequence_length=S,
         share_embeddings_and_output_weights=tied,
     )
+
+
+def _add_output_bias(model, seed: int = 7) -> None:
+    """Give the output layer a bias (GPTModel builds it without): each TP rank its shard of
+    one random ``[V]`` vector, as ``ColumnParallelLinear(bias=True)`` holds it."""
+    from megatron.core import parallel_state
+
+    layer = model.output_layer
+    v_local = layer.weight.shape[0]
+    full = torch.randn(
+        v_local * layer.tp_group.size(), generator=torch.Generator().manual_seed(seed)
+    )
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    layer.bias = torch.nn.Parameter(full[rank * v_local : (rank + 1) * v_local].clone())
 
 
 def _inputs(vocab: int, seed: int = 0):
@@ -137,7 +155,10 @@ def _parity_rank(rank: int, world_size: int, device: str = "cpu", backend: str =
         torch.cuda.set_device(rank)
     with lp_testing.MegatronCpuPatches(cpu=not on_gpu):
         for case in _cases(world_size):
-            model = _build(world_size, case.sp, case.tied).to(device)
+            model = _build(world_size, case.sp, case.tied)
+            if case.bias:
+                _add_output_bias(model)
+            model = model.to(device)
             ids, pos, mask, labels, weights = (
                 t.to(device) for t in _inputs(case.vocab_size or V_PADDED)
             )
@@ -154,6 +175,7 @@ def _parity_rank(rank: int, world_size: int, device: str = "cpu", backend: str =
                 chunk_size=16 if case.extras else None,  # several chunks: b * s = 16
             )
             with install_logprob_head(model, config) as head:
+                assert head.fused  # no fallback (a bias included)
                 hidden = model(ids, pos, mask)
                 assert hidden.shape == (B, S, H), hidden.shape
                 out = head.logprobs(
@@ -162,6 +184,9 @@ def _parity_rank(rank: int, world_size: int, device: str = "cpu", backend: str =
                 _loss(*out, weights).backward()
             lp_grads = _grads(model)
             assert type(model.output_layer).__name__ == "ColumnParallelLinear"
+            if case.bias:
+                assert "output_layer.bias" in ref_grads
+                assert ref_grads["output_layer.bias"].abs().sum() > 0
             results[case.name] = {
                 "ref": [t.detach() for t in (ref if case.extras else ref[:1])],
                 "lp": [t.detach() for t in out if t is not None],

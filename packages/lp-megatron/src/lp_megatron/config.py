@@ -63,7 +63,8 @@ class LogprobHeadConfig:
 
     allow_fallback: bool = True
     """When the model post-processes its logits in a way the head does not reproduce
-    (MuP output scaling, multi-token prediction, a bias or a non-standard output layer):
+    (MuP output scaling, multi-token prediction or a non-standard output layer; a
+    ``ColumnParallelLinear`` bias is reproduced, passed to lp as ``bias=``):
     True keeps the stock output layer and warns once (``head.logprobs`` then takes the
     logits); False raises ValueError at install."""
 

@@ -9,7 +9,8 @@ Data flow while installed (last pipeline stage; P = tensor-parallel ranks)::
            remembers the weight: the ``weight=`` GPTModel passes (tied embeddings) or its own
       -> GPTModel transposes: output [b, s, h] where the logits [b, s, V/P] were
       -> head.logprobs(output, labels)
-           linear_logprob(hidden, weight shard [V/P, h], labels, tp_group, vocab_start)
+           linear_logprob(hidden, weight shard [V/P, h], labels, tp_group, vocab_start,
+                          bias=the output layer's bias shard [V/P] or None)
            -> LogProbOutput(logprob, entropy, lse), each [b, s] fp32, the same on every rank
 
 Gradient of the hidden state, summed over the P vocabulary shards exactly once:
@@ -22,9 +23,13 @@ Gradient of the hidden state, summed over the P vocabulary shards exactly once:
 - With sequence parallel the gather's backward reduce-scatter already sums the
   partials, so ``reduce_grad_hidden=False``: again one sum.
 
-The weight gradient is each rank's own shard's (no collective), as in the stock layer.
+The weight gradient is each rank's own shard's (no collective), as in the stock layer; so is
+the bias gradient when the output layer has a bias (``ColumnParallelLinear(bias=True)``, with
+``skip_bias_add=False``; GPTModel builds it without one, a model may swap in a biased layer):
+each rank passes its shard of the bias to lp as ``bias=``. megatron-core applies no final-logit
+softcap after the output layer, so there is none to read from its config.
 Models whose logits are post-processed after the output layer (MuP output scaling,
-multi-token prediction, a bias, a non-standard output layer class) keep the stock
+multi-token prediction, a non-standard output layer class) keep the stock
 layer; ``head.logprobs`` then computes the same quantities from the (vocabulary-parallel)
 logits with ``lp_kernels.vocab_parallel_logprob``, after one warning.
 """
@@ -51,9 +56,10 @@ class HiddenOutputLayer(torch.nn.Module):
     """Stand-in for a GPTModel's ``output_layer`` that returns the hidden state, not logits.
 
     Registers the stock layer's weight ``Parameter`` (the same object, or None for tied
-    embeddings) as its own ``weight``, so parameters, optimizer state, state-dict keys
-    and gradient buffers are unchanged. Attributes it does not define (``config``,
-    ``tp_group``, ``output_size``, ...) are read from the stock layer.
+    embeddings) as its own ``weight``, and its ``bias`` (the same object, or None), so
+    parameters, optimizer state, state-dict keys and gradient buffers are unchanged.
+    Attributes it does not define (``config``, ``tp_group``, ``output_size``, ...) are read
+    from the stock layer.
     """
 
     def __init__(self, stock: torch.nn.Module) -> None:
@@ -63,7 +69,7 @@ class HiddenOutputLayer(torch.nn.Module):
         self.__dict__["last_weight"] = None
         self.__dict__["last_gathered"] = False
         self._parameters["weight"] = stock.weight  # may be None (tied embeddings)
-        self.bias = None
+        self._parameters["bias"] = getattr(stock, "bias", None)  # usually None
         self.sequence_parallel = bool(getattr(stock, "sequence_parallel", False))
 
     def __getattr__(self, name: str) -> Any:
@@ -158,9 +164,16 @@ def _fallback_reasons(gpt: Any) -> list[str]:
         reasons.append("defer_embedding_wgrad_compute")
     if type(layer) is not tensor_parallel.ColumnParallelLinear:
         reasons.append(f"output layer is {type(layer).__name__}, not ColumnParallelLinear")
-    elif getattr(layer, "bias", None) is not None:
-        reasons.append("output layer has a bias")
     return reasons
+
+
+def logit_bias(layer: Any) -> torch.Tensor | None:
+    """The bias shard ``[V/P]`` the stock output layer adds to its logits, or None.
+
+    ``ColumnParallelLinear`` adds ``self.bias`` unless ``skip_bias_add`` (then it returns the
+    bias beside the output and GPTModel discards it: the logits have none)."""
+    bias = getattr(layer, "bias", None)
+    return None if bias is None or getattr(layer, "skip_bias_add", False) else bias
 
 
 def _tp_layout(group: Any) -> tuple[Any, int, int]:
@@ -310,6 +323,7 @@ class LogprobHead:
             labels,
             tp_group=group,
             vocab_start=rank * weight.shape[0],
+            bias=logit_bias(stock),  # this rank's shard, or None
             # SP: the gather's reduce-scatter sums grad_hidden over TP; else lp does it.
             reduce_grad_hidden=not self._layer.last_gathered,
             deterministic=cfg.deterministic,
