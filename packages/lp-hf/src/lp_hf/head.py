@@ -271,6 +271,12 @@ class LogprobHead:
                 "states in a way lp-hf did not predict (logits_to_keep support?)"
             )
         cfg = self.config
+        if (call.softcap is not None or layer.bias is not None) and _tp_mesh(layer.weight):
+            # lp_kernels' DTensor-weight path does not take bias / softcap yet
+            raise ValueError(
+                "a tensor-parallel (DTensor) output layer with a bias or a final-logit "
+                "softcap is not supported by lp-hf yet"
+            )
         out = linear_logprob(
             hidden,
             layer.weight,  # under FSDP2 the unsharded weight, only inside this forward
