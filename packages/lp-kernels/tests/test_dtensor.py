@@ -258,3 +258,53 @@ def test_fsdp2_weight_outside_forward_raises_on_every_rank():
     assert len(info.value.failures) == WORLD, text
     assert text.count("ValueError") >= WORLD, text
     assert "FSDP" in text and "through the FSDP-wrapped module" in text, text
+
+
+def _bias_softcap_rank(rank, world, plain_bias):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = _problem(389, None)
+    bias = torch.linspace(-2.0, 2.0, 389)
+    weight = distribute_tensor(p.weight.clone(), mesh, [Shard(0)]).requires_grad_()
+    if plain_bias:
+        try:
+            linear_logprob(p.hidden, weight, p.targets, bias=bias, backend="torch")
+        except ValueError as exc:
+            return str(exc)
+        return None
+    b = distribute_tensor(bias.clone(), mesh, [Shard(0)]).requires_grad_()
+    hidden = p.hidden.clone().requires_grad_()
+    kw = dict(return_entropy=True, return_lse=True, backend="torch", softcap=3.0, **p.op_kwargs())
+    out = linear_logprob(hidden, weight, p.targets, bias=b, **kw)
+    _loss(out, _upstream(p.n)).backward()
+    assert isinstance(b.grad, DTensor) and b.grad.placements == (Shard(0),), b.grad
+    return tuple(out), hidden.grad, weight.grad.to_local(), b.grad.to_local()
+
+
+@pytest.mark.timeout(300)
+def test_shard0_weight_takes_a_sharded_bias_and_softcap():
+    """A bias sharded like the weight (ColwiseParallel on a biased lm_head) and softcap reach
+    the computation: the same outputs and gradients as one process; a plain bias beside a
+    Shard(0) weight is ambiguous and raises on every rank."""
+    p = _problem(389, None)
+    bias = torch.linspace(-2.0, 2.0, 389).requires_grad_()
+    hidden, weight = p.hidden.clone().requires_grad_(), p.weight.clone().requires_grad_()
+    kw = dict(return_entropy=True, return_lse=True, backend="torch", softcap=3.0, **p.op_kwargs())
+    want = linear_logprob(hidden, weight, p.targets, bias=bias, **kw)
+    _loss(want, _upstream(p.n)).backward()
+    starts, sizes = chunk_rows(389, WORLD)
+    for rank, (out, g_h, g_w, g_b) in enumerate(
+        run_ranks(_bias_softcap_rank, WORLD, False, timeout=240)
+    ):
+        for got, ref in zip(out, want, strict=True):
+            torch.testing.assert_close(got, ref.detach(), rtol=1e-5, atol=1e-5)
+        rows = slice(starts[rank], starts[rank] + sizes[rank])
+        torch.testing.assert_close(g_h, hidden.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g_w, weight.grad[rows], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g_b, bias.grad[rows], rtol=1e-5, atol=1e-5)
+    messages = run_ranks(_bias_softcap_rank, WORLD, True, timeout=240)
+    assert all(
+        m is not None and "bias is a plain tensor beside a DTensor weight" in m for m in messages
+    )

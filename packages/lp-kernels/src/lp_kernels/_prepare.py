@@ -99,6 +99,7 @@ def prepare(
         vocab_start=vocab_start,
         vocab_size=vocab_size,
         reduce_grad_hidden=reduce_grad_hidden,
+        bias=bias,
     )
     if local is not None:  # a DTensor weight (torch-native TP): prepare its local tensors
         with local.explain():
@@ -120,6 +121,9 @@ def prepare(
                 chunk_size=chunk_size,
                 validate=validate,
                 tile_config=tile_config,
+                bias=local.bias,
+                softcap=softcap,
+                hint=hint,
             )
     name = "hidden" if linear else "logits"
     _checks.check_tensor(inputs, name)

@@ -72,6 +72,8 @@ class LocalArgs:
     vocab_size: int | None
     placement: str
     """The weight's placements and mesh in words, for messages."""
+    bias: torch.Tensor | None = None
+    """The bias's local tensor (a DTensor with the weight's mesh and placements), or None."""
 
     @contextlib.contextmanager
     def explain(self) -> Iterator[None]:
@@ -130,6 +132,30 @@ def _local_companion(x: Any, name: str, weight: Any, dtensor: type, **to_local: 
     return x.to_local(**to_local)
 
 
+def _local_bias(bias: Any, weight: Any, dtensor: type, sharded: bool) -> Any:
+    """The bias beside a DTensor weight: a DTensor on the weight's mesh with the weight's
+    placements (what ``ColwiseParallel`` makes of an ``nn.Linear`` bias) as its local tensor,
+    a plain tensor only beside a Replicate weight (with a ``Shard(0)`` weight it would be
+    ambiguous: the whole bias or this rank's shard?)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dtensor):
+        if sharded:
+            raise ValueError(
+                f"bias is a plain tensor beside a DTensor weight ({_describe(weight)}); pass "
+                "the bias as a DTensor with the weight's mesh and placements (as "
+                "ColwiseParallel shards an nn.Linear's bias), or both as local tensors with "
+                "tp_group and vocab_start"
+            )
+        return bias
+    if bias.device_mesh != weight.device_mesh or tuple(bias.placements) != tuple(weight.placements):
+        raise ValueError(
+            f"bias is a DTensor with {_describe(bias)}; beside weight ({_describe(weight)}) it "
+            "must have the weight's mesh and placements"
+        )
+    return bias.to_local()
+
+
 def local_args(
     hidden: Any,
     weight: Any,
@@ -139,13 +165,15 @@ def local_args(
     vocab_start: Any,
     vocab_size: Any,
     reduce_grad_hidden: bool,
+    bias: Any = None,
 ) -> LocalArgs | None:
     """The local arguments a DTensor ``weight`` stands for; None when ``weight`` is no DTensor.
 
     Raises:
         ValueError: ``tp_group`` or ``vocab_start`` given with a DTensor weight (ambiguous); a
             weight mesh that is not 1-D; a rank of the chunk rule without rows; ``hidden`` or
-            ``targets`` a DTensor not Replicate on the weight's mesh.
+            ``targets`` a DTensor not Replicate on the weight's mesh; a ``bias`` that is not
+            a DTensor with the weight's mesh and placements (plain: beside Replicate only).
         TypeError: a weight placement other than ``Shard(0)`` and ``Replicate``.
     """
     dtensor = _dtensor_type()
@@ -175,9 +203,10 @@ def local_args(
     grad_hidden = [Replicate() if reduce_grad_hidden or not sharded else Partial()]
     hidden = _local_companion(hidden, "hidden", weight, dtensor, grad_placements=grad_hidden)
     targets = _local_companion(targets, "targets", weight, dtensor)
+    bias = _local_bias(bias, weight, dtensor, sharded)
     if not sharded:  # Replicate: every rank holds the whole head
         return LocalArgs(
-            hidden, weight.to_local(), targets, None, None, vocab_size, _describe(weight)
+            hidden, weight.to_local(), targets, None, None, vocab_size, _describe(weight), bias
         )
     rows, ranks = weight.shape[0], mesh.size()
     starts, sizes = chunk_rows(rows, ranks)
@@ -197,4 +226,5 @@ def local_args(
         starts[mesh.get_local_rank()],
         rows if vocab_size is None else vocab_size,
         _describe(weight),
+        bias,
     )
