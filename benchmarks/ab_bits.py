@@ -95,6 +95,12 @@ def _loss(out, upstream):
     return loss
 
 
+def _digests(out, **grads) -> dict:
+    """Digests of the op's three outputs, then of each gradient given (by its key)."""
+    outputs = {"logprob": out.logprob, "entropy": out.entropy, "lse": out.lse}
+    return {name: _digest(t) for name, t in {**outputs, **grads}.items()}
+
+
 def _run_linear(spec: dict, device: str, tp=None) -> dict:
     """One linear_logprob case: digests of its outputs and of both gradients."""
     import torch
@@ -119,13 +125,7 @@ def _run_linear(spec: dict, device: str, tp=None) -> dict:
         **kwargs,
     )  # fmt: skip
     _loss(out, upstream).backward()
-    return {
-        "logprob": _digest(out.logprob),
-        "entropy": _digest(out.entropy),
-        "lse": _digest(out.lse),
-        "grad_hidden": _digest(hidden.grad),
-        "grad_weight": _digest(weight.grad),
-    }
+    return _digests(out, grad_hidden=hidden.grad, grad_weight=weight.grad)
 
 
 def _run_vocab_parallel(spec: dict, device: str) -> dict:
@@ -144,12 +144,7 @@ def _run_vocab_parallel(spec: dict, device: str) -> dict:
         logits, targets, vocab_size=spec.get("vocab_size"), **spec.get("options", {})
     )
     _loss(out, upstream).backward()
-    return {
-        "logprob": _digest(out.logprob),
-        "entropy": _digest(out.entropy),
-        "lse": _digest(out.lse),
-        "grad_logits": _digest(logits.grad),
-    }
+    return _digests(out, grad_logits=logits.grad)
 
 
 def _tp_rank(rank: int, world: int, spec: dict, device: str) -> dict:

@@ -103,3 +103,29 @@ def test_preserved_torch_globals_restores_only_changes() -> None:
         torch.set_num_threads(1)
         torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
     assert snapshot() == before
+
+
+def test_package_exports_submodules_all_without_importing_torch() -> None:
+    """``import lp_testing`` (the plugin's parent package) imports no torch; every name in a
+    submodule's ``__all__`` is exported, on first use, as that submodule's object."""
+    import importlib
+    import subprocess
+    import sys
+
+    code = "import sys, lp_testing; print('torch' in sys.modules, len(lp_testing.__all__))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    import lp_testing
+
+    assert out == ["False", str(len(lp_testing.__all__))]
+    expected: set[str] = set()
+    for module in ("compare", "dist", "megatron_cpu", "problems", "reference", "state"):
+        mod = importlib.import_module(f"lp_testing.{module}")
+        expected.update(mod.__all__)
+        for name in mod.__all__:
+            assert getattr(lp_testing, name) is getattr(mod, name), name
+    assert sorted(expected) == lp_testing.__all__
+    assert set(lp_testing.__all__) <= set(dir(lp_testing))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        lp_testing.nope  # noqa: B018

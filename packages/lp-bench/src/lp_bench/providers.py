@@ -91,6 +91,22 @@ def finish(mode: Mode, outputs: list[torch.Tensor], grads: list[torch.Tensor | N
         torch.autograd.backward(outputs, grads)
 
 
+def finished(
+    mode: Mode,
+    logprob: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_out: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A step's end: :func:`finish` over the outputs it has (``entropy`` None: logprob only),
+    then those outputs detached, ``(logprob, entropy or None)``."""
+    if entropy is None:
+        finish(mode, [logprob], [grad_out])
+        return logprob.detach(), None
+    finish(mode, [logprob, entropy], [grad_out, grad_entropy])
+    return logprob.detach(), entropy.detach()
+
+
 def materialized_outputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -161,11 +177,8 @@ def provider_lp(
             deterministic_tile=tile,
             **(tp or {}),
         )
-        if entropy:
-            finish(mode, [out.logprob, out.entropy], [grad_out, grad_entropy])
-            return out.logprob.detach(), out.entropy.detach()
-        finish(mode, [out.logprob], [grad_out])
-        return out.logprob.detach(), None
+        ent = out.entropy if entropy else None
+        return finished(mode, out.logprob, ent, grad_out, grad_entropy)
 
     return Prepared(step, entropy)
 
@@ -190,11 +203,7 @@ def provider_materialized(
             bias=bias,
             softcap=softcap,
         )
-        if entropy:
-            finish(mode, [out["logprob"], out["entropy"]], [grad_out, grad_entropy])
-            return out["logprob"].detach(), out["entropy"].detach()
-        finish(mode, [out["logprob"]], [grad_out])
-        return out["logprob"].detach(), None
+        return finished(mode, out["logprob"], out.get("entropy"), grad_out, grad_entropy)
 
     return Prepared(step, entropy)
 
@@ -220,6 +229,11 @@ def peer_options(name: str, fn: Callable, *, softcap: float | None, bias: bool) 
     return {} if softcap is None else {"softcap": softcap}
 
 
+def with_bias(options: dict, bias: torch.Tensor | None) -> dict:
+    """A peer's keywords ``options`` (from :func:`peer_options`) with the step's ``bias=``."""
+    return options if bias is None else {**options, "bias": bias}
+
+
 def _logprob_only(name: str, entropy: bool) -> str | None:
     return f"logprob only: {name} has no entropy" if entropy else None
 
@@ -241,7 +255,7 @@ def provider_liger(
     opts = peer_options("liger", liger_fused_linear_cross_entropy, softcap=softcap, bias=bias)
 
     def step(hidden, weight, targets, grad_out, grad_entropy=None, bias=None):
-        extra = opts if bias is None else {**opts, "bias": bias}
+        extra = with_bias(opts, bias)
         loss = liger_fused_linear_cross_entropy(hidden, weight, targets, reduction="sum", **extra)
         if mode == "train":
             loss.backward()
@@ -266,10 +280,9 @@ def provider_cce(
     opts = peer_options("cce", linear_cross_entropy, softcap=softcap, bias=bias)
 
     def step(hidden, weight, targets, grad_out, grad_entropy=None, bias=None):
-        extra = opts if bias is None else {**opts, "bias": bias}
+        extra = with_bias(opts, bias)
         logprob = -linear_cross_entropy(hidden, weight, targets, reduction="none", **extra)
-        finish(mode, [logprob], [grad_out])
-        return logprob.detach(), None
+        return finished(mode, logprob, None, grad_out, None)
 
     return Prepared(step, False, _logprob_only("cce", entropy))
 

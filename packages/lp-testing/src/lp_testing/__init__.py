@@ -13,137 +13,46 @@
   run a tiny megatron-core GPTModel on CPU (apply inside each rank).
 - :mod:`lp_testing.plugin`: pytest markers ``gpu``/``multigpu`` and fixtures.
 
-The names below are imported on first use (PEP 562), so that importing the pytest plugin
-does not import torch.
+The package exports every name in those modules' ``__all__`` (read from their
+source); each is imported on first use (PEP 562), so that importing the pytest
+plugin does not import torch.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lp_testing.compare import (
-        ErrorReport,
-        assert_bitwise_equal,
-        assert_close,
-        assert_zero,
-        error_report,
-    )
-    from lp_testing.dist import (
-        InsufficientDevicesError,
-        RankError,
-        gloo_cuda_via_host,
-        run_ranks,
-        set_forkserver_preload,
-        spawn,
-    )
-    from lp_testing.megatron_cpu import MegatronCpuPatches
-    from lp_testing.problems import (
-        AWKWARD_SHAPES,
-        DTYPES,
-        Problem,
-        Shape,
-        Tolerance,
-        make_problem,
-        nan_tensor,
-        random_upstream,
-        shard,
-        split_vocab,
-        tolerance,
-    )
-    from lp_testing.reference import (
-        materialized_baseline,
-        materialized_baseline_from_logits,
-        reference_all,
-        reference_chunked,
-        reference_from_logits,
-        reference_grads,
-        reference_outputs,
-    )
-    from lp_testing.state import preserved_torch_globals
+    from lp_testing.compare import *  # noqa: F403
+    from lp_testing.dist import *  # noqa: F403
+    from lp_testing.megatron_cpu import *  # noqa: F403
+    from lp_testing.problems import *  # noqa: F403
+    from lp_testing.reference import *  # noqa: F403
+    from lp_testing.state import *  # noqa: F403
 
-_EXPORTS: dict[str, str] = {
-    **dict.fromkeys(
-        ["ErrorReport", "assert_bitwise_equal", "assert_close", "assert_zero", "error_report"],
-        "compare",
-    ),
-    **dict.fromkeys(
-        [
-            "InsufficientDevicesError",
-            "RankError",
-            "gloo_cuda_via_host",
-            "run_ranks",
-            "set_forkserver_preload",
-            "spawn",
-        ],
-        "dist",
-    ),
-    "MegatronCpuPatches": "megatron_cpu",
-    **dict.fromkeys(
-        [
-            "AWKWARD_SHAPES",
-            "DTYPES",
-            "Problem",
-            "Shape",
-            "Tolerance",
-            "make_problem",
-            "nan_tensor",
-            "random_upstream",
-            "shard",
-            "split_vocab",
-            "tolerance",
-        ],
-        "problems",
-    ),
-    **dict.fromkeys(
-        [
-            "materialized_baseline",
-            "materialized_baseline_from_logits",
-            "reference_all",
-            "reference_chunked",
-            "reference_from_logits",
-            "reference_grads",
-            "reference_outputs",
-        ],
-        "reference",
-    ),
-    "preserved_torch_globals": "state",
-}
+_MODULES = ("compare", "dist", "megatron_cpu", "problems", "reference", "state")
+"""The submodules whose ``__all__`` names this package exports."""
 
-__all__ = [
-    "AWKWARD_SHAPES",
-    "DTYPES",
-    "ErrorReport",
-    "InsufficientDevicesError",
-    "MegatronCpuPatches",
-    "Problem",
-    "RankError",
-    "Shape",
-    "Tolerance",
-    "assert_bitwise_equal",
-    "assert_close",
-    "assert_zero",
-    "error_report",
-    "gloo_cuda_via_host",
-    "make_problem",
-    "materialized_baseline",
-    "materialized_baseline_from_logits",
-    "nan_tensor",
-    "preserved_torch_globals",
-    "random_upstream",
-    "reference_all",
-    "reference_chunked",
-    "reference_from_logits",
-    "reference_grads",
-    "reference_outputs",
-    "run_ranks",
-    "set_forkserver_preload",
-    "shard",
-    "spawn",
-    "split_vocab",
-    "tolerance",
-]
+
+def _public_names(module: str) -> list[str]:
+    """``lp_testing.<module>.__all__``, read from its source without importing it (torch)."""
+    source = Path(__file__).with_name(f"{module}.py").read_text(encoding="utf-8")
+    for node in ast.parse(source).body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            return list(ast.literal_eval(node.value))  # type: ignore[union-attr, arg-type]
+    raise ImportError(f"lp_testing.{module} has no literal __all__")
+
+
+_EXPORTS: dict[str, str] = {name: module for module in _MODULES for name in _public_names(module)}
+"""Exported name -> the submodule that defines it (imported on first use)."""
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 
 

@@ -106,13 +106,60 @@ def _vjp(outputs: dict[str, Tensor], upstream: dict[str, Tensor]) -> Tensor:
     return sum((outputs[name] * g).sum() for name, g in upstream.items())  # type: ignore[return-value]
 
 
-def _flat(hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    if hidden.shape[:-1] != targets.shape:
+def _checked(
+    operand: str,
+    x: Tensor,
+    columns: int,
+    targets: Tensor,
+    grads: tuple[Tensor | None, Tensor | None, Tensor | None],
+    vocab_size: int | None,
+    ignore_index: int,
+    dtype: torch.dtype,
+) -> tuple[int, dict[str, Tensor]]:
+    """The argument checks every entry point makes; returns V and the used upstream gradients.
+
+    ``x`` (named ``operand`` in errors) is ``[*, K]`` and must share ``targets``' leading
+    shape; ``columns`` is the padded vocabulary; ``grads`` are ``(grad_logprob,
+    grad_entropy, grad_lse)``, cast to ``dtype``.
+    """
+    if x.shape[:-1] != targets.shape:
         raise ValueError(
-            f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} must share the "
+            f"{operand} {tuple(x.shape)} and targets {tuple(targets.shape)} must share the "
             f"leading shape"
         )
-    return hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    v = _resolve_vocab(columns, targets, vocab_size, ignore_index)
+    return v, _upstream(dict(zip(OUTPUTS, grads, strict=True)), targets.shape, dtype)
+
+
+def _check_bias(bias: Tensor | None, weight: Tensor) -> None:
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must be [V_pad] = {weight.shape[0]}, got {tuple(bias.shape)}")
+
+
+def _autograd_result(
+    stats: dict[str, Tensor],
+    shape: torch.Size,
+    upstream: dict[str, Tensor],
+    leaves: dict[str, Tensor | None],
+) -> dict[str, Tensor | None]:
+    """Outputs ``stats`` (reshaped to ``shape``, detached) and, with upstream gradients, the
+    gradient of the vector-Jacobian product for each leaf under its key (None for a leaf that
+    is None, or for all without upstream gradients). Call inside ``torch.enable_grad()``."""
+    outputs = {name: value.reshape(shape) for name, value in stats.items()}
+    result: dict[str, Tensor | None] = {k: o.detach() for k, o in outputs.items()}
+    result.update(dict.fromkeys(leaves))
+    if upstream:
+        given = {key: leaf for key, leaf in leaves.items() if leaf is not None}
+        grads = torch.autograd.grad(_vjp(outputs, upstream), list(given.values()))
+        result.update(zip(given, grads, strict=True))
+    return result
+
+
+def _hidden_shaped(result: dict[str, Tensor | None], hidden: Tensor) -> dict[str, Tensor | None]:
+    """``result`` with its ``grad_hidden`` (computed on ``[N, H]`` rows) in ``hidden``'s shape."""
+    if result["grad_hidden"] is not None:
+        result["grad_hidden"] = result["grad_hidden"].reshape(hidden.shape)
+    return result
 
 
 def reference_all(
@@ -154,36 +201,24 @@ def reference_all(
         ValueError: targets out of range, bad vocab_size, or upstream gradients that are
             not one value per row.
     """
-    h2, t1 = _flat(hidden, targets)
-    v = _resolve_vocab(weight.shape[0], targets, vocab_size, ignore_index)
-    upstream = _upstream(
-        {"logprob": grad_logprob, "entropy": grad_entropy, "lse": grad_lse},
-        targets.shape,
-        torch.float64,
+    grads = (grad_logprob, grad_entropy, grad_lse)
+    v, upstream = _checked(
+        "hidden", hidden, weight.shape[0], targets, grads, vocab_size, ignore_index, torch.float64
     )
-    h64 = h2.detach().to(torch.float64).requires_grad_(bool(upstream))
-    w64 = weight.detach().to(torch.float64).requires_grad_(bool(upstream))
-    leaves = [h64, w64]
-    if bias is not None:
-        if bias.shape != weight.shape[:1]:
-            raise ValueError(f"bias must be [V_pad] = {weight.shape[0]}, got {tuple(bias.shape)}")
-        leaves.append(bias.detach().to(torch.float64).requires_grad_(bool(upstream)))
+    _check_bias(bias, weight)
+    needed = bool(upstream)
+    h64 = hidden.reshape(-1, hidden.shape[-1]).detach().to(torch.float64).requires_grad_(needed)
+    w64 = weight.detach().to(torch.float64).requires_grad_(needed)
+    b64 = None if bias is None else bias.detach().to(torch.float64).requires_grad_(needed)
     with torch.enable_grad():
         logits = h64 @ w64[:v].T
-        if bias is not None:
-            logits = logits + leaves[2][:v]
+        if b64 is not None:
+            logits = logits + b64[:v]
         z = _softcapped(logits, softcap) / temperature
-        stats = _statistics(z, t1, ignore_index)
-        outputs = {name: value.reshape(targets.shape) for name, value in stats.items()}
-        result: dict[str, Tensor | None] = {k: o.detach() for k, o in outputs.items()}
-        result["grad_hidden"] = result["grad_weight"] = result["grad_bias"] = None
-        if upstream:
-            grads = torch.autograd.grad(_vjp(outputs, upstream), leaves)
-            result["grad_hidden"] = grads[0].reshape(hidden.shape)
-            result["grad_weight"] = grads[1]
-            if bias is not None:
-                result["grad_bias"] = grads[2]
-    return result
+        stats = _statistics(z, targets.reshape(-1), ignore_index)
+        leaves = {"grad_hidden": h64, "grad_weight": w64, "grad_bias": b64}
+        result = _autograd_result(stats, targets.shape, upstream, leaves)
+    return _hidden_shaped(result, hidden)
 
 
 def reference_chunked(
@@ -236,19 +271,16 @@ def reference_chunked(
         raise ValueError(f"reference_chunked: dtype must be torch.float64 or float32, got {dtype}")
     if rows < 1:
         raise ValueError(f"reference_chunked: rows must be >= 1, got {rows}")
-    h2, t1 = _flat(hidden, targets)
-    v = _resolve_vocab(weight.shape[0], targets, vocab_size, ignore_index)
-    upstream = _upstream(
-        {"logprob": grad_logprob, "entropy": grad_entropy, "lse": grad_lse}, targets.shape, dtype
+    grads = (grad_logprob, grad_entropy, grad_lse)
+    v, upstream = _checked(
+        "hidden", hidden, weight.shape[0], targets, grads, vocab_size, ignore_index, dtype
     )
+    _check_bias(bias, weight)
+    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     flat_up = {name: g.reshape(-1) for name, g in upstream.items()}
     n, dev = h2.shape[0], h2.device
     w = weight.detach()[:v].to(dtype)
-    b = None
-    if bias is not None:
-        if bias.shape != weight.shape[:1]:
-            raise ValueError(f"bias must be [V_pad] = {weight.shape[0]}, got {tuple(bias.shape)}")
-        b = bias.detach()[:v].to(dtype)
+    b = None if bias is None else bias.detach()[:v].to(dtype)
     outs = {name: torch.zeros(n, dtype=dtype, device=dev) for name in OUTPUTS}
     grad_h = torch.zeros(h2.shape, dtype=dtype, device=dev) if upstream else None
     grad_w = torch.zeros(weight.shape, dtype=dtype, device=dev) if upstream else None
@@ -401,27 +433,15 @@ def reference_from_logits(
         ``{"logprob", "entropy", "lse"}`` ``[*]`` float64 and ``"grad_logits"``
         ``[*, V_pad]`` float64 (zero in padding columns), or None without upstream gradient.
     """
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must share the "
-            f"leading shape"
-        )
-    v = _resolve_vocab(logits.shape[-1], targets, vocab_size, ignore_index)
-    upstream = _upstream(
-        {"logprob": grad_logprob, "entropy": grad_entropy, "lse": grad_lse},
-        targets.shape,
-        torch.float64,
+    grads = (grad_logprob, grad_entropy, grad_lse)
+    v, upstream = _checked(
+        "logits", logits, logits.shape[-1], targets, grads, vocab_size, ignore_index, torch.float64
     )
     x64 = logits.detach().to(torch.float64).requires_grad_(bool(upstream))
     with torch.enable_grad():
         z = _softcapped(x64.reshape(-1, logits.shape[-1])[:, :v], softcap) / temperature
         stats = _statistics(z, targets.reshape(-1), ignore_index)
-        outputs = {name: value.reshape(targets.shape) for name, value in stats.items()}
-        result: dict[str, Tensor | None] = {k: o.detach() for k, o in outputs.items()}
-        result["grad_logits"] = None
-        if upstream:
-            (result["grad_logits"],) = torch.autograd.grad(_vjp(outputs, upstream), (x64,))
-    return result
+        return _autograd_result(stats, targets.shape, upstream, {"grad_logits": x64})
 
 
 def _baseline_statistics(
@@ -470,38 +490,26 @@ def materialized_baseline(
         ``grad_weight`` (and ``grad_bias``) in the inputs' dtypes (None without upstream
         gradient).
     """
-    h2, t1 = _flat(hidden, targets)
-    v = _resolve_vocab(weight.shape[0], targets, vocab_size, ignore_index)
-    upstream = _upstream(
-        {"logprob": grad_logprob, "entropy": grad_entropy, "lse": grad_lse},
-        targets.shape,
-        torch.float32,
+    grads = (grad_logprob, grad_entropy, grad_lse)
+    v, upstream = _checked(
+        "hidden", hidden, weight.shape[0], targets, grads, vocab_size, ignore_index, torch.float32
     )
-    h = h2.detach().clone().requires_grad_(bool(upstream))
+    h = hidden.reshape(-1, hidden.shape[-1]).detach().clone().requires_grad_(bool(upstream))
     w = weight.detach().clone().requires_grad_(bool(upstream))
-    leaves = [h, w]
-    if bias is not None:
-        leaves.append(bias.detach().clone().requires_grad_(bool(upstream)))
+    b = None if bias is None else bias.detach().clone().requires_grad_(bool(upstream))
     with torch.enable_grad():
         # mixed dtypes: the wider one, as lp_kernels does (gradients in each input's dtype)
         dtype = torch.promote_types(h.dtype, w.dtype)
         logits = h.to(dtype) @ w.to(dtype).T
-        if bias is not None:
-            logits = logits + leaves[2].to(dtype)
+        if b is not None:
+            logits = logits + b.to(dtype)
         logits = _softcapped(logits, softcap)
         if temperature != 1.0:
             logits = logits / temperature
-        stats = _baseline_statistics(logits, t1, ignore_index, v)
-        outputs = {name: value.reshape(targets.shape) for name, value in stats.items()}
-        result: dict[str, Tensor | None] = {k: o.detach() for k, o in outputs.items()}
-        result["grad_hidden"] = result["grad_weight"] = result["grad_bias"] = None
-        if upstream:
-            grads = torch.autograd.grad(_vjp(outputs, upstream), leaves)
-            result["grad_hidden"] = grads[0].reshape(hidden.shape)
-            result["grad_weight"] = grads[1]
-            if bias is not None:
-                result["grad_bias"] = grads[2]
-    return result
+        stats = _baseline_statistics(logits, targets.reshape(-1), ignore_index, v)
+        leaves = {"grad_hidden": h, "grad_weight": w, "grad_bias": b}
+        result = _autograd_result(stats, targets.shape, upstream, leaves)
+    return _hidden_shaped(result, hidden)
 
 
 def materialized_baseline_from_logits(
@@ -525,24 +533,13 @@ def materialized_baseline_from_logits(
         Same keys as :func:`reference_from_logits`: outputs ``[*]`` float32 and
         ``grad_logits`` in the logits' dtype (None without upstream gradient).
     """
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must share the "
-            f"leading shape"
-        )
-    v = _resolve_vocab(logits.shape[-1], targets, vocab_size, ignore_index)
-    upstream = _upstream(
-        {"logprob": grad_logprob, "entropy": grad_entropy, "lse": grad_lse},
-        targets.shape,
-        torch.float32,
+    grads = (grad_logprob, grad_entropy, grad_lse)
+    v, upstream = _checked(
+        "logits", logits, logits.shape[-1], targets, grads, vocab_size, ignore_index, torch.float32
     )
     x = logits.detach().clone().requires_grad_(bool(upstream))
     with torch.enable_grad():
         capped = _softcapped(x, softcap)
         scaled = capped / temperature if temperature != 1.0 else capped
         stats = _baseline_statistics(scaled, targets, ignore_index, v)
-        result: dict[str, Tensor | None] = {k: o.detach() for k, o in stats.items()}
-        result["grad_logits"] = None
-        if upstream:
-            (result["grad_logits"],) = torch.autograd.grad(_vjp(stats, upstream), (x,))
-    return result
+        return _autograd_result(stats, targets.shape, upstream, {"grad_logits": x})
