@@ -30,6 +30,26 @@ class LogProbOutput(NamedTuple):
     """``logsumexp(z)``, or None unless ``return_lse=True``."""
 
 
+class LossOutput(NamedTuple):
+    """What :func:`lp_kernels.linear_logprob_loss` returns.
+
+    ``loss`` is the differentiable fp32 scalar; the per-token fields have the leading
+    shape of ``targets``, are float32 and carry no gradient (metrics). Rows whose target
+    is ``ignore_index`` hold 0 in every per-token field and add nothing to ``loss``.
+    """
+
+    loss: torch.Tensor
+    """``sum_n loss_fn(...)[n]`` over the rows that are not ignored (fp32, 0-d)."""
+    token_loss: torch.Tensor
+    """Each row's ``loss_fn`` value (detached)."""
+    logprob: torch.Tensor
+    """``log softmax(z)[target]`` (detached), as :class:`LogProbOutput`'s."""
+    entropy: torch.Tensor | None
+    """The entropy of ``softmax(z)`` (detached), or None when it was not computed."""
+    lse: torch.Tensor
+    """``logsumexp(z)`` (detached)."""
+
+
 @dataclass(frozen=True)
 class LogprobParams:
     """Resolved, validated options of one call (internal; built by the public functions)."""

@@ -113,11 +113,13 @@ def scaled_logits_chunks(
     zeros even where their hidden state is not finite, at the cost of one pass over the
     ``[C, H]`` chunk rather than over ``[C, V]``.
     """
-    for r0, r1, rows, h_c, z, _ in _logits_chunks(hidden, w_real, p, zero_rows, b_real):
+    for r0, r1, rows, h_c, z, _ in capped_logits_chunks(hidden, w_real, p, zero_rows, b_real):
         yield r0, r1, rows, h_c, z
 
 
-def _logits_chunks(hidden, w_real, p: LogprobParams, zero_rows, b_real, slope: bool = False):
+def capped_logits_chunks(
+    hidden, w_real, p: LogprobParams, zero_rows=None, b_real=None, slope: bool = False
+):
     """:func:`scaled_logits_chunks` with a sixth item: the cap's slope ``1 - tanh^2``
     (fp32 ``[rows, V_r]``) when ``slope`` and ``p.softcap``, else None."""
     for r0, r1, rows in chunks(hidden.shape[0], p.chunk_size):
@@ -243,7 +245,7 @@ def logits_grad_chunks(
     def pad(x, r0, r1, rows):
         return None if x is None else padded_rows(x, r0, r1, rows)
 
-    for r0, r1, rows, h_c, z, slope in _logits_chunks(
+    for r0, r1, rows, h_c, z, slope in capped_logits_chunks(
         hidden, w_real, p, ignored, b_real, slope=True
     ):
         dz = d_logits_(

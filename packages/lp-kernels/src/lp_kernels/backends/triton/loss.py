@@ -1,0 +1,256 @@
+"""The ``triton`` backend of ``linear_logprob_loss``: the forward kernel's logits kept for
+the gradient, so the step runs three GEMMs.
+
+Data flow for one rank (V_r = real columns, R = logits block rows, G = gradient block rows,
+a multiple of R; both from :func:`block_rows`, never from N)::
+
+    for each gradient block of G rows:
+      for each logits block of R rows in it:
+        fwd_stats_kernel (STORE_Z): the forward's statistics and z (fp32) -> zbuf [R, V_r]
+        all-gather over tp_group; merge_kernel -> logprob, entropy, lse (final)
+        loss_fn under autograd -> g_lp, g_ent, g_lse per row
+        dlogits_z_kernel: d l from zbuf (no logits GEMM) -> dl [G, V_r] (input dtype)
+      grad_h[block] = dl @ W_r                               cuBLAS, fp32 out
+      grad_W = dl^T @ h  (one block: in place, input dtype; else an fp32 accumulator)
+    grad_h all-reduced over tp_group (fp32) unless reduce_grad_hidden=False
+
+The per-token outputs are the forward kernel's (batch-invariant, as ``linear_logprob``'s).
+The gradients are reproducible run to run; cuBLAS chooses the GEMMs' kernels by shape, so
+unlike ``linear_logprob``'s they are not batch-invariant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from lp_kernels._compile import eager_under_compile
+from lp_kernels._loss import (
+    FinishedGradients,
+    LossSpec,
+    apply_fused,
+    block_loss,
+    block_values,
+    finish,
+    resolve_entropy,
+)
+from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
+from lp_kernels._prepare import prepare
+from lp_kernels._stats import lse_coefficient, masked_outputs, masked_upstream
+from lp_kernels._types import LogprobParams, LossOutput
+from lp_kernels.backends.torch.linear import bias_grad
+from lp_kernels.backends.triton.backward import (
+    IGNORED,
+    add_column_sums,
+    grad_weight_buffer,
+    grad_weight_slice,
+    kernel_inputs,
+)
+from lp_kernels.backends.triton.config import (
+    LOSS_GRAD_BYTES,
+    LOSS_LOGITS_BYTES,
+    TileConfig,
+    compile_opts,
+    config_for,
+    pad128,
+)
+from lp_kernels.backends.triton.forward import forward_stats, merge
+from lp_kernels.distributed.collectives import RowSums, gather_stats
+
+
+@triton.jit(do_not_specialize=["N", "V"])
+def dlogits_z_kernel(
+    z_ptr, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, c0_ptr, dl_ptr, db_ptr,
+    N, V, inv_t, t_cap, stride_zn, stride_dn,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
+    IGNORED: tl.constexpr, BIAS_GRAD: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T from stored scaled logits z.
+
+    ``SOFTCAP``: times the cap's slope 1 - tanh^2, tanh = z T / c (``t_cap = T / c``).
+    Ignored rows (code ``IGNORED``) get exact zeros whatever z holds. ``BIAS_GRAD``: each
+    program writes its block's fp32 column sums of d l to row ``i_n`` of ``db_ptr``.
+    """
+    i_n = tl.program_id(0)
+    i_v = tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    m_n = o_n < N
+    m_v = o_v < V
+    m_2 = m_n[:, None] & m_v[None, :]
+    b_z = tl.load(z_ptr + o_n[:, None].to(tl.int64) * stride_zn + o_v[None, :], mask=m_2, other=0.0)
+    b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
+    b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0) * inv_t
+    b_p = tl.exp(b_z - b_lse[:, None])
+    if ENTROPY:
+        b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
+        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
+        b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_z - b_mean[:, None]))
+    else:
+        b_dz = b_p * b_c0[:, None]
+    b_t = tl.load(t_ptr + o_n, mask=m_n, other=IGNORED)
+    if HAS_LP:
+        b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
+        b_dz = tl.where(o_v[None, :] == b_t[:, None], b_dz + b_glp[:, None], b_dz)
+    if SOFTCAP:
+        b_u = b_z * t_cap
+        b_dz = b_dz * tl.maximum((1.0 - b_u) * (1.0 + b_u), 0.0)
+    b_dz = tl.where(m_2 & (b_t != IGNORED)[:, None], b_dz, 0.0)
+    p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_v[None, :]
+    tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_2)
+    if BIAS_GRAD:
+        tl.store(db_ptr + i_n.to(tl.int64) * V + o_v, tl.sum(b_dz, axis=0), mask=m_v)
+
+
+def z_blocks(device: torch.device) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_V, num_warps)`` of :func:`dlogits_z`."""
+    return (64, 256, 4) if device.type == "cpu" else (32, 512, 8)
+
+
+def dlogits_z(z, t_col, lse, mean, g_lp, g_ent, c0, out, p: LogprobParams, db=None) -> None:
+    """d_logits of the rows of ``z [k, >= V]`` (scaled fp32 logits of V real columns, V =
+    ``out.shape[1]``) into ``out [k, V]``; ``db``: None, or a contiguous fp32
+    ``[cdiv(k, BLOCK_N), V]`` buffer for the row blocks' column sums."""
+    k, v = out.shape
+    if k == 0 or v == 0:
+        return
+    block_n, block_v, warps = z_blocks(z.device)
+    t_cap = p.temperature / p.softcap if p.softcap is not None else 1.0
+    opts = {} if z.device.type == "cpu" else {"num_warps": warps, **compile_opts(z.device)}
+    dlogits_z_kernel[(triton.cdiv(k, block_n), triton.cdiv(v, block_v))](
+        z, t_col, lse, mean if mean is not None else lse,
+        g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, out,
+        c0 if db is None else db,
+        k, v, p.inv_temperature, t_cap, z.stride(0), out.stride(0),
+        BLOCK_N=block_n, BLOCK_V=block_v, ENTROPY=g_ent is not None, HAS_LP=g_lp is not None,
+        IGNORED=IGNORED, BIAS_GRAD=db is not None, SOFTCAP=p.softcap is not None, **opts,
+    )  # fmt: skip
+
+
+def pow2_floor(x: int) -> int:
+    return 1 << max(int(x).bit_length() - 1, 0)
+
+
+def block_rows(p: LogprobParams, cfg: TileConfig, itemsize: int, rows: int | None):
+    """``(R, G)``: rows of a logits block and of a gradient block (a multiple of R).
+
+    From the config, the byte budgets and the widest shard of the group (so every rank
+    makes the same blocks and exchanges), or the caller's ``rows`` (``chunk_size``) for
+    both; never from N."""
+    if rows is not None:
+        return rows, rows
+    width = pad128(max(1, min(p.max_v_local, p.vocab_size)))
+    r = max(16, min(cfg.loss_rows, pow2_floor(LOSS_LOGITS_BYTES // (4 * width))))
+    g = min(cfg.loss_grad_rows, pow2_floor(LOSS_GRAD_BYTES // (itemsize * width)))
+    return r, max(r, g // r * r)
+
+
+class LinearLogprobLossTriton(FinishedGradients):
+    """Fused Triton implementation of the loss; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, p: LogprobParams, spec: LossSpec):
+        ctx.set_materialize_grads(False)
+        cfg = p.tile_config or config_for(hidden.device, hidden.dtype)
+        hidden, w_real, t_col, ignored = kernel_inputs(hidden, weight, targets, p)
+        n, h_dim = hidden.shape
+        dev = hidden.device
+        v_real = w_real.shape[0]
+        b_real = None if bias is None else bias[:v_real].float()
+        need_h, need_w, need_b = spec.needs
+        grad = spec.any_grad
+        rows, g_rows = block_rows(p, cfg, hidden.element_size(), spec.block_rows)
+        rows, g_rows = min(rows, max(n, 1)), min(g_rows, max(n, 1))
+        width = pad128(max(v_real, 1))
+        zbuf = scratch.empty((rows, width), dtype=torch.float32, device=dev)
+        dl_buf = scratch.empty((g_rows, width), dtype=hidden.dtype, device=dev) if grad else None
+        outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(4)]
+        token_loss, logprob, entropy, lse = outs
+        reduce_h = p.tp_size > 1 and p.reduce_grad_hidden
+        grad_h = grad_w = acc_w = acc_b = db = None
+        if need_h:
+            h_dtype = torch.float32 if reduce_h else hidden.dtype
+            alloc = scratch.empty if v_real > 0 else torch.zeros
+            grad_h = alloc((n, h_dim), dtype=h_dtype, device=dev)
+        if need_w and n <= g_rows:  # one gradient block: grad_W in place, input dtype
+            grad_w = grad_weight_buffer(weight, v_real, n)
+        elif need_w:
+            acc_w = torch.zeros_like(weight, dtype=torch.float32)
+        if need_b:
+            acc_b = torch.zeros(v_real, dtype=torch.float32, device=dev)
+            blocks = triton.cdiv(rows, z_blocks(dev)[0])  # [blocks, v_real] column sums
+            db = scratch.empty((blocks, max(v_real, 1)), dtype=torch.float32, device=dev)
+        sums = RowSums(grad_h, p.tp_group, p.tp_size, enabled=need_h and reduce_h)
+        for g0 in range(0, n, g_rows):
+            g1 = min(n, g0 + g_rows)
+            for r0 in range(g0, g1, rows):
+                r1 = min(g1, r0 + rows)
+                k = r1 - r0
+                z = zbuf[:k]
+                stats = forward_stats(hidden[r0:r1], w_real, t_col[r0:r1], p, cfg, b_real, z)
+                gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, S, k, 4]
+                lse_c, mean_c, zt_c, ent_c = merge(gathered.flatten(0, 1), entropy=p.return_entropy)
+                dead = ignored[r0:r1]
+                lp_c, e_c, ls_c = masked_outputs(dead, zt_c, lse_c, ent_c, return_lse=True)
+                values = block_values(spec.per_token, r0, r1, k)
+                loss_c, g = block_loss(spec, lp_c, e_c, ls_c, dead, values)
+                for out, x in zip(outs, (loss_c, lp_c, e_c, ls_c), strict=True):
+                    if x is not None:
+                        out[r0:r1] = x
+                if not grad:
+                    continue
+                g_lp, g_ent, g_lse = masked_upstream(dead, *g)
+                c0 = lse_coefficient(g_lp, g_lse, k, dev)
+                part = None if db is None else db[: triton.cdiv(k, z_blocks(dev)[0]), :v_real]
+                dl = dl_buf[r0 - g0 : r1 - g0, :v_real]
+                dlogits_z(z, t_col[r0:r1], lse_c, mean_c, g_lp, g_ent, c0, dl, p, part)
+                if part is not None:
+                    add_column_sums(acc_b, part)
+            if not grad:
+                continue
+            dl = dl_buf[: g1 - g0, :v_real]
+            if need_h:
+                grad_h[g0:g1] = mm_f32(dl, w_real)
+                sums.ready(g1)
+            if grad_w is not None and v_real > 0:
+                grad_weight_slice(dl, hidden, grad_w[:v_real])
+            elif acc_w is not None and v_real > 0:
+                addmm_f32_(acc_w[:v_real], dl.T, hidden[g0:g1], accumulate=g0 > 0)
+        if not p.return_entropy:
+            entropy = None
+        if need_h and reduce_h:
+            sums.finish()
+            grad_h = grad_h.to(hidden.dtype)
+        if acc_w is not None:
+            grad_w = acc_w.to(weight.dtype)  # no copy for fp32 weights
+        grads = (grad_h, grad_w, bias_grad(acc_b, bias))
+        return finish(ctx, (token_loss, logprob, entropy, lse), grads, spec)
+
+
+@eager_under_compile
+def linear_logprob_loss_with_config(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: Any,
+    config: TileConfig,
+    **options: Any,
+) -> LossOutput:
+    """``lp_kernels.linear_logprob_loss(..., backend="triton")`` under another launch
+    ``config`` than the pinned one (``deterministic`` must be False): how a sweep times
+    the block rows (``loss_rows``, ``loss_grad_rows``) or the forward's tiles."""
+    if not isinstance(config, TileConfig):
+        raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
+    if options.pop("backend", "triton") != "triton" or options.get("deterministic"):
+        raise ValueError("linear_logprob_loss_with_config runs the triton default mode only")
+    per_token = options.pop("per_token", None)
+    chunk_size = options.get("chunk_size")
+    entropy = resolve_entropy(options.pop("return_entropy", None), loss_fn)
+    prep = prepare(
+        hidden, weight, targets, backend="triton", tile_config=config, return_entropy=entropy,
+        return_lse=True, **options,
+    )  # fmt: skip
+    return apply_fused(LinearLogprobLossTriton, prep, loss_fn, per_token, chunk_size)
