@@ -33,16 +33,17 @@ from lp_kernels.backends.triton.tl_utils import grouped, logits_tile, softcap_ti
 
 @triton.jit(do_not_specialize=["N", "V_real", "splits", "group"])
 def fwd_stats_kernel(
-    h_src, w_src, t_ptr, stats_ptr, b_ptr, z_ptr,
+    h_src, w_src, t_ptr, stats_ptr, b_ptr, l_ptr,
     N, H, V_real, inv_t, cap, inv_cap, splits, group,
-    stride_hn, stride_hh, stride_wv, stride_wh, stride_zn,
+    stride_hn, stride_hh, stride_wv, stride_wh, stride_ln,
     V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, STORE_Z: tl.constexpr,
+    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, STORE_L: tl.constexpr,
 ):  # fmt: skip
     """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target],
-    with z = softcap(h W^T (+ b)) / T (``SOFTCAP``: c tanh(l / c)). ``STORE_Z``: also
-    store z (fp32, the real columns) to ``z_ptr`` (row stride ``stride_zn``)."""
+    with z = softcap(h W^T (+ b)) / T (``SOFTCAP``: c tanh(l / c)). ``STORE_L``: also
+    store the raw logits l = h W^T (+ b) (fp32, the real columns) to ``l_ptr`` (row
+    stride ``stride_ln``)."""
     i_n, i_s = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -62,12 +63,12 @@ def fwd_stats_kernel(
         )  # fmt: skip
         if HAS_BIAS:  # fp32 bias of the tile's columns
             b_z += tl.load(b_ptr + o_v, mask=m_v, other=0.0)[None, :]
+        if STORE_L:
+            p_l = l_ptr + o_n[:, None].to(tl.int64) * stride_ln + o_v[None, :]
+            tl.store(p_l, b_z, mask=m_n[:, None] & m_v[None, :])
         if SOFTCAP:
             b_z, _ = softcap_tile(b_z, cap, inv_cap)
         b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
-        if STORE_Z:
-            p_z = z_ptr + o_n[:, None].to(tl.int64) * stride_zn + o_v[None, :]
-            tl.store(p_z, b_z, mask=m_n[:, None] & m_v[None, :])
         # masked: a split that is not a multiple of BLOCK_V (deterministic_tile) ends
         # inside a tile whose masked columns belong to the next split
         m_t = (o_v[None, :] == b_t[:, None]) & m_v[None, :]
@@ -135,11 +136,12 @@ def forward_stats(
     p: LogprobParams,
     cfg: TileConfig,
     b_real: torch.Tensor | None = None,
-    z_out: torch.Tensor | None = None,
+    l_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[S, N, 4]`` fp32 partial statistics of this shard's splits (``b_real``: the fp32
-    bias of ``w_real``'s rows, or None). ``z_out``: None, or an fp32 ``[N, >= V_real]``
-    buffer (unit column stride) that receives the scaled logits ``z`` of the real columns.
+    bias of ``w_real``'s rows, or None). ``l_out``: None, or an fp32 ``[N, >= V_real]``
+    buffer (unit column stride) that receives the raw logits ``h W^T (+ b)`` of the real
+    columns (before the cap and the temperature).
 
     S is set by the largest shard of the group, so that every rank exchanges the same
     number of bytes; splits past this shard's end report ``m = -inf, s = a = t = 0``.
@@ -154,13 +156,13 @@ def forward_stats(
     h_src, w_src, tma = logits_sources(hidden, w_real, cfg)
     fwd_stats_kernel[(blocks_n * splits,)](
         h_src, w_src, t_col, stats, t_col if b_real is None else b_real,
-        stats if z_out is None else z_out,
+        stats if l_out is None else l_out,
         n, h_dim, v_real, p.inv_temperature, *cap_args(p), splits, group_size(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1),
-        0 if z_out is None else z_out.stride(0),
+        0 if l_out is None else l_out.stride(0),
         V_SPLIT=cfg.v_split, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=p.return_entropy, TMA=tma, HAS_BIAS=b_real is not None,
-        SOFTCAP=p.softcap is not None, STORE_Z=z_out is not None,
+        SOFTCAP=p.softcap is not None, STORE_L=l_out is not None,
         **logit_flags(hidden, cfg),
         **launch_opts(cfg, hidden.device),
     )  # fmt: skip

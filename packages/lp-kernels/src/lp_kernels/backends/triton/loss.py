@@ -6,10 +6,12 @@ a multiple of R; both from :func:`block_rows`, never from N)::
 
     for each gradient block of G rows:
       for each logits block of R rows in it:
-        fwd_stats_kernel (STORE_Z): the forward's statistics and z (fp32) -> zbuf [R, V_r]
+        fwd_stats_kernel (STORE_L): the forward's statistics, and the raw logits
+            l = h W^T (+ b) (fp32) -> lbuf [R, V_r]
         all-gather over tp_group; merge_kernel -> logprob, entropy, lse (final)
         loss_fn under autograd -> g_lp, g_ent, g_lse per row
-        dlogits_z_kernel: d l from zbuf (no logits GEMM) -> dl [G, V_r] (input dtype)
+        dlogits_l_kernel: d l from lbuf, the d_logits kernel's arithmetic without its
+            GEMM -> dl [G, V_r] (input dtype)
       grad_h[block] = dl @ W_r                               cuBLAS, fp32 out
       grad_W = dl^T @ h  (one block: in place, input dtype; else an fp32 accumulator)
     grad_h all-reduced over tp_group (fp32) unless reduce_grad_hidden=False
@@ -57,22 +59,25 @@ from lp_kernels.backends.triton.config import (
     config_for,
     pad128,
 )
-from lp_kernels.backends.triton.forward import forward_stats, merge
+from lp_kernels.backends.triton.forward import cap_args, forward_stats, merge
+from lp_kernels.backends.triton.tl_utils import softcap_tile
 from lp_kernels.distributed.collectives import RowSums, gather_stats
 
 
 @triton.jit(do_not_specialize=["N", "V"])
-def dlogits_z_kernel(
-    z_ptr, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, c0_ptr, dl_ptr, db_ptr,
-    N, V, inv_t, t_cap, stride_zn, stride_dn,
+def dlogits_l_kernel(
+    l_ptr, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, c0_ptr, dl_ptr, db_ptr,
+    N, V, inv_t, cap, inv_cap, stride_ln, stride_dn,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
     IGNORED: tl.constexpr, BIAS_GRAD: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T from stored scaled logits z.
+    """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T from stored raw logits l
+    (``h W^T + b``), z = softcap(l) / T: the arithmetic of the backward's ``dlogits_kernel``
+    on the same l, without the GEMM that recomputes it.
 
-    ``SOFTCAP``: times the cap's slope 1 - tanh^2, tanh = z T / c (``t_cap = T / c``).
-    Ignored rows (code ``IGNORED``) get exact zeros whatever z holds. ``BIAS_GRAD``: each
-    program writes its block's fp32 column sums of d l to row ``i_n`` of ``db_ptr``.
+    ``SOFTCAP``: z = c tanh(l / c) / T and d l takes the factor 1 - tanh^2. Ignored rows
+    (code ``IGNORED``) get exact zeros whatever l holds. ``BIAS_GRAD``: each program writes
+    its block's fp32 column sums of d l to row ``i_n`` of ``db_ptr`` (``[blocks, V]``).
     """
     i_n = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -81,14 +86,17 @@ def dlogits_z_kernel(
     m_n = o_n < N
     m_v = o_v < V
     m_2 = m_n[:, None] & m_v[None, :]
-    b_z = tl.load(z_ptr + o_n[:, None].to(tl.int64) * stride_zn + o_v[None, :], mask=m_2, other=0.0)
+    b_z = tl.load(l_ptr + o_n[:, None].to(tl.int64) * stride_ln + o_v[None, :], mask=m_2, other=0.0)
+    if SOFTCAP:
+        b_z, b_slope = softcap_tile(b_z, cap, inv_cap)
     b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
     b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0) * inv_t
-    b_p = tl.exp(b_z - b_lse[:, None])
+    b_zs = b_z * inv_t
+    b_p = tl.exp(b_zs - b_lse[:, None])
     if ENTROPY:
         b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
         b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
-        b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_z - b_mean[:, None]))
+        b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
     else:
         b_dz = b_p * b_c0[:, None]
     b_t = tl.load(t_ptr + o_n, mask=m_n, other=IGNORED)
@@ -96,8 +104,7 @@ def dlogits_z_kernel(
         b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
         b_dz = tl.where(o_v[None, :] == b_t[:, None], b_dz + b_glp[:, None], b_dz)
     if SOFTCAP:
-        b_u = b_z * t_cap
-        b_dz = b_dz * tl.maximum((1.0 - b_u) * (1.0 + b_u), 0.0)
+        b_dz = b_dz * b_slope
     b_dz = tl.where(m_2 & (b_t != IGNORED)[:, None], b_dz, 0.0)
     p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_v[None, :]
     tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_2)
@@ -105,26 +112,29 @@ def dlogits_z_kernel(
         tl.store(db_ptr + i_n.to(tl.int64) * V + o_v, tl.sum(b_dz, axis=0), mask=m_v)
 
 
-def z_blocks(device: torch.device) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_V, num_warps)`` of :func:`dlogits_z`."""
+def l_blocks(device: torch.device) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_V, num_warps)`` of :func:`dlogits_from_logits`."""
     return (64, 256, 4) if device.type == "cpu" else (32, 512, 8)
 
 
-def dlogits_z(z, t_col, lse, mean, g_lp, g_ent, c0, out, p: LogprobParams, db=None) -> None:
-    """d_logits of the rows of ``z [k, >= V]`` (scaled fp32 logits of V real columns, V =
-    ``out.shape[1]``) into ``out [k, V]``; ``db``: None, or a contiguous fp32
-    ``[cdiv(k, BLOCK_N), V]`` buffer for the row blocks' column sums."""
+def dlogits_from_logits(
+    logits, t_col, lse, mean, g_lp, g_ent, c0, out, p: LogprobParams, db=None
+) -> None:
+    """d_logits of the rows of ``logits [k, >= V]`` (raw fp32 logits ``h W^T (+ b)`` of V
+    real columns, V = ``out.shape[1]``) into ``out [k, V]``; ``db``: None, or a contiguous
+    fp32 ``[cdiv(k, BLOCK_N), V]`` buffer for the row blocks' column sums."""
     k, v = out.shape
     if k == 0 or v == 0:
         return
-    block_n, block_v, warps = z_blocks(z.device)
-    t_cap = p.temperature / p.softcap if p.softcap is not None else 1.0
-    opts = {} if z.device.type == "cpu" else {"num_warps": warps, **compile_opts(z.device)}
-    dlogits_z_kernel[(triton.cdiv(k, block_n), triton.cdiv(v, block_v))](
-        z, t_col, lse, mean if mean is not None else lse,
+    block_n, block_v, warps = l_blocks(logits.device)
+    opts = (
+        {} if logits.device.type == "cpu" else {"num_warps": warps, **compile_opts(logits.device)}
+    )
+    dlogits_l_kernel[(triton.cdiv(k, block_n), triton.cdiv(v, block_v))](
+        logits, t_col, lse, mean if mean is not None else lse,
         g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, out,
         c0 if db is None else db,
-        k, v, p.inv_temperature, t_cap, z.stride(0), out.stride(0),
+        k, v, p.inv_temperature, *cap_args(p), logits.stride(0), out.stride(0),
         BLOCK_N=block_n, BLOCK_V=block_v, ENTROPY=g_ent is not None, HAS_LP=g_lp is not None,
         IGNORED=IGNORED, BIAS_GRAD=db is not None, SOFTCAP=p.softcap is not None, **opts,
     )  # fmt: skip
@@ -165,7 +175,7 @@ class LinearLogprobLossTriton(FinishedGradients):
         rows, g_rows = block_rows(p, cfg, hidden.element_size(), spec.block_rows)
         rows, g_rows = min(rows, max(n, 1)), min(g_rows, max(n, 1))
         width = pad128(max(v_real, 1))
-        zbuf = scratch.empty((rows, width), dtype=torch.float32, device=dev)
+        lbuf = scratch.empty((rows, width), dtype=torch.float32, device=dev)
         dl_buf = scratch.empty((g_rows, width), dtype=hidden.dtype, device=dev) if grad else None
         outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(4)]
         token_loss, logprob, entropy, lse = outs
@@ -181,7 +191,7 @@ class LinearLogprobLossTriton(FinishedGradients):
             acc_w = torch.zeros_like(weight, dtype=torch.float32)
         if need_b:
             acc_b = torch.zeros(v_real, dtype=torch.float32, device=dev)
-            blocks = triton.cdiv(rows, z_blocks(dev)[0])  # [blocks, v_real] column sums
+            blocks = triton.cdiv(rows, l_blocks(dev)[0])  # [blocks, v_real] column sums
             db = scratch.empty((blocks, max(v_real, 1)), dtype=torch.float32, device=dev)
         sums = RowSums(grad_h, p.tp_group, p.tp_size, enabled=need_h and reduce_h)
         for g0 in range(0, n, g_rows):
@@ -189,8 +199,7 @@ class LinearLogprobLossTriton(FinishedGradients):
             for r0 in range(g0, g1, rows):
                 r1 = min(g1, r0 + rows)
                 k = r1 - r0
-                z = zbuf[:k]
-                stats = forward_stats(hidden[r0:r1], w_real, t_col[r0:r1], p, cfg, b_real, z)
+                stats = forward_stats(hidden[r0:r1], w_real, t_col[r0:r1], p, cfg, b_real, lbuf[:k])
                 gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, S, k, 4]
                 lse_c, mean_c, zt_c, ent_c = merge(gathered.flatten(0, 1), entropy=p.return_entropy)
                 dead = ignored[r0:r1]
@@ -204,9 +213,11 @@ class LinearLogprobLossTriton(FinishedGradients):
                     continue
                 g_lp, g_ent, g_lse = masked_upstream(dead, *g)
                 c0 = lse_coefficient(g_lp, g_lse, k, dev)
-                part = None if db is None else db[: triton.cdiv(k, z_blocks(dev)[0]), :v_real]
+                part = None if db is None else db[: triton.cdiv(k, l_blocks(dev)[0]), :v_real]
                 dl = dl_buf[r0 - g0 : r1 - g0, :v_real]
-                dlogits_z(z, t_col[r0:r1], lse_c, mean_c, g_lp, g_ent, c0, dl, p, part)
+                dlogits_from_logits(
+                    lbuf[:k], t_col[r0:r1], lse_c, mean_c, g_lp, g_ent, c0, dl, p, part
+                )
                 if part is not None:
                     add_column_sums(acc_b, part)
             if not grad:
