@@ -115,9 +115,9 @@ def kl_k3(
         logprob: ``[n]`` float log-probs of the sampled tokens under the policy.
         ref_logprob: ``[n]`` float log-probs under the reference policy (a constant).
         max_log_ratio: ``d`` is clamped to ``[-max_log_ratio, max_log_ratio]`` first (no
-            gradient beyond); None: no clamp. The default 20 is verl's ``low_var_kl``.
-        max_kl: the estimate is clamped to ``[-max_kl, max_kl]`` (no gradient beyond);
-            None: no clamp. The default 10 is verl's ``low_var_kl``.
+            gradient at or past it); None: no clamp. The default 20 is verl's ``low_var_kl``.
+        max_kl: the estimate is clamped to ``[-max_kl, max_kl]`` (no gradient at or past
+            it); None: no clamp. The default 10 is verl's ``low_var_kl``.
 
     Returns:
         ``[n]`` the per-token estimate, in the promoted dtype of the inputs.
@@ -158,8 +158,8 @@ def clipped_surrogate(
         clip_high: ``eps_high``, the ratio's upper bound is ``1 + clip_high``.
         dual_clip: None, or ``c > 1``.
         max_log_ratio: ``logprob - old_logprob`` is clamped to ``[-max_log_ratio,
-            max_log_ratio]`` before ``exp`` (no gradient beyond), as verl does with 20, the
-            default; the ratio then stays below 5e8 and finite in fp32. None: no clamp.
+            max_log_ratio]`` before ``exp`` (no gradient at or past it), as verl does with
+            20, the default; the ratio then stays below 5e8, finite in fp32. None: no clamp.
 
     Returns:
         ``[n]`` per-token loss (the negated objective), in the promoted dtype of the inputs.
@@ -266,7 +266,9 @@ class PolicyLoss:
             ref_logprob: ``[n]`` reference-policy log-probs; needed when ``kl_coef != 0``.
 
         Returns:
-            ``[n]`` per-token loss (fp32 for fp32 ``logprob``).
+            ``[n]`` per-token loss (fp32 for fp32 ``logprob``). An input that a term with
+            coefficient 0 would read (``entropy``, ``lse``) is not used, so autograd gives
+            it no gradient (None, not zeros).
 
         Raises:
             ValueError: a needed input is None, or a per-token tensor's shape is not
