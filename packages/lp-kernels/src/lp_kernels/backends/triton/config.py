@@ -47,7 +47,7 @@ class TileConfig:
     tiles' fp32 products wait, each in its own ``[N, H]`` buffer, to be rounded into the
     int64 sum in one pass (``deterministic.round_slots``). Every tile is still rounded on
     its own, so the grouping never changes a bit."""
-    loss_rows: int = 2048
+    loss_rows: int = 4096
     """``linear_logprob_loss``: at most this many rows per block of fp32 logits kept from
     the statistics pass to the gradient pass (fewer where the block would pass
     :data:`LOSS_LOGITS_BYTES`). A row's outputs do not depend on it."""
