@@ -312,10 +312,10 @@ def policy_loss(entropy: bool = False):
     """The ``loss`` mode's ``loss_fn``: DAPO (clip 0.2 / 0.28) with a k3 KL penalty
     (:data:`KL_COEF`) to ``ref_logprob``; with ``entropy``, an entropy bonus
     (:data:`ENTROPY_COEF`). A :class:`lp_kernels.losses.PolicyLoss`."""
-    from lp_kernels.losses import dapo
+    from lp_kernels import losses
 
     bonus = ENTROPY_COEF if entropy else 0.0
-    return dapo(kl_coef=KL_COEF, kl_estimator="k3", entropy_coef=bonus)
+    return losses.dapo(kl_coef=KL_COEF, kl_estimator="k3", entropy_coef=bonus)
 
 
 def loss_per_token(logprob: torch.Tensor, *, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -327,7 +327,7 @@ def loss_per_token(logprob: torch.Tensor, *, seed: int = 0) -> dict[str, torch.T
     (``lp_kernels.losses.token_weights``, 1 / N each). All ``[N]`` fp32 on ``logprob``'s
     device, drawn from CPU generators seeded with ``seed``.
     """
-    from lp_kernels.losses import token_weights
+    from lp_kernels import losses
 
     n = logprob.numel()
     t = min(SEQ_LEN, n)
@@ -339,12 +339,15 @@ def loss_per_token(logprob: torch.Tensor, *, seed: int = 0) -> dict[str, torch.T
         "old_logprob": base + LOSS_NOISE * torch.randn(n, generator=g),
         "ref_logprob": base + LOSS_NOISE * torch.randn(n, generator=g),
         "advantages": torch.randn(b, generator=g).repeat_interleave(t)[:n],
-        "weights": token_weights(mask, "token-mean")[mask],
+        "weights": losses.token_weights(mask, "token-mean")[mask],
     }
     return {k: v.to(logprob.device) for k, v in per_token.items()}
 
 
-def _reference(cfg: BenchConfig, inputs: tuple, **upstream):
+def bench_reference(cfg: BenchConfig, inputs: tuple, **upstream) -> dict:
+    """The reference of ``inputs = (hidden, weight, targets, bias)`` (the full head) with
+    the run's options: :func:`lp_testing.reference.reference_chunked` in fp32 on GPU (TF32
+    off), fp64 on CPU; ``upstream``: its ``grad_logprob`` / ``grad_entropy`` / ``grad_lse``."""
     from lp_testing.reference import reference_chunked
 
     hidden, weight, targets, bias = inputs
@@ -360,7 +363,7 @@ def _reference(cfg: BenchConfig, inputs: tuple, **upstream):
     )
 
 
-def _loss_reference(cfg: BenchConfig, inputs: tuple, outputs: dict, problem: LossProblem):
+def loss_reference(cfg: BenchConfig, inputs: tuple, outputs: dict, problem: LossProblem) -> dict:
     """The loss and its gradients on the reference: ``problem.loss_fn`` on the reference's
     ``outputs`` under autograd gives each row's derivatives w.r.t. logprob / entropy / lse,
     the upstream gradients of the reference's gradient pass. Adds ``"loss"`` (0-d)."""
@@ -370,7 +373,7 @@ def _loss_reference(cfg: BenchConfig, inputs: tuple, outputs: dict, problem: Los
         loss = problem.loss_fn(*(leaves.get(k) for k in use), **problem.per_token).sum()
         grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     upstream = {f"grad_{k}": g for k, g in zip(leaves, grads, strict=True) if g is not None}
-    return _reference(cfg, inputs, **upstream) | {"loss": loss.detach()}
+    return bench_reference(cfg, inputs, **upstream) | {"loss": loss.detach()}
 
 
 def bench_problem(
@@ -411,7 +414,7 @@ def bench_problem(
 
     def reference(key: str, **upstream) -> dict:
         if key not in refs:
-            refs[key] = _reference(cfg, ref_inputs, **upstream)
+            refs[key] = bench_reference(cfg, ref_inputs, **upstream)
         return refs[key]
 
     per_token, loss_skip = None, None
@@ -452,7 +455,7 @@ def bench_problem(
                 elif problem is not None:
                     key = run_label(mode, entropy)
                     if key not in refs:
-                        refs[key] = _loss_reference(cfg, ref_inputs, reference("fwd"), problem)
+                        refs[key] = loss_reference(cfg, ref_inputs, reference("fwd"), problem)
                     ref = refs[key]
             for prov in cfg.providers:
                 row = dict.fromkeys(ROW_KEYS) | env_fields

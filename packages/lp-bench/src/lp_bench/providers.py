@@ -475,9 +475,9 @@ def provider_cce(
     """Apple's cut-cross-entropy, per-token loss (``logprob = -loss``), default settings;
     ``softcap`` and the bias go to its ``softcap=`` and ``bias=`` keywords. No ``loss``
     mode (it has no RL loss of its own)."""
-    _peer_check("cce", temperature)
     if mode == "loss":
         raise Unsupported("cut-cross-entropy has no RL loss (loss mode)")
+    _peer_check("cce", temperature)
     from cut_cross_entropy import linear_cross_entropy
 
     opts = peer_options("cce", linear_cross_entropy, softcap=softcap, bias=bias)
