@@ -3,16 +3,22 @@
 Each step samples a group of completions per prompt from a tiny causal LM, scores them
 with a toy verifiable reward (the share of even token ids), normalizes the rewards
 within each group (GRPO's advantages), and then takes a few clipped policy-gradient
-updates with a KL penalty to a frozen reference model and an entropy bonus. Every
-log-prob, entropy and gradient comes from ``lp_kernels.linear_logprob`` on the last
-hidden states and the LM-head weight: no ``[tokens, vocab]`` logits in the update.
+updates with a KL penalty to a frozen reference model and an entropy bonus: the
+ready-made ``lp_kernels.losses.grpo`` loss, averaged per completion then over
+completions (``token_weights``). The rollout's log-probs come from
+``lp_kernels.linear_logprob``; each update is one ``lp_kernels.linear_logprob_loss`` call
+on the last hidden states and the LM-head weight, which returns the loss with its
+gradients finished in the forward (three GEMMs): no ``[tokens, vocab]`` logits anywhere
+in the update.
 
 What lp's reproducibility buys here: the log-probs recorded at rollout time and those
 recomputed by the first update are bitwise equal, so the policy ratio starts at exactly
-1 (printed as ``max|ratio-1|``), although one pass runs without gradients and the other
-with them, on the same rows. (Under ``torch.compile`` lp keeps its bits too, but the
-model's compiled forward is Inductor's: the rollout's log-probs must then come from the
-same compiled forward for the ratio to start at 1.)
+1 (printed as ``max|ratio-1|``), although one pass is ``linear_logprob`` without
+gradients and the other ``linear_logprob_loss`` with them, on the same rows (the loss
+op's log-probs are its forward statistics, the same as ``linear_logprob``'s). (Under
+``torch.compile`` lp keeps its bits too, but the model's compiled forward is Inductor's:
+the rollout's log-probs must then come from the same compiled forward for the ratio to
+start at 1.)
 
     python examples/grpo_step.py --steps 5          # CPU: the torch backend
     python examples/grpo_step.py --device cuda      # GPU: the triton backend
@@ -26,7 +32,8 @@ import copy
 import torch
 from torch import nn
 
-from lp_kernels import linear_logprob
+from lp_kernels import linear_logprob, linear_logprob_loss
+from lp_kernels.losses import grpo, kl_k3, token_weights
 
 
 class TinyLM(nn.Module):
@@ -68,21 +75,24 @@ def sample(model: TinyLM, prompts: torch.Tensor, new_tokens: int, group: int) ->
     return tokens
 
 
-def token_logprobs(model: TinyLM, tokens: torch.Tensor, completion: int, **kw):
-    """lp's log-prob (and entropy) of each completion token given its prefix: ``[B, C]``."""
-    hidden = model(tokens[:, :-1])[:, -completion:]  # positions that predict the completion
-    targets = tokens[:, -completion:]
-    return linear_logprob(hidden, model.head, targets, **kw)
+def completion_rows(model: TinyLM, tokens: torch.Tensor, completion: int):
+    """The hidden states ``[B, C, H]`` that predict the completion tokens, and those tokens
+    ``[B, C]`` (the targets)."""
+    hidden = model(tokens[:, :-1])[:, -completion:]
+    return hidden, tokens[:, -completion:]
 
 
-def grpo_loss(model, tokens, completion, old_lp, ref_lp, adv, clip, beta, ent_coef):
-    out = token_logprobs(model, tokens, completion, return_entropy=True)
-    ratio = torch.exp(out.logprob - old_lp)
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
-    log_r = ref_lp - out.logprob  # k3 estimator of KL(policy || reference), per token
-    kl = torch.exp(log_r) - log_r - 1
-    loss = (-surrogate + beta * kl - ent_coef * out.entropy).mean()
-    return loss, (ratio - 1).abs().max(), kl.mean(), out.entropy.mean()
+def token_logprobs(model: TinyLM, tokens: torch.Tensor, completion: int):
+    """lp's log-prob of each completion token given its prefix: ``[B, C]``."""
+    hidden, targets = completion_rows(model, tokens, completion)
+    return linear_logprob(hidden, model.head, targets).logprob
+
+
+def grpo_update(model, tokens, completion, loss_fn, per_token):
+    """The update's loss (the GRPO loss summed over the weighted tokens, differentiable) and
+    its detached per-token log-probs and entropy ``[B, C]``, in one lp call."""
+    hidden, targets = completion_rows(model, tokens, completion)
+    return linear_logprob_loss(hidden, model.head, targets, loss_fn, per_token=per_token)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     policy = TinyLM(args.vocab, args.hidden).to(args.device)
     reference = copy.deepcopy(policy).requires_grad_(False)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    # clip 0.2, k3 KL to the reference with beta 0.04, and an entropy bonus
+    loss_fn = grpo(entropy_coef=1e-3)
     prompts = torch.randint(0, args.vocab, (args.prompts, 4), device=args.device)
     print(f"{'step':>4} {'reward':>7} {'loss':>9} {'max|ratio-1|':>13} {'kl':>9} {'entropy':>8}")
     for step in range(args.steps):
@@ -109,21 +121,27 @@ def main(argv: list[str] | None = None) -> None:
         reward = (completion % 2 == 0).float().mean(dim=1)  # toy verifiable reward
         grouped = reward.view(args.prompts, args.group)
         adv = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)
-        adv = adv.reshape(-1, 1)
         with torch.no_grad():  # recorded at rollout time
-            old_lp = token_logprobs(policy, tokens, args.completion).logprob
-            ref_lp = token_logprobs(reference, tokens, args.completion).logprob
+            old_lp = token_logprobs(policy, tokens, args.completion)
+            ref_lp = token_logprobs(reference, tokens, args.completion)
+        per_token = {
+            "old_logprob": old_lp,
+            "ref_logprob": ref_lp,
+            "advantages": adv.reshape(-1, 1).expand_as(old_lp),  # one per completion
+            # GRPO's aggregation: the mean over each completion's tokens, then over completions
+            "weights": token_weights(torch.ones_like(completion), "seq-mean-token-mean"),
+        }
         for update in range(args.updates):
-            loss, ratio_dev, kl, ent = grpo_loss(
-                policy, tokens, args.completion, old_lp, ref_lp, adv, 0.2, 0.04, 1e-3
-            )
+            out = grpo_update(policy, tokens, args.completion, loss_fn, per_token)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            out.loss.backward()
             opt.step()
             if update == 0:  # before any update of this rollout: the ratio is exactly 1
+                ratio_dev = (out.logprob - old_lp).exp().sub(1).abs().max()
+                kl = kl_k3(out.logprob, ref_lp).mean()
                 print(
-                    f"{step:>4} {reward.mean().item():>7.3f} {loss.item():>9.4f} "
-                    f"{ratio_dev.item():>13.1e} {kl.item():>9.2e} {ent.item():>8.3f}"
+                    f"{step:>4} {reward.mean().item():>7.3f} {out.loss.item():>9.4f} "
+                    f"{ratio_dev.item():>13.1e} {kl.item():>9.2e} {out.entropy.mean().item():>8.3f}"
                 )
 
 

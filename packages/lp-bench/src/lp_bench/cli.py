@@ -1,6 +1,6 @@
 """``lp``: the command line of lp-bench (the project's main job).
 
-    lp bench   [--grid] [--mode train,fwd] [--entropy [off|on|both]] [--shapes S1,..|NxHxV]
+    lp bench   [--grid] [--mode train,fwd,loss] [--entropy [off|on|both]] [--shapes S1,..|NxHxV]
                [--backends ...] [--dtype ...] [--temperature T] [--softcap C] [--bias]
                [--reps R] [--warmup W]
                [--warm-s S] [--device auto|cpu|cuda] [--tp N] [--seed S] [--no-check]
@@ -30,7 +30,13 @@ import torch
 
 from lp_bench import protocol
 from lp_bench.environment import device_name, dist_version, environment
-from lp_bench.providers import ALL_PROVIDERS, LP_PROVIDERS, default_providers, provider_available
+from lp_bench.providers import (
+    ALL_PROVIDERS,
+    LP_LOSS_PROVIDERS,
+    LP_PROVIDERS,
+    default_providers,
+    provider_available,
+)
 from lp_bench.table import print_table
 
 ENTROPY_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
@@ -156,10 +162,11 @@ def bench_config(
 ) -> protocol.BenchConfig:
     """The run that the ``lp bench`` arguments ask for (``--grid`` fills what is not given)."""
     cuda = device == "cuda"
+    modes = args.mode or (("train", "fwd") if args.grid else ("train",))
     if args.backends is None:
-        providers = tuple(default_providers(device, grid=args.grid))
+        providers = tuple(default_providers(device, grid=args.grid, modes=modes))
         if args.tp > 1:  # single-device providers have no sharded counterpart
-            providers = tuple(p for p in providers if p in LP_PROVIDERS)
+            providers = tuple(p for p in providers if p in (*LP_PROVIDERS, *LP_LOSS_PROVIDERS))
     else:
         providers = args.backends
         for name in providers:
@@ -175,7 +182,6 @@ def bench_config(
         dtypes = protocol.default_dtypes(device)
     else:
         dtypes = ("fp32", "bf16") if args.dtype == "both" else (args.dtype,)
-    modes = args.mode or (protocol.MODES if args.grid else ("train",))
     entropy = ENTROPY_CHOICES[args.entropy or ("both" if args.grid else "off")]
     return protocol.BenchConfig(
         shapes=shapes,
@@ -207,7 +213,12 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, device: st
         f"lp bench: {device} ({env['device_name']}), torch {env['torch']}, "
         f"triton {env['triton'] or '-'}, commit {env['commit']}"
     )
-    floors = "floor: train 4 matmuls, fwd 1 matmul; " if cuda else ""
+    floors = ", ".join(
+        f"{m} {k} matmul{'s' if k > 1 else ''}"
+        for m, k in protocol.FLOOR_MATMULS.items()
+        if m in cfg.modes
+    )
+    floors = f"floor: {floors}; " if cuda else ""
     entropy = "/".join("on" if e else "off" for e in cfg.entropy)
     say(
         f"modes {', '.join(cfg.modes)}; entropy {entropy}; "
@@ -419,9 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="time lp against the matmul floor and the materialized path (GPU: S1-S6)",
         description="The performance protocol. train: forward + backward of a per-token "
         "logprob with a random upstream gradient, floor = 4 cuBLAS matmuls of the shape; fwd: "
-        "forward only under torch.no_grad, floor = 1 matmul; both floors measured in the same "
-        "run. On a GPU the S1-S6 shapes and errors against an fp32 reference; on CPU a small "
-        "embedded problem timed with perf_counter, errors against fp64. Peers (liger-kernel, "
+        "forward only under torch.no_grad, floor = 1 matmul; loss: forward + backward of a "
+        "DAPO loss with a k3 KL penalty to reference log-probs, floor = train's 4 matmuls; the "
+        "floors measured in the same run. On a GPU the S1-S6 shapes and errors against an "
+        "fp32 reference; on CPU a small embedded problem timed with perf_counter, errors "
+        "against fp64. Peers (liger-kernel, "
         "cut-cross-entropy) join when importable. --tp N under torchrun shards the head over "
         "N ranks. Exit status 1 if a provider failed.",
     )
@@ -436,8 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         type=_modes_arg,
         default=None,
-        help="train (forward + backward), fwd (forward only, under no_grad) or train,fwd; "
-        "default train (--grid: train,fwd)",
+        help="train (forward + backward), fwd (forward only, under no_grad), loss (forward + "
+        "backward of a DAPO loss with a k3 KL penalty: linear_logprob_loss against lp's "
+        "log-probs + the loss, the materialized path + the loss and liger's GRPO loss) or a "
+        "list, e.g. train,fwd; default train (--grid: train,fwd)",
     )
     bench.add_argument(
         "--entropy",
@@ -445,9 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
         const="on",
         choices=list(ENTROPY_CHOICES),
         default=None,
-        help="on (bare --entropy): entropy too (train: gradient through logprob and entropy); "
-        "both: rows without and with; default off (--grid: both). Peers without entropy run "
-        "logprob only, marked so",
+        help="on (bare --entropy): entropy too (train: gradient through logprob and entropy; "
+        "loss: an entropy bonus in the loss); both: rows without and with; default off "
+        "(--grid: both). Peers without entropy run logprob only, marked so (loss mode: "
+        "skipped)",
     )
     bench.add_argument(
         "--shapes",
@@ -462,8 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated: lp-triton, lp-torch, lp-auto, lp-triton-det, lp-torch-det "
         "(deterministic=True, its default tile), lp-triton-det128 (the same with "
-        "deterministic_tile=128), materialized, liger, cce; default: lp-triton, lp-torch, "
-        "materialized and the importable peers (CPU: lp-torch, materialized)",
+        "deterministic_tile=128), lp-loss-triton, lp-loss-torch, lp-loss-auto, "
+        "lp-loss-triton-det, lp-loss-torch-det (linear_logprob_loss, loss mode only), "
+        "materialized, liger, cce; default: lp-triton, lp-torch, materialized and the "
+        "importable peers (CPU: lp-torch, materialized); loss mode: lp-loss-triton, "
+        "lp-loss-triton-det, lp-triton, materialized, liger (CPU: the torch backend's)",
     )
     bench.add_argument(
         "--dtype",

@@ -8,9 +8,15 @@ each (the row schema is :data:`ROW_KEYS`). Per shape and dtype, in one process:
   with ``bias``, a random ``bias [V]`` in the input dtype (:func:`make_bias`), a leaf that
   requires grad in train mode; with ``softcap``, the logits' cap (both passed to every
   provider, whose row is skipped where it cannot take them);
-- floor (GPU only), per mode, measured in the same run at steady state: ``train``: four
-  back-to-back cuBLAS ``[N, H] x [H, V]`` matmuls (forward logits, backward recompute, two
-  gradient GEMMs); ``fwd``: one such matmul;
+- floor (GPU only), per mode, measured in the same run at steady state: ``train`` and
+  ``loss``: four back-to-back cuBLAS ``[N, H] x [H, V]`` matmuls (forward logits, backward
+  recompute, two gradient GEMMs); ``fwd``: one such matmul;
+- ``loss`` mode's objective (:func:`policy_loss`, :func:`loss_per_token`), made once per
+  shape from the reference's log-probs: DAPO's clipped surrogate (clip 0.2 / 0.28,
+  token-mean weights) with a k3 KL penalty (0.04) to reference log-probs; old and reference
+  log-probs are the model's own plus independent noise (std 0.1: about 2 % of the ratios
+  fall outside the clip bounds), one advantage per 1024-token sequence; made under
+  ``check=False`` too;
 - reference: :func:`lp_testing.reference.reference_chunked`, fp32 with TF32 off on GPU,
   fp64 on CPU, a block of rows at a time, independent of lp;
 - each provider (:mod:`lp_bench.providers`): median of ``reps`` timed steps after
@@ -18,11 +24,14 @@ each (the row schema is :data:`ROW_KEYS`). Per shape and dtype, in one process:
   at the clock its own sustained load settles to); peak memory above the inputs, the
   returned gradients included (:mod:`lp_bench.memory`); norm-wise relative errors of
   logprob, entropy and the gradients (hidden, weight, bias) against the reference, max abs
-  error of logprob.
+  error of logprob; in ``loss`` mode the loss's relative error too.
 
 ``train`` steps run forward + backward; ``fwd`` steps run under ``torch.no_grad`` with
-inputs that do not require grad. With entropy, a train step backpropagates through both
-logprob and entropy; a fwd step computes both.
+inputs that do not require grad; ``loss`` steps run forward + backward of the summed loss.
+With entropy, a train step backpropagates through both logprob and entropy; a fwd step
+computes both; a loss step adds an entropy bonus (:data:`ENTROPY_COEF`) to the loss. The
+loss mode's reference evaluates the loss on the reference's outputs under autograd: its
+derivatives per row are the upstream gradients of the reference's gradient pass.
 
 Under tensor parallelism (``tp > 1``, every rank of a torchrun launch runs the loop),
 each rank holds an even 128-aligned shard of the head and of the bias (:func:`tp_shard`);
@@ -42,7 +51,14 @@ from dataclasses import dataclass
 import torch
 
 from lp_bench.memory import peak_bytes
-from lp_bench.providers import MODES, Mode, Unsupported, is_deterministic, make_provider
+from lp_bench.providers import (
+    MODES,
+    LossProblem,
+    Mode,
+    Unsupported,
+    is_deterministic,
+    make_provider,
+)
 from lp_bench.timing import all_ranks_max, floor_call, steady_warmup, time_cpu, time_cuda
 
 SHAPES: dict[str, tuple[int, int, int]] = {
@@ -62,9 +78,20 @@ DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
 }
 """Input dtypes by their command-line name."""
-FLOOR_MATMULS: dict[str, int] = {"train": 4, "fwd": 1}
-"""The floor of each mode, in matmuls of the step's shape."""
+FLOOR_MATMULS: dict[str, int] = {"train": 4, "fwd": 1, "loss": 4}
+"""The floor of each mode, in matmuls of the step's shape (``loss``: the train step's, which
+``linear_logprob_loss``'s three GEMMs can go below)."""
+SEQ_LEN = 1024
+"""Tokens per sequence in ``loss`` mode (one advantage per sequence)."""
+KL_COEF = 0.04
+"""``loss`` mode: the k3 KL penalty's coefficient (GRPO's beta)."""
+ENTROPY_COEF = 1e-3
+"""``loss`` mode with entropy: the entropy bonus's coefficient."""
+LOSS_NOISE = 0.1
+"""``loss`` mode: std of the noise between the model's log-probs and the old / reference
+log-probs (about 2 % of the ratios fall outside DAPO's clip bounds)."""
 ERROR_KEYS = (
+    "err_loss",
     "err_logprob",
     "maxabs_logprob",
     "err_entropy",
@@ -138,7 +165,8 @@ def parse_shapes(text: str) -> tuple[Shape, ...]:
 
 
 def parse_modes(text: str) -> tuple[Mode, ...]:
-    """``train``, ``fwd`` or ``train,fwd`` -> the modes; ValueError names the bad item."""
+    """``train``, ``fwd``, ``loss`` or a list (``train,fwd``) -> the modes; ValueError names
+    the bad item."""
     modes = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
     for mode in modes:
         if mode not in MODES:
@@ -213,9 +241,11 @@ class BenchConfig:
     device: str
     """``"cuda"`` or ``"cpu"``."""
     modes: tuple[Mode, ...] = ("train",)
-    """``train`` (forward + backward) and/or ``fwd`` (forward under no_grad)."""
+    """``train`` (forward + backward), ``fwd`` (forward under no_grad) and/or ``loss``
+    (forward + backward of an RL loss)."""
     entropy: tuple[bool, ...] = (False,)
-    """Without and/or with entropy (its gradient too in train mode)."""
+    """Without and/or with entropy (its gradient too in train mode; an entropy bonus in the
+    loss mode's objective)."""
     temperature: float = 1.0
     """Logits are divided by it."""
     reps: int = 5
@@ -259,7 +289,7 @@ class BenchConfig:
 
 
 def run_label(mode: str, entropy: bool) -> str:
-    """``train``, ``train+entropy``, ``fwd``, ``fwd+entropy``."""
+    """``train``, ``train+entropy``, ``fwd``, ``fwd+entropy``, ``loss``, ``loss+entropy``."""
     return f"{mode}+entropy" if entropy else mode
 
 
@@ -269,25 +299,81 @@ def options_label(softcap: float | None, bias: bool | None) -> str:
     return ", ".join(parts + (["bias"] if bias else []))
 
 
-def _reference(cfg: BenchConfig, inputs: tuple, grad_ent, *, grads: bool, entropy: bool):
+def losses_unavailable() -> str | None:
+    """None if ``lp_kernels.losses`` (the loss mode's objective) is importable, else why not."""
+    import importlib.util
+
+    if importlib.util.find_spec("lp_kernels.losses") is None:
+        return "lp_kernels.losses is not importable (an lp-kernels without the RL losses)"
+    return None
+
+
+def policy_loss(entropy: bool = False):
+    """The ``loss`` mode's ``loss_fn``: DAPO (clip 0.2 / 0.28) with a k3 KL penalty
+    (:data:`KL_COEF`) to ``ref_logprob``; with ``entropy``, an entropy bonus
+    (:data:`ENTROPY_COEF`). A :class:`lp_kernels.losses.PolicyLoss`."""
+    from lp_kernels import losses
+
+    bonus = ENTROPY_COEF if entropy else 0.0
+    return losses.dapo(kl_coef=KL_COEF, kl_estimator="k3", entropy_coef=bonus)
+
+
+def loss_per_token(logprob: torch.Tensor, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The ``loss`` mode's per-token inputs from the model's log-probs ``logprob [N]``.
+
+    ``old_logprob`` and ``ref_logprob``: ``logprob`` plus independent noise of std
+    :data:`LOSS_NOISE`; ``advantages``: one N(0, 1) value per sequence of
+    ``min(SEQ_LEN, N)`` tokens, broadcast over its tokens; ``weights``: token-mean
+    (``lp_kernels.losses.token_weights``, 1 / N each). All ``[N]`` fp32 on ``logprob``'s
+    device, drawn from CPU generators seeded with ``seed``.
+    """
+    from lp_kernels import losses
+
+    n = logprob.numel()
+    t = min(SEQ_LEN, n)
+    b = -(-n // t)
+    g = torch.Generator(device="cpu").manual_seed(seed + 3)
+    base = logprob.detach().reshape(-1).float().cpu()
+    mask = (torch.arange(b * t) < n).view(b, t)
+    per_token = {
+        "old_logprob": base + LOSS_NOISE * torch.randn(n, generator=g),
+        "ref_logprob": base + LOSS_NOISE * torch.randn(n, generator=g),
+        "advantages": torch.randn(b, generator=g).repeat_interleave(t)[:n],
+        "weights": losses.token_weights(mask, "token-mean")[mask],
+    }
+    return {k: v.to(logprob.device) for k, v in per_token.items()}
+
+
+def bench_reference(cfg: BenchConfig, inputs: tuple, **upstream) -> dict:
+    """The reference of ``inputs = (hidden, weight, targets, bias)`` (the full head) with
+    the run's options: :func:`lp_testing.reference.reference_chunked` in fp32 on GPU (TF32
+    off), fp64 on CPU; ``upstream``: its ``grad_logprob`` / ``grad_entropy`` / ``grad_lse``."""
     from lp_testing.reference import reference_chunked
 
-    hidden, weight, targets, grad_out, bias = inputs
-    up = {}
-    if grads:
-        up["grad_logprob"] = grad_out
-        if entropy:
-            up["grad_entropy"] = grad_ent
+    hidden, weight, targets, bias = inputs
     return reference_chunked(
         hidden,
         weight,
         targets,
-        **up,
+        **upstream,
         temperature=cfg.temperature,
         bias=bias,
         softcap=cfg.softcap,
         dtype=torch.float32 if cfg.device == "cuda" else torch.float64,
     )
+
+
+def loss_reference(cfg: BenchConfig, inputs: tuple, outputs: dict, problem: LossProblem) -> dict:
+    """The loss and its gradients on the reference: ``problem.loss_fn`` on the reference's
+    ``outputs`` under autograd gives each row's derivatives w.r.t. logprob / entropy / lse,
+    the upstream gradients of the reference's gradient pass. Adds ``"loss"`` (0-d)."""
+    use = {"logprob": True, "entropy": problem.entropy, "lse": problem.lse}
+    leaves = {k: outputs[k].detach().clone().requires_grad_() for k, on in use.items() if on}
+    with torch.enable_grad():
+        loss = problem.loss_fn(*(leaves.get(k) for k in use), **problem.per_token).sum()
+        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    upstream = {f"grad_{k}": g for k, g in zip(leaves, grads, strict=True) if g is not None}
+    return bench_reference(cfg, inputs, **upstream) | {"loss": loss.detach()}
 
 
 def bench_problem(
@@ -323,11 +409,27 @@ def bench_problem(
     if any(cfg.entropy):
         gen = torch.Generator().manual_seed(cfg.seed + 1)
         grad_ent = torch.randn(n, generator=gen).to(cfg.device)
-    refs: dict[tuple[bool, bool], dict] = {}
+    refs: dict[str, dict] = {}
+    ref_inputs = (hidden, weight, targets, bias)
+
+    def reference(key: str, **upstream) -> dict:
+        if key not in refs:
+            refs[key] = bench_reference(cfg, ref_inputs, **upstream)
+        return refs[key]
+
+    per_token, loss_skip = None, None
+    if "loss" in cfg.modes:
+        loss_skip = losses_unavailable()
+        if loss_skip is None:  # the model's log-probs: the reference's forward
+            per_token = loss_per_token(reference("fwd")["logprob"], seed=cfg.seed)
+            if cfg.tp > 1:  # every rank's loss must see the same values
+                import torch.distributed as dist
+
+                for value in per_token.values():
+                    dist.broadcast(value, 0)
     env_fields = {k: (env or {}).get(k) for k in ENV_ROW_KEYS}
     rows = []
     for mode in cfg.modes:
-        train = mode == "train"
         floor = None
         if cuda:
             fl = floor_call(hidden, shard, FLOOR_MATMULS[mode])
@@ -336,15 +438,25 @@ def bench_problem(
             if cfg.tp > 1:
                 floor = all_ranks_max(floor, cfg.device)
         for entropy in cfg.entropy:
+            problem = None
+            if per_token is not None and mode == "loss":
+                problem = LossProblem(
+                    policy_loss(entropy), per_token, min(SEQ_LEN, n), entropy=entropy
+                )
             ref = None
             if cfg.check:
-                key = (train, train and entropy)  # fwd: outputs only, the same for both
-                if key not in refs:
-                    refs[key] = _reference(
-                        cfg, (hidden, weight, targets, grad_out, bias), grad_ent, grads=train,
-                        entropy=entropy,
-                    )  # fmt: skip
-                ref = refs[key]
+                if mode == "fwd":  # outputs only, the same with and without entropy
+                    ref = reference("fwd")
+                elif mode == "train":
+                    up = {"grad_logprob": grad_out}
+                    if entropy:
+                        up["grad_entropy"] = grad_ent
+                    ref = reference(run_label(mode, entropy), **up)
+                elif problem is not None:
+                    key = run_label(mode, entropy)
+                    if key not in refs:
+                        refs[key] = loss_reference(cfg, ref_inputs, reference("fwd"), problem)
+                    ref = refs[key]
             for prov in cfg.providers:
                 row = dict.fromkeys(ROW_KEYS) | env_fields
                 row |= {"mode": mode, "entropy": entropy, "provider": prov, "shape": name}
@@ -354,7 +466,10 @@ def bench_problem(
                 row |= {"deterministic": is_deterministic(prov)}
                 row["floor_matmuls"] = FLOOR_MATMULS[mode] if cuda else None
                 inputs = (hidden, shard, targets, grad_out, grad_ent, bias_shard)
-                _measure(row, cfg, inputs, ref, tp_kwargs)
+                if mode == "loss" and problem is None:
+                    row["skipped"] = loss_skip
+                else:
+                    _measure(row, cfg, inputs, ref, tp_kwargs, problem)
                 if cfg.tp > 1:
                     _gather_row(row, cfg)
                 if cuda:
@@ -377,11 +492,19 @@ def _gather_row(row: dict, cfg: BenchConfig) -> None:
         row["x_floor"] = row["ms"] / row["floor_ms"]
 
 
-def _measure(row: dict, cfg: BenchConfig, inputs: tuple, ref: dict | None, tp_kwargs) -> None:
-    """Time, memory and errors of one provider, into ``row`` (a failure is a row too)."""
+def _measure(
+    row: dict,
+    cfg: BenchConfig,
+    inputs: tuple,
+    ref: dict | None,
+    tp_kwargs,
+    loss: LossProblem | None = None,
+) -> None:
+    """Time, memory and errors of one provider, into ``row`` (a failure is a row too);
+    ``loss``: the objective of a ``loss``-mode row."""
     hidden, shard, targets, grad_out, grad_ent, bias = inputs
-    mode, prov, v = row["mode"], row["provider"], row["V"]
-    train = mode == "train"
+    mode, prov = row["mode"], row["provider"]
+    grads = mode != "fwd"
     try:
         prep = make_provider(
             prov,
@@ -391,14 +514,15 @@ def _measure(row: dict, cfg: BenchConfig, inputs: tuple, ref: dict | None, tp_kw
             tp=tp_kwargs,
             softcap=cfg.softcap,
             bias=bias is not None,
+            loss=loss,
         )
     except Unsupported as exc:
         row["skipped"] = str(exc)
         return
     row["entropy_computed"], row["note"] = prep.entropy, prep.note
-    hl = hidden.detach().requires_grad_(train)
-    wl = shard.detach().requires_grad_(train)
-    bl = None if bias is None else bias.detach().requires_grad_(train)
+    hl = hidden.detach().requires_grad_(grads)
+    wl = shard.detach().requires_grad_(grads)
+    bl = None if bias is None else bias.detach().requires_grad_(grads)
     extra = {} if bl is None else {"bias": bl}
 
     def clear() -> None:
@@ -408,7 +532,7 @@ def _measure(row: dict, cfg: BenchConfig, inputs: tuple, ref: dict | None, tp_kw
 
     def step():
         clear()
-        with torch.set_grad_enabled(train):
+        with torch.set_grad_enabled(grads):
             return prep.step(hl, wl, targets, grad_out, grad_ent, **extra)
 
     try:
@@ -419,36 +543,45 @@ def _measure(row: dict, cfg: BenchConfig, inputs: tuple, ref: dict | None, tp_kw
             times = time_cpu(step, warmup=cfg.warmup, reps=cfg.reps)
         clear()
         peak = peak_bytes(step, cfg.device)
-        logprob, ent = step()  # the results checked (the memory run may be traced)
+        out = step()  # the results checked (the memory run may be traced)
+        logprob, ent = out[0], out[1]
+        value = out[2] if mode == "loss" else None  # the loss, 0-d
         ms = statistics.median(times)
         row.update(ms=ms, ms_all=times, peak_bytes=peak, peak_gib=peak / 2**30)
         row["x_floor"] = ms / row["floor_ms"] if row["floor_ms"] else None
-        if ref is not None and logprob is not None:
-            row["err_logprob"] = rel_err(logprob, ref["logprob"])
-            row["maxabs_logprob"] = float(
-                (logprob.to(ref["logprob"].dtype) - ref["logprob"]).abs().max()
-            )
+        if ref is not None:
+            if logprob is not None:
+                row["err_logprob"] = rel_err(logprob, ref["logprob"])
+                row["maxabs_logprob"] = float(
+                    (logprob.to(ref["logprob"].dtype) - ref["logprob"]).abs().max()
+                )
             if ent is not None:
                 row["err_entropy"] = rel_err(ent, ref["entropy"])
-            if train:
-                start = 0 if tp_kwargs is None else tp_kwargs["vocab_start"]
-                real = max(0, min(wl.shape[0], v - start))
-                row["err_grad_hidden"] = rel_err(hl.grad, ref["grad_hidden"])
-                row["err_grad_weight"] = rel_err(
-                    wl.grad[:real], ref["grad_weight"][start : start + real]
-                )
-                if bl is not None:
-                    if bl.grad is None:
-                        raise RuntimeError("no gradient reached the bias (the step ignored it)")
-                    row["err_grad_bias"] = rel_err(
-                        bl.grad[:real], ref["grad_bias"][start : start + real]
-                    )
-        del logprob, ent
+            if value is not None:
+                row["err_loss"] = rel_err(value, ref["loss"])
+            # train: the gradients of the upstream gradient on the outputs it returned (a
+            # scalar-loss peer's are another function's); loss: those of the loss it returned
+            if (mode == "train" and logprob is not None) or value is not None:
+                _grad_errors(row, ref, (hl, wl, bl), tp_kwargs)
+        del out, logprob, ent, value
     except torch.OutOfMemoryError as exc:
         row["error"] = f"OOM: {str(exc).splitlines()[0]}"
     except Exception as exc:  # a provider's failure is a row, not the end of the run
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     clear()
+
+
+def _grad_errors(row: dict, ref: dict, leaves: tuple, tp_kwargs) -> None:
+    """The gradients' errors against ``ref`` (this rank's shard of weight and bias)."""
+    hl, wl, bl = leaves
+    start = 0 if tp_kwargs is None else tp_kwargs["vocab_start"]
+    real = max(0, min(wl.shape[0], row["V"] - start))
+    row["err_grad_hidden"] = rel_err(hl.grad, ref["grad_hidden"])
+    row["err_grad_weight"] = rel_err(wl.grad[:real], ref["grad_weight"][start : start + real])
+    if bl is not None:
+        if bl.grad is None:
+            raise RuntimeError("no gradient reached the bias (the step ignored it)")
+        row["err_grad_bias"] = rel_err(bl.grad[:real], ref["grad_bias"][start : start + real])
 
 
 def run_bench(

@@ -3,10 +3,11 @@ of ``lp report`` (docs/benchmarks.md's tables, regenerated from one results file
 
 Markdown, from one file: a header (device, torch, triton, commit, date); one table per
 run (mode x {logprob, +entropy}, and dtype where a run has several; a run with a logit
-cap or a bias says so in its title: ``softcap 30, bias``) with a row per provider and a
-column per shape, each cell the time over the floor (ms on CPU, which has no floor); then
-one memory table (peak above the inputs) and one error table (the worst norm-wise relative
-error against the reference of logprob, entropy and the gradients).
+cap or a bias says so in its title: ``softcap 30, bias``; the loss mode's title names its
+loss) with a row per provider and a column per shape, each cell the time over the floor
+(ms on CPU, which has no floor); then one memory table (peak above the inputs) and one
+error table (the worst norm-wise relative error against the reference of logprob, entropy,
+the gradients, and the loss in loss mode).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lp_bench.protocol import ERROR_KEYS, options_label, run_label
+from lp_bench.protocol import ERROR_KEYS, FLOOR_MATMULS, options_label, run_label
 
 LOGPROB_ONLY = "*"
 """Marks a cell whose provider ran logprob only in an entropy run."""
+LOSS_TITLE = "DAPO + k3 KL"
+"""What the loss mode's step computes, in its table's title."""
 
 
 def load(path: Path) -> dict:
@@ -61,8 +64,12 @@ def bench_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Header and cells of ``lp bench``'s table (4 label columns; free text last); the run
     column names the logit options (``train (softcap 30, bias)``)."""
     head = ["run", "shape", "dtype", "provider", "ms", "floor ms", "x floor", "MiB", "mem/mat"]
+    keys = []
+    if any(r.get("err_loss") is not None for r in rows):
+        head.append("err loss")
+        keys.append("err_loss")
     head += ["err logprob", "maxabs lp"]
-    keys = ["err_logprob", "maxabs_logprob"]
+    keys += ["err_logprob", "maxabs_logprob"]
     if any(r.get("err_entropy") is not None for r in rows):
         head.append("err entropy")
         keys.append("err_entropy")
@@ -161,7 +168,10 @@ def markdown(doc: dict) -> str:
             if (r["mode"], r["entropy"], r["dtype"], row_options(r)) == (mode, entropy, dtype, opts)
         ]
         what = "logprob + entropy" if entropy else "logprob"
-        floor = {"train": "4 matmuls", "fwd": "1 matmul"}[mode]
+        if mode == "loss":
+            what = f"{LOSS_TITLE} + entropy bonus" if entropy else LOSS_TITLE
+        count = FLOOR_MATMULS[mode]
+        floor = f"{count} matmul{'s' if count > 1 else ''}"
         unit = f"x floor ({floor})" if cuda else "ms (CPU: no floor)"
         title = f"{mode}, {what}{f', {dtype}' if multi_dtype else ''}"
         title += f"{f', {opts}' if opts else ''}: {unit}"
@@ -195,8 +205,9 @@ def markdown(doc: dict) -> str:
     ref = "fp32" if cuda else "fp64"
     head, cells = _grid(rows, err_cell, label)
     out += [
-        f"**worst relative error against the {ref} reference{shared}** (logprob, entropy, "
-        "grad_hidden, grad_weight"
+        f"**worst relative error against the {ref} reference{shared}** ("
+        + ("loss, " if any(r["mode"] == "loss" for r in rows) else "")
+        + "logprob, entropy, grad_hidden, grad_weight"
         + (", grad_bias" if any(r.get("bias") for r in rows) else "")
         + ")",
         "",
