@@ -62,6 +62,86 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
+def shape_rows(s, n, h, v, args, base, timed) -> list[dict]:
+    """The rows of one shape (its tensors are freed when it returns)."""
+    rows = []
+    hidden, weight, targets, _ = make_inputs(n, h, v)
+    hl, wl = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    with torch.no_grad():
+        lp0 = linear_logprob(hidden, weight, targets, validate=False).logprob
+    pt = per_token(n, lp0)
+    floor = timed(floor_call(hidden, weight))
+    floor1 = timed(floor_call(hidden, weight, matmuls=1))
+    base_bytes = torch.cuda.memory_allocated()
+
+    def run(fn):
+        hl.grad = wl.grad = None
+        loss = fn()
+        loss.backward()
+        return loss.detach(), hl.grad, wl.grad
+
+    def lp_step():
+        out = linear_logprob(hl, wl, targets, validate=False, return_lse=True)
+        return LOSS(out.logprob, None, out.lse, **pt).sum()
+
+    def mat_step():
+        logits = F.linear(hl, wl).float()
+        logp = torch.log_softmax(logits, dim=-1)
+        lp = logp.gather(-1, targets[:, None]).squeeze(-1)
+        return LOSS(lp, None, torch.logsumexp(logits, -1), **pt).sum()
+
+    steps = {"lp": lp_step}
+    if not args.no_materialized:
+        steps["materialized"] = mat_step
+    for name in args.variants.split(","):
+        cfg = dataclasses.replace(base, **VARIANTS[name])
+
+        def fused(cfg=cfg):
+            return linear_logprob_loss_with_config(
+                hl, wl, targets, LOSS, cfg, per_token=pt, validate=False
+            ).loss
+
+        steps[f"lp-loss/{name}"] = fused
+    steps["lp-loss/public"] = lambda: linear_logprob_loss(
+        hl, wl, targets, LOSS, per_token=pt, validate=False
+    ).loss
+    ref = None
+    for label, fn in steps.items():
+        row = {"shape": s, "n": n, "h": h, "v": v, "provider": label, "floor_ms": floor}
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            got = run(fn)
+            torch.cuda.synchronize()
+            row["peak_gib"] = (torch.cuda.max_memory_allocated() - base_bytes) / 2**30
+            if ref is None:
+                ref = tuple(x.clone() for x in got)
+            row["err"] = [rel(a, b) for a, b in zip(got, ref, strict=True)]
+            row["ms"] = timed(lambda fn=fn: run(fn))
+            row["x_floor"] = row["ms"] / floor
+        except Exception as exc:  # report and go on
+            row["error"] = repr(exc)[:300]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if not args.no_fwd:
+        for name, fields in (("pinned", {}), ("vs4k", {"v_split": 4096})):
+            cfg = dataclasses.replace(base, **fields)
+            for ent in (False, True):
+
+                def fwd(cfg=cfg, ent=ent):
+                    with torch.no_grad():
+                        return linear_logprob_with_config(
+                            hidden, weight, targets, cfg, validate=False, return_entropy=ent
+                        ).logprob
+
+                ms = timed(fwd)
+                row = {"shape": s, "provider": f"fwd/{name}", "entropy": ent, "ms": ms,
+                       "floor1_ms": floor1, "x_floor1": ms / floor1}  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="S1,S2,S3,S4,S5,S6")
@@ -80,81 +160,7 @@ def main() -> None:
         return statistics.median(time_cuda(fn, warmup=warm, reps=args.reps))
 
     for s, n, h, v in parse_shapes(args.shapes):
-        hidden, weight, targets, _ = make_inputs(n, h, v)
-        hl, wl = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-        with torch.no_grad():
-            lp0 = linear_logprob(hidden, weight, targets, validate=False).logprob
-        pt = per_token(n, lp0)
-        floor = timed(floor_call(hidden, weight))
-        floor1 = timed(floor_call(hidden, weight, matmuls=1))
-        base_bytes = torch.cuda.memory_allocated()
-
-        def run(fn):
-            hl.grad = wl.grad = None
-            loss = fn()
-            loss.backward()
-            return loss.detach(), hl.grad, wl.grad
-
-        def lp_step():
-            out = linear_logprob(hl, wl, targets, validate=False, return_lse=True)
-            return LOSS(out.logprob, None, out.lse, **pt).sum()
-
-        def mat_step():
-            logits = F.linear(hl, wl).float()
-            logp = torch.log_softmax(logits, dim=-1)
-            lp = logp.gather(-1, targets[:, None]).squeeze(-1)
-            return LOSS(lp, None, torch.logsumexp(logits, -1), **pt).sum()
-
-        steps = {"lp": lp_step}
-        if not args.no_materialized:
-            steps["materialized"] = mat_step
-        for name in args.variants.split(","):
-            cfg = dataclasses.replace(base, **VARIANTS[name])
-
-            def fused(cfg=cfg):
-                return linear_logprob_loss_with_config(
-                    hl, wl, targets, LOSS, cfg, per_token=pt, validate=False
-                ).loss
-
-            steps[f"lp-loss/{name}"] = fused
-        steps["lp-loss/public"] = lambda: linear_logprob_loss(
-            hl, wl, targets, LOSS, per_token=pt, validate=False
-        ).loss
-        ref = None
-        for label, fn in steps.items():
-            row = {"shape": s, "n": n, "h": h, "v": v, "provider": label, "floor_ms": floor}
-            try:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                got = run(fn)
-                torch.cuda.synchronize()
-                row["peak_gib"] = (torch.cuda.max_memory_allocated() - base_bytes) / 2**30
-                if ref is None:
-                    ref = tuple(x.clone() for x in got)
-                row["err"] = [rel(a, b) for a, b in zip(got, ref, strict=True)]
-                row["ms"] = timed(lambda fn=fn: run(fn))
-                row["x_floor"] = row["ms"] / floor
-            except Exception as exc:  # report and go on
-                row["error"] = repr(exc)[:300]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        if not args.no_fwd:
-            for name, fields in (("pinned", {}), ("vs4k", {"v_split": 4096})):
-                cfg = dataclasses.replace(base, **fields)
-                for ent in (False, True):
-
-                    def fwd(cfg=cfg, ent=ent):
-                        with torch.no_grad():
-                            return linear_logprob_with_config(
-                                hidden, weight, targets, cfg, validate=False, return_entropy=ent
-                            ).logprob
-
-                    ms = timed(fwd)
-                    row = {"shape": s, "provider": f"fwd/{name}", "entropy": ent, "ms": ms,
-                           "floor1_ms": floor1, "x_floor1": ms / floor1}  # fmt: skip
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-        del hl, wl, hidden, weight
+        rows += shape_rows(s, n, h, v, args, base, timed)
         torch.cuda.empty_cache()
     print(f"\n{'shape':6} {'provider':22} {'x floor':>8} {'ms':>9} {'GiB':>6}  err (loss, gh, gw)")
     for r in rows:
