@@ -63,10 +63,17 @@ def fwd_stats_kernel(
         )  # fmt: skip
         if HAS_BIAS:  # fp32 bias of the tile's columns
             b_z += tl.load(b_ptr + o_v, mask=m_v, other=0.0)[None, :]
-        if STORE_L:  # int32 offsets within the tile from one int64 base per tile
-            p_l = l_ptr + (i_n * BLOCK_N).to(tl.int64) * stride_ln + v0
-            o_l = tl.arange(0, BLOCK_N)[:, None] * stride_ln + tl.arange(0, BLOCK_V)[None, :]
-            tl.store(p_l + o_l, b_z, mask=m_n[:, None] & m_v[None, :])
+        if STORE_L:
+            if TMA:  # a tensor descriptor over [N, V_real]: the tile's out-of-bounds part is cut
+                b_l0, b_l1 = tl.split(
+                    tl.permute(tl.reshape(b_z, [BLOCK_N, 2, BLOCK_V // 2]), [0, 2, 1])
+                )
+                l_ptr.store([i_n * BLOCK_N, v0], b_l0)
+                l_ptr.store([i_n * BLOCK_N, v0 + BLOCK_V // 2], b_l1)
+            else:  # int32 offsets within the tile from one int64 base per tile
+                p_l = l_ptr + (i_n * BLOCK_N).to(tl.int64) * stride_ln + v0
+                o_l = tl.arange(0, BLOCK_N)[:, None] * stride_ln + tl.arange(0, BLOCK_V)[None, :]
+                tl.store(p_l + o_l, b_z, mask=m_n[:, None] & m_v[None, :])
         if SOFTCAP:
             b_z, _ = softcap_tile(b_z, cap, inv_cap)
         b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
@@ -157,7 +164,7 @@ def forward_stats(
     h_src, w_src, tma = logits_sources(hidden, w_real, cfg)
     fwd_stats_kernel[(blocks_n * splits,)](
         h_src, w_src, t_col, stats, t_col if b_real is None else b_real,
-        stats if l_out is None else l_out,
+        stats if l_out is None else logits_out(l_out, n, v_real, cfg, tma),
         n, h_dim, v_real, p.inv_temperature, *cap_args(p), splits, group_size(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1),
         0 if l_out is None else l_out.stride(0),
@@ -168,6 +175,13 @@ def forward_stats(
         **launch_opts(cfg, hidden.device),
     )  # fmt: skip
     return stats
+
+
+def logits_out(l_out: torch.Tensor, n: int, v_real: int, cfg: TileConfig, tma: bool):
+    """``fwd_stats_kernel``'s ``l_ptr``: a tensor descriptor over ``l_out[:n, :v_real]`` when
+    the kernel runs on descriptors (the store needs no pointer block beside the tile's
+    registers), else the tensor."""
+    return descriptor(l_out, n, v_real, (cfg.block_n, cfg.block_v // 2)) if tma else l_out
 
 
 def cap_args(p: LogprobParams) -> tuple[float, float]:
