@@ -18,6 +18,8 @@ import pytest
 pytest.importorskip("triton")
 
 KERNELS = ("fwd_stats_kernel", "dlogits_kernel", "matmul_acc_body", "matmul_fixed_kernel")
+# Kernels without a tensor-descriptor path (elementwise over stored logits).
+POINTER_ONLY = ("dlogits_l_kernel",)
 
 
 def test_every_gpu_launch_compiles_for_sm90(tmp_path):
@@ -39,6 +41,10 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
         mine = [line for line in lines if f" {kernel}[" in line]
         assert any(line.endswith("; TMA]") for line in mine), kernel
         assert any(not line.endswith("; TMA]") for line in mine), kernel
+    # linear_logprob_loss: the forward storing its raw logits, and d_logits from them
+    for kernel in POINTER_ONLY:
+        assert any(f" {kernel}[" in line for line in lines), kernel
+    assert any(" fwd_stats_kernel[" in line and "STORE_L=True" in line for line in lines)
     fixed = [line for line in lines if " matmul_fixed_kernel[" in line]
     # deterministic_tile wider than 128: the looped per-tile K loop and the two
     # elementwise kernels of the wide-tile plan (triton.deterministic.vocab_pieces)

@@ -6,7 +6,8 @@ bodies and so never sees what only the compiler rejects: a global that is not a
 compiles it), a tensor descriptor used as a pointer. Those failures otherwise surface only
 on the GPU machine, one device call later.
 
-This module runs ``linear_logprob`` forward and backward on CPU tensors with every
+This module runs ``linear_logprob`` (and ``linear_logprob_loss``) forward and backward on
+CPU tensors with every
 ``JITFunction.run`` intercepted: each launch is recorded instead of run, with the GPU's
 pinned tile configs (``config_for`` and the launch options are steered to a CUDA device of
 the chosen shared-memory tier) and tensor descriptors where the GPU path would build them.
@@ -63,7 +64,7 @@ _DTYPES = {
 # The triton backend's modules: a patched name is replaced in each that holds it.
 _TRITON = "lp_kernels.backends.triton"
 _MODULES = ("config", "tl_utils", "forward", "backward", "gemm", "fixed_point", "function",
-            "deterministic")  # fmt: skip
+            "deterministic", "loss")  # fmt: skip
 # Streaming multiprocessors of the pretend GPU (triton.config.sm_count): H200's. With it
 # the small problems below take the GEMM's narrow output tile (triton.gemm.mm_block_n);
 # the "wide" variant prices the narrow tile out, so they take the pinned one.
@@ -225,10 +226,16 @@ def _problems():
         yield dtype, False, True, 256, 128, 25000, False
 
 
+def _every_output(logprob, entropy, lse):
+    """A loss of every output of ``linear_logprob_loss`` (its launches' constexprs)."""
+    out = -logprob + 0.01 * lse * lse
+    return out if entropy is None else out - 0.1 * entropy
+
+
 def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Launch, object]:
     """Distinct launches (-> the JITFunction) of forward + backward over :func:`_problems`,
     with each named launch variant in turn on top of the defaults."""
-    from lp_kernels import linear_logprob
+    from lp_kernels import linear_logprob, linear_logprob_loss
 
     found: dict[Launch, object] = {}
     for setting in [None, *experiments]:
@@ -257,6 +264,12 @@ def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Laun
                     )  # fmt: skip
                     loss = out.logprob.sum() + (out.entropy.sum() if entropy else 0)
                     loss.backward()
+                    if not det:  # linear_logprob_loss: the forward's STORE_L, dlogits_l
+                        fused = linear_logprob_loss(
+                            hidden, weight, targets, _every_output, backend="triton",
+                            return_entropy=entropy, validate=False, **extra,
+                        )  # fmt: skip
+                        fused.loss.backward()
                 for fn, launch in launches:
                     found.setdefault(launch, fn)
     return found

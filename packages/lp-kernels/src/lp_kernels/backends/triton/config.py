@@ -47,7 +47,7 @@ class TileConfig:
     tiles' fp32 products wait, each in its own ``[N, H]`` buffer, to be rounded into the
     int64 sum in one pass (``deterministic.round_slots``). Every tile is still rounded on
     its own, so the grouping never changes a bit."""
-    loss_rows: int = 2048
+    loss_rows: int = 4096
     """``linear_logprob_loss``: at most this many rows per block of fp32 logits kept from
     the statistics pass to the gradient pass (fewer where the block would pass
     :data:`LOSS_LOGITS_BYTES`). A row's outputs do not depend on it."""
@@ -55,6 +55,10 @@ class TileConfig:
     """``linear_logprob_loss``: at most this many rows per block of the two gradient GEMMs
     (a multiple of the logits blocks; fewer where its d_logits buffer would pass
     :data:`LOSS_GRAD_BYTES`). One block for all N needs no fp32 grad_weight accumulator."""
+    loss_block: tuple[int, int] = (16, 512)
+    """``(BLOCK_N, BLOCK_V)`` of ``linear_logprob_loss``'s elementwise d_logits kernel over
+    the kept logits (runs on ``num_warps`` warps). A launch choice: every element's
+    arithmetic is its own."""
     fixed_tiles: tuple[int, int, int] | None = None
     """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of ``deterministic=True``'s fixed-point GEMM; None:
     the pinned ones for the device and dtype (``fixed_point.fixed_tiles_for``)."""
@@ -70,7 +74,7 @@ GPU_CONFIG = TileConfig(
 INTERPRET_CONFIG = TileConfig(
     block_n=64, block_v=256, block_h=64, v_split=1024, vocab_chunk=2048, token_chunk=128,
     mm_block_m=64, mm_block_n=64, mm_block_k=256, num_warps=4, num_stages=1,
-    group=2, tma=True, loss_rows=64, loss_grad_rows=128,
+    group=2, tma=True, loss_rows=64, loss_grad_rows=128, loss_block=(64, 256),
 )  # fmt: skip
 LOSS_LOGITS_BYTES = 2 << 30
 """Budget of ``linear_logprob_loss``'s fp32 logits block (see ``TileConfig.loss_rows``)."""

@@ -63,9 +63,10 @@ def fwd_stats_kernel(
         )  # fmt: skip
         if HAS_BIAS:  # fp32 bias of the tile's columns
             b_z += tl.load(b_ptr + o_v, mask=m_v, other=0.0)[None, :]
-        if STORE_L:
-            p_l = l_ptr + o_n[:, None].to(tl.int64) * stride_ln + o_v[None, :]
-            tl.store(p_l, b_z, mask=m_n[:, None] & m_v[None, :])
+        if STORE_L:  # int32 offsets within the tile from one int64 base per tile
+            p_l = l_ptr + (i_n * BLOCK_N).to(tl.int64) * stride_ln + v0
+            o_l = tl.arange(0, BLOCK_N)[:, None] * stride_ln + tl.arange(0, BLOCK_V)[None, :]
+            tl.store(p_l + o_l, b_z, mask=m_n[:, None] & m_v[None, :])
         if SOFTCAP:
             b_z, _ = softcap_tile(b_z, cap, inv_cap)
         b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))

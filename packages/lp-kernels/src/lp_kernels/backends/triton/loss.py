@@ -23,6 +23,7 @@ unlike ``linear_logprob``'s they are not batch-invariant.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -55,8 +56,8 @@ from lp_kernels.backends.triton.config import (
     LOSS_GRAD_BYTES,
     LOSS_LOGITS_BYTES,
     TileConfig,
-    compile_opts,
     config_for,
+    launch_opts,
     pad128,
 )
 from lp_kernels.backends.triton.forward import cap_args, forward_stats, merge
@@ -112,24 +113,17 @@ def dlogits_l_kernel(
         tl.store(db_ptr + i_n.to(tl.int64) * V + o_v, tl.sum(b_dz, axis=0), mask=m_v)
 
 
-def l_blocks(device: torch.device) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_V, num_warps)`` of :func:`dlogits_from_logits`."""
-    return (64, 256, 4) if device.type == "cpu" else (32, 512, 8)
-
-
 def dlogits_from_logits(
-    logits, t_col, lse, mean, g_lp, g_ent, c0, out, p: LogprobParams, db=None
+    logits, t_col, lse, mean, g_lp, g_ent, c0, out, p: LogprobParams, cfg: TileConfig, db=None
 ) -> None:
     """d_logits of the rows of ``logits [k, >= V]`` (raw fp32 logits ``h W^T (+ b)`` of V
     real columns, V = ``out.shape[1]``) into ``out [k, V]``; ``db``: None, or a contiguous
-    fp32 ``[cdiv(k, BLOCK_N), V]`` buffer for the row blocks' column sums."""
+    fp32 ``[cdiv(k, cfg.loss_block[0]), V]`` buffer for the row blocks' column sums."""
     k, v = out.shape
     if k == 0 or v == 0:
         return
-    block_n, block_v, warps = l_blocks(logits.device)
-    opts = (
-        {} if logits.device.type == "cpu" else {"num_warps": warps, **compile_opts(logits.device)}
-    )
+    block_n, block_v = cfg.loss_block
+    opts = launch_opts(dataclasses.replace(cfg, num_stages=1), logits.device)
     dlogits_l_kernel[(triton.cdiv(k, block_n), triton.cdiv(v, block_v))](
         logits, t_col, lse, mean if mean is not None else lse,
         g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, out,
@@ -191,7 +185,7 @@ class LinearLogprobLossTriton(FinishedGradients):
             acc_w = torch.zeros_like(weight, dtype=torch.float32)
         if need_b:
             acc_b = torch.zeros(v_real, dtype=torch.float32, device=dev)
-            blocks = triton.cdiv(rows, l_blocks(dev)[0])  # [blocks, v_real] column sums
+            blocks = triton.cdiv(rows, cfg.loss_block[0])  # [blocks, v_real] column sums
             db = scratch.empty((blocks, max(v_real, 1)), dtype=torch.float32, device=dev)
         sums = RowSums(grad_h, p.tp_group, p.tp_size, enabled=need_h and reduce_h)
         for g0 in range(0, n, g_rows):
@@ -213,10 +207,10 @@ class LinearLogprobLossTriton(FinishedGradients):
                     continue
                 g_lp, g_ent, g_lse = masked_upstream(dead, *g)
                 c0 = lse_coefficient(g_lp, g_lse, k, dev)
-                part = None if db is None else db[: triton.cdiv(k, l_blocks(dev)[0]), :v_real]
+                part = None if db is None else db[: triton.cdiv(k, cfg.loss_block[0]), :v_real]
                 dl = dl_buf[r0 - g0 : r1 - g0, :v_real]
                 dlogits_from_logits(
-                    lbuf[:k], t_col[r0:r1], lse_c, mean_c, g_lp, g_ent, c0, dl, p, part
+                    lbuf[:k], t_col[r0:r1], lse_c, mean_c, g_lp, g_ent, c0, dl, p, cfg, part
                 )
                 if part is not None:
                     add_column_sums(acc_b, part)
