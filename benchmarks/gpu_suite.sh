@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
-#   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [hf] [bench] [sweep]
+#   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [hf] [bench] [loss] [sweep]
 #       [profile-step] [ncu] [tp] [ab-tp] [ab-bits]
 #   (default: tests megatron bench sweep)
 # SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help);
@@ -11,7 +11,9 @@
 # off/on x default/deterministic, S1-S6) into $OUT/bench/bench.json and renders it with
 # lp report into $OUT/bench/bench.md; BENCH_SHAPES (default S1,S2,S3,S4,S5,S6),
 # BENCH_BACKENDS (lp bench --backends; default: the grid's) and BENCH_ARGS (more lp bench
-# options, e.g. "--mode train") narrow it; AB_OLD to ab-tp (an older tree's
+# options, e.g. "--mode train") narrow it; the loss stage runs lp bench --mode loss (a
+# DAPO + k3 KL step: linear_logprob_loss, linear_logprob + the loss, the materialized path,
+# liger's GRPO loss) into $OUT/loss/bench.{json,md}, with the same three variables; AB_OLD to ab-tp (an older tree's
 # packages/lp-kernels/src, e.g. made by `git archive REV packages/lp-kernels/src | tar -x -C
 # _old` before the call and carried with it; AB_SHAPES, AB_BACKENDS: its lp bench
 # options); MARK to the pytest stages (default
@@ -81,6 +83,14 @@ for stage in $stages; do
       python3 -m lp_bench.cli report "$OUT/bench/bench.json" > "$OUT/bench/bench.md" \
         || status=1
       cat "$OUT/bench/bench.md" ;;
+    loss)  # lp bench --mode loss into one bench.json, then its markdown tables
+      mkdir -p "$OUT/loss"
+      python3 -m lp_bench.cli bench --mode loss --shapes "${BENCH_SHAPES:-S1,S2,S3,S4,S5,S6}" \
+        ${BENCH_BACKENDS:+--backends "$BENCH_BACKENDS"} ${BENCH_ARGS:-} --out "$OUT/loss" \
+        2>&1 | tee "$OUT/loss/bench.log" | tail -n 40 || status=1
+      python3 -m lp_bench.cli report "$OUT/loss/bench.json" > "$OUT/loss/bench.md" \
+        || status=1
+      cat "$OUT/loss/bench.md" ;;
     sweep)
       python3 benchmarks/sweep_tiles.py ${SWEEP_ARGS:-} --out "$OUT/sweep${SWEEP_TAG:-}.json" 2>&1 \
         | tee "$OUT/sweep${SWEEP_TAG:-}.log" | tail -n 30 || status=1 ;;
