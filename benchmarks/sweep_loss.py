@@ -62,6 +62,28 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
+def profiled(shape: str, label: str, fn) -> dict:
+    """One profiled call of ``fn`` after a warm-up: the step's wall ms, the GPU busy ms, and
+    busy ms per kernel name (largest 10)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name[:90]] = kernels.get(e.name[:90], 0.0) + e.device_time / 1e3
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:10])
+    return {"shape": shape, "provider": f"profile/{label}", "wall_ms": start.elapsed_time(end),
+            "busy_ms": sum(kernels.values()), "kernels_ms": top}  # fmt: skip
+
+
 def shape_rows(s, n, h, v, args, base, timed) -> list[dict]:
     """The rows of one shape (its tensors are freed when it returns)."""
     rows = []
@@ -148,6 +170,10 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-materialized", action="store_true")
     ap.add_argument("--no-fwd", action="store_true", help="skip the forward-only v_split rows")
+    ap.add_argument(
+        "--profile", action="store_true",
+        help="per shape, one profiled step of lp-loss (pinned) and lp: GPU busy time by kernel",
+    )  # fmt: skip
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warm-s", type=float, default=1.0)
     ap.add_argument("--out", default=None)
@@ -164,7 +190,11 @@ def main() -> None:
         torch.cuda.empty_cache()
     print(f"\n{'shape':6} {'provider':22} {'x floor':>8} {'ms':>9} {'GiB':>6}  err (loss, gh, gw)")
     for r in rows:
-        if "x_floor1" in r:
+        if "busy_ms" in r:
+            print(f"{r['shape']:6} {r['provider']:22} wall {r['wall_ms']:.2f} ms, busy "
+                  f"{r['busy_ms']:.2f} ms: " + "; ".join(
+                      f"{k[:40]} {v:.2f}" for k, v in r["kernels_ms"].items()))  # fmt: skip
+        elif "x_floor1" in r:
             print(f"{r['shape']:6} {r['provider'] + ('+ent' if r['entropy'] else ''):22} "
                   f"{r['x_floor1']:8.3f} {r['ms']:9.2f}   (x one matmul)")  # fmt: skip
         elif "error" in r:
