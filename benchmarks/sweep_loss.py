@@ -32,6 +32,7 @@ from lp_kernels.losses import dapo, token_weights
 VARIANTS = {
     "pinned": {},
     "r1k": {"loss_rows": 1024},
+    "r2k": {"loss_rows": 2048},
     "r4k": {"loss_rows": 4096},
     "g4k": {"loss_grad_rows": 4096},
     "g16k": {"loss_grad_rows": 16384},
