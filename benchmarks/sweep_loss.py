@@ -128,6 +128,10 @@ def shape_rows(s, n, h, v, args, base, timed) -> list[dict]:
     steps["lp-loss/public"] = lambda: linear_logprob_loss(
         hl, wl, targets, LOSS, per_token=pt, validate=False
     ).loss
+    if args.profile:
+        for label in ("lp-loss/pinned", "lp"):
+            rows.append(profiled(s, label, lambda fn=steps[label]: run(fn)))
+            print(json.dumps(rows[-1]), flush=True)
     ref = None
     for label, fn in steps.items():
         row = {"shape": s, "n": n, "h": h, "v": v, "provider": label, "floor_ms": floor}

@@ -1,0 +1,93 @@
+"""Public result type and the frozen option bundle every autograd Function takes.
+
+Non-tensor options reach a ``torch.autograd.Function`` as one frozen dataclass so
+that ``backward`` returns a short tuple (``d_hidden, d_weight, None, None``), not one
+``None`` per scalar option.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from lp_kernels.distributed.halo import TileOwnership, tile_ownership
+
+
+class LogProbOutput(NamedTuple):
+    """What :func:`lp_kernels.linear_logprob` and :func:`lp_kernels.vocab_parallel_logprob` return.
+
+    Every field has the leading shape of ``targets`` and dtype float32. Rows whose
+    target is ``ignore_index`` hold 0 in every field and receive no gradient.
+    """
+
+    logprob: torch.Tensor
+    """``log softmax(z)[target]`` with ``z = logits / temperature`` over the real vocabulary."""
+    entropy: torch.Tensor | None
+    """``-sum softmax(z) * log_softmax(z)``, or None unless ``return_entropy=True``."""
+    lse: torch.Tensor | None
+    """``logsumexp(z)``, or None unless ``return_lse=True``."""
+
+
+@dataclass(frozen=True)
+class LogprobParams:
+    """Resolved, validated options of one call (internal; built by the public functions)."""
+
+    temperature: float
+    """Divides the logits; > 0 and finite."""
+    ignore_index: int
+    """Target value marking rows that produce zeros and no gradient."""
+    return_entropy: bool
+    """Compute the entropy and its gradient."""
+    return_lse: bool
+    """Return the log-sum-exp (a gradient reaches it only when it is returned)."""
+    vocab_start: int
+    """Global token id of this rank's first weight row (0 without tensor parallelism)."""
+    vocab_size: int
+    """Real global vocabulary; ids >= vocab_size are padding and never enter the softmax."""
+    chunk_size: int
+    """Token rows per step of the torch paths (a memory knob). A row's results do not
+    depend on it on CPU; on CUDA cuBLAS picks kernels by shape, so the deterministic
+    mode takes it from the tile (the same on every layout), never from the shard."""
+    tp_group: Any = None
+    """The ``torch.distributed`` group the vocabulary is sharded over, or None."""
+    tp_size: int = 1
+    """Number of ranks in ``tp_group`` (1 without it)."""
+    reduce_grad_hidden: bool = True
+    """Sum ``grad_hidden`` over ``tp_group`` in backward; False returns this rank's partial."""
+    max_v_local: int = 0
+    """Rows of the largest shard in ``tp_group`` (sizes the per-split statistics exchange)."""
+    shard_starts: tuple[int, ...] = (0,)
+    """Global start of every rank's shard, in rank order."""
+    shard_sizes: tuple[int, ...] = ()
+    """Rows of every rank's shard, in rank order."""
+    tp_rank: int = 0
+    """This rank's index in ``tp_group``."""
+    deterministic: bool = False
+    """Tensor-parallel invariant mode (see lp_kernels.backends.torch.deterministic)."""
+    deterministic_tile: int = 128
+    """Width of the global vocabulary tiles of ``deterministic=True`` (a multiple of 128):
+    the unit of the forward's ordered merge and of grad_hidden's fixed-point sum."""
+    softcap: float | None = None
+    """Final-logit cap ``c > 0`` (``z = c tanh(l / c) / T`` on the raw logits ``l``), or None."""
+    tile_config: Any = None
+    """The triton backend's launch configuration (a
+    ``lp_kernels.backends.triton.config.TileConfig``), or None: the pinned
+    ``config_for(device, dtype)``. Set only by ``linear_logprob_with_config`` (tile sweeps)."""
+
+    @property
+    def inv_temperature(self) -> float:
+        return 1.0 / self.temperature
+
+    def tile_ownership(self) -> TileOwnership:
+        """This rank's :class:`~lp_kernels.distributed.halo.TileOwnership`
+        (``deterministic=True``)."""
+        sizes = self.shard_sizes or (self.vocab_size,)
+        return tile_ownership(
+            self.shard_starts, sizes, self.vocab_size, self.deterministic_tile, self.tp_rank
+        )
+
+    def local_real_columns(self, v_local: int) -> int:
+        """How many of this rank's ``v_local`` weight rows are real (below ``vocab_size``)."""
+        return max(0, min(v_local, self.vocab_size - self.vocab_start))

@@ -1,0 +1,1 @@
+"""The ``torch`` backend: chunked torch ops, CPU and GPU (:mod:`.linear`, :mod:`.deterministic`)."""

@@ -1,0 +1,284 @@
+"""``deterministic=True`` for the torch backend: bitwise tensor-parallel invariance.
+
+Outputs and both gradients are bitwise identical for any TP degree and any shard
+layout whose bounds are multiples of 128, for any tile width ``w = deterministic_tile``.
+A rank owns the global w-column tiles that start in its shard and computes each whole,
+with the next shards' rows lent to it where a tile crosses its end
+(``distributed.halo.tile_ownership``, ``exchange_halo``). Data flow::
+
+    forward   halo rows from the next ranks
+              per owned tile W_j (a view of the shard's rows; the crossing tile a copy
+              of its rows here joined to the halo), per chunk of C token rows:
+                z = (h_c W_j^T) / T                                 [C, w] fp32
+                (m, s, a, t) of the tile                            [C, 4]
+              all-gather -> keep each rank's owned tiles, in rank order
+                         =  the global tile sequence             [N, T_global, 4]
+              merge over the tile axis (one shape for every layout) -> outputs
+    backward  per owned tile and chunk, d l as in the default path (rounded to the input
+              dtype for the GEMMs)
+              grad_W_j += d l^T h_c              (fp32, the tile's rows; the halo's rows
+                                                  go back to their shards afterwards)
+              grad_h: the tile's contribution d l @ W_j is computed in fp32 from zero,
+                      scaled by 2^e_n and rounded to int64, and summed in int64: exact,
+                      so the order (and the TP all-reduce) cannot change the bits; one
+                      rounding back at the end.
+
+Why it holds on CUDA as on CPU: every GEMM and every reduction runs on a tensor of one
+tile's shape, ``[C, w]`` (the vocabulary's last tile: narrower, the same on every
+layout), and C is a function of the tile, not of the shard (``linear_logprob`` passes
+``default_chunk_rows(w)``). cuBLAS and torch's reduction kernels choose their summation
+order from the shape, so the same tile gets the same kernel, and the same bits, on every
+layout. Element-wise ops do not depend on the shape. The fixed-point scale per row comes
+from a bound that every rank computes alike
+(``lp_kernels._fixed_point``, shared with the triton backend).
+
+Not batch-invariant on CUDA (a row's bits may depend on the other rows of its chunk, as
+for the default torch path there); on CPU it is.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from lp_kernels._compile import backend_backward
+from lp_kernels._fixed_point import from_fixed_point, row_exponents
+from lp_kernels._matmul import addmm_f32_, mm_f32
+from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream, target_columns
+from lp_kernels._types import LogprobParams
+from lp_kernels.backends.torch.linear import (
+    bias_grad,
+    logits_grad_chunks,
+    padded_rows,
+    scaled_logits_chunks,
+)
+from lp_kernels.distributed.collectives import RowSums, gather_stats
+from lp_kernels.distributed.halo import (
+    bias_halo,
+    owned_halo,
+    return_halo_grad,
+    tile_ownership,
+)
+
+MANY_TILES = 128
+"""A CUDA call with more owned tiles than this warns: each tile makes its own calls."""
+
+_NOT_THE_CALLER = (  # lp_kernels' and torch's own frames (warnings.warn skips them)
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+)
+
+
+def _tile_stats(z: torch.Tensor, t_rel, hit, tile: int, *, entropy: bool) -> torch.Tensor:
+    """``[C, T, 4]`` partials of each ``tile``-column tile of ``z [C, width]``; ``t_rel``
+    is the target's column in ``z`` where ``hit``."""
+    rows, width = z.shape
+    n_tiles = -(-width // tile)
+    out = torch.zeros((rows, n_tiles, N_STATS), dtype=torch.float32, device=z.device)
+    zt = torch.where(hit, z.gather(1, torch.where(hit, t_rel, 0)[:, None])[:, 0], 0.0)
+    out[torch.arange(rows, device=z.device), torch.where(hit, t_rel // tile, 0), 3] = zt
+    if width != n_tiles * tile:  # the vocabulary's last tile: -inf past its end
+        zz = torch.full((rows, n_tiles * tile), float("-inf"), dtype=z.dtype, device=z.device)
+        zz[:, :width] = z
+        z = zz
+    zz = z.view(rows, n_tiles, tile)
+    m = zz.amax(dim=2)
+    # -inf past the vocabulary's end and at masked entries; a tile all -inf in a row
+    # (masked) subtracts 0, not -inf, so its e = 0 and it drops out of the merge exactly
+    d = zz - torch.where(m == float("-inf"), 0.0, m)[..., None]
+    e = torch.exp(d)
+    out[..., 0] = m
+    out[..., 1] = e.sum(dim=2)
+    if entropy:
+        out[..., 2] = torch.where(e > 0, e * d, 0.0).sum(dim=2)
+    return out
+
+
+def _merge_tiles(stats: torch.Tensor, *, entropy: bool):
+    """Merge ``[N, T, 4]`` tile partials over the tile axis (see lp_kernels._stats)."""
+    m, s, a, t = stats.unbind(dim=2)
+    big_m = m.amax(dim=1)
+    w = torch.exp(m - big_m[:, None])
+    big_s = (w * s).sum(dim=1)
+    zt = t.sum(dim=1)  # one nonzero per row: exact
+    log_s = torch.log(big_s)
+    lse = big_m + log_s
+    if not entropy:
+        return lse, None, zt, None
+    shift = torch.where(w > 0, m - big_m[:, None], 0.0)
+    mean_shift = (w * (a + shift * s)).sum(dim=1) / big_s
+    return lse, big_m + mean_shift, zt, log_s - mean_shift
+
+
+def _rank_tiles(p: LogprobParams) -> list[int]:
+    """Tiles owned by each rank, in rank order (see ``distributed.halo.tile_ownership``)."""
+    return [
+        tile_ownership(p.shard_starts, p.shard_sizes, p.vocab_size, p.deterministic_tile, r).tiles
+        for r in range(len(p.shard_sizes))
+    ]
+
+
+def _global_tiles(gathered: torch.Tensor, tiles: list[int]) -> torch.Tensor:
+    """``[P, N, T_max, 4]`` -> ``[N, T_global, 4]``: each rank's owned tiles, in rank order."""
+    return torch.cat([gathered[r, :, :count] for r, count in enumerate(tiles)], dim=1)
+
+
+def merged_tile_stats(blocks, t_own, in_own, n: int, p: LogprobParams, device):
+    """Tile partials of every block, exchanged and merged in global tile order.
+
+    ``blocks`` yields ``(r0, r1, rows, j, slots, z)``: token rows ``[r0, r1)`` padded to
+    ``rows``, and ``z [rows, width]``, the scaled logits of consecutive tiles whose first
+    ``slots`` are this rank's owned tiles ``[j, j + slots)`` (the first owned tile is 0);
+    any after them are ignored. ``t_own`` / ``in_own``: the target's column counted from
+    the first owned tile's start, and whether it is an owned column. Returns ``(lse, E or
+    None, target logit, entropy or None)``, each ``[N]`` fp32. Shared with
+    ``vocab_parallel_logprob(deterministic=True)``.
+    """
+    tile = p.deterministic_tile
+    tiles = _rank_tiles(p)
+    stats = torch.zeros((n, max(tiles), N_STATS), dtype=torch.float32, device=device)
+    for r0, r1, rows, j, slots, z in blocks:
+        t_rel = padded_rows(t_own, r0, r1, rows) - j * tile  # z's column
+        in_z = (t_rel >= 0) & (t_rel < slots * tile)
+        hit = padded_rows(in_own, r0, r1, rows, False) & in_z  # (a view: not in place)
+        part = _tile_stats(z, t_rel, hit, tile, entropy=p.return_entropy)
+        stats[r0:r1, j : j + slots] = part[: r1 - r0, :slots]
+    merged = _global_tiles(gather_stats(stats, p.tp_group, p.tp_size), tiles)
+    return _merge_tiles(merged, entropy=p.return_entropy)
+
+
+def _owned_tiles(w_real: torch.Tensor, halo: torch.Tensor, own, tile: int):
+    """``[(begin, W_j)]`` for each owned tile: its first column in this shard and its
+    weight rows, a view of ``w_real``; the tile that runs into the halo is a copy of its
+    rows here joined to the halo (never the whole shard). ``w_real`` may be the fp32 bias
+    ``[V_r]`` too, with its halo."""
+    v_real = w_real.shape[0]
+    out = []
+    for begin in range(own.skip, own.skip + own.ext, tile):
+        end = min(begin + tile, own.skip + own.ext)
+        w_j = w_real[begin:end] if end <= v_real else torch.cat([w_real[begin:], halo])
+        out.append((begin, w_j))
+    return out
+
+
+def _tile_biases(b_real, b_halo, own, tile: int, count: int) -> list:
+    """Each owned tile's fp32 bias (as :func:`_owned_tiles`), or ``count`` Nones."""
+    if b_real is None:
+        return [None] * count
+    return [b for _, b in _owned_tiles(b_real, b_halo, own, tile)]
+
+
+class LinearLogprobTorchDeterministic(torch.autograd.Function):
+    """TP-invariant torch implementation; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, p: LogprobParams):
+        ctx.set_materialize_grads(False)
+        n = hidden.shape[0]
+        v_real = p.local_real_columns(weight.shape[0])
+        own, halo = owned_halo(weight[:v_real], p)
+        b_real, b_halo = bias_halo(bias, v_real, p)
+        if hidden.is_cuda and own.tiles > MANY_TILES:
+            warnings.warn(
+                f"deterministic=True with backend='torch' on CUDA makes its GEMMs and "
+                f"reductions tile by tile: this shard has {own.tiles} tiles of "
+                f"deterministic_tile={p.deterministic_tile} columns, and the step is bound by "
+                "kernel launches. Use the default tile (deterministic_tile=None) or "
+                "backend='triton'",
+                skip_file_prefixes=_NOT_THE_CALLER,  # point at the caller's line
+            )
+        t_own, in_own, ignored = target_columns(
+            targets, p.ignore_index, p.vocab_start + own.skip, own.ext
+        )
+        tiles = _owned_tiles(weight[:v_real], halo, own, p.deterministic_tile)
+        b_tiles = _tile_biases(b_real, b_halo, own, p.deterministic_tile, len(tiles))
+        blocks = (
+            (r0, r1, rows, j, 1, z)
+            for j, ((_, w_j), b_j) in enumerate(zip(tiles, b_tiles, strict=True))
+            for r0, r1, rows, _, z in scaled_logits_chunks(hidden, w_j, p, b_real=b_j)
+        )
+        lse, mean_z, zt, ent = merged_tile_stats(blocks, t_own, in_own, n, p, hidden.device)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_z, halo, b_halo)
+        ctx.params = p
+        return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
+
+    @staticmethod
+    @backend_backward
+    def backward(ctx, g_lp, g_ent, g_lse):
+        hidden, weight, bias, targets, lse, mean_z, halo, b_halo = ctx.saved_tensors
+        p: LogprobParams = ctx.params
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n, h_dim = hidden.shape
+        dev = hidden.device
+        v_real = p.local_real_columns(weight.shape[0])
+        w_real = weight[:v_real]
+        own = p.tile_ownership()
+        tiles = _owned_tiles(w_real, halo, own, p.deterministic_tile)
+        b_real = None if bias is None else bias[:v_real].float()
+        b_tiles = _tile_biases(b_real, b_halo, own, p.deterministic_tile, len(tiles))
+        # grad_bias over this shard's real columns, then the halo's (sent back like grad_W)
+        acc_b = None
+        if need_b:
+            acc_b = torch.zeros(v_real + own.halo, dtype=torch.float32, device=dev)
+        ignored = targets.long() == p.ignore_index
+        g_lp_, g_ent_, g_lse_ = masked_upstream(ignored, g_lp, g_ent, g_lse)
+        scale = bad = acc_h = None
+        if need_h:
+            scale, bad = row_exponents(
+                hidden, w_real, lse, ignored, g_lp_, g_ent_, g_lse_, p, b_real=b_real
+            )
+            acc_h = torch.zeros((n, h_dim), dtype=torch.int64, device=dev)
+        acc_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        # the halo's grad_W rows are computed here, with their tile, and go back to the
+        # ranks that hold them; this shard's first `skip` rows arrive from their owner
+        back = need_w and p.tp_size > 1
+        grad_halo = None
+        if back:
+            grad_halo = torch.zeros((own.halo, h_dim), dtype=torch.float32, device=dev)
+        sums = RowSums(acc_h, p.tp_group, p.tp_size, enabled=p.reduce_grad_hidden)
+        for j, (begin, w_j) in enumerate(tiles):
+            rows_here = min(w_j.shape[0], v_real - begin)  # the rest are halo rows
+            if need_w:
+                acc = acc_w[begin : begin + w_j.shape[0]]
+                if rows_here < w_j.shape[0]:
+                    acc = torch.zeros((w_j.shape[0], h_dim), dtype=torch.float32, device=dev)
+            last = j == len(tiles) - 1
+            acc_bj = None if acc_b is None else acc_b[begin : begin + w_j.shape[0]]
+            for r0, r1, h_c, dl in logits_grad_chunks(
+                hidden, w_j, targets, lse, mean_z, (g_lp, g_ent, g_lse), p, p.vocab_start + begin,
+                b_real=b_tiles[j], grad_bias=acc_bj,
+            ):  # fmt: skip
+                if need_h:
+                    # 2^e_n is an fp32 power of two (|e_n| <= 126) and |leaf| 2^e_n < 2^61
+                    # (the bound): the scaling is exact in fp32, the integers those of fp64
+                    exp2 = torch.exp2(padded_rows(scale, r0, r1, dl.shape[0])).float()
+                    leaf = mm_f32(dl, w_j).mul_(exp2[:, None]).round_()
+                    acc_h[r0:r1] += leaf[: r1 - r0].to(torch.int64)
+                    if last:
+                        sums.ready(r1)  # rows [0, r1) are final
+                if need_w:
+                    addmm_f32_(acc, dl.T, h_c)
+            if need_w and rows_here < w_j.shape[0]:
+                acc_w[begin:v_real] = acc[:rows_here]
+                grad_halo.copy_(acc[rows_here:])
+        grad_h = None
+        if need_h:
+            sums.finish()
+            grad_h = from_fixed_point(acc_h, scale, bad, hidden.dtype)
+        if back:  # after every all-reduce: the same order of collectives on every rank
+            return_halo_grad(
+                grad_halo, acc_w, p.shard_starts, p.shard_sizes, p.vocab_size,
+                p.deterministic_tile, p.tp_rank, p.tp_group,
+            )  # fmt: skip
+        if need_b and p.tp_size > 1:  # the halo's entries to their shards, as for grad_W
+            head = acc_b[:v_real].clone()
+            return_halo_grad(
+                acc_b[v_real:, None], head[:, None], p.shard_starts, p.shard_sizes,
+                p.vocab_size, p.deterministic_tile, p.tp_rank, p.tp_group,
+            )  # fmt: skip
+            acc_b = head
+        grad_w = acc_w.to(weight.dtype) if need_w else None
+        grad_b = bias_grad(None if acc_b is None else acc_b[:v_real], bias)
+        return grad_h, grad_w, grad_b, None, None

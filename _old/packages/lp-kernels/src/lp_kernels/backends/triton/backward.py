@@ -1,0 +1,279 @@
+"""The backward of the triton backend: d_logits, one bounded block at a time, and the
+helpers of the two gradient GEMMs.
+
+``dlogits_kernel`` recomputes ``z`` tile by tile and stores ``d l = d z / T`` in the input
+dtype into a scratch ``[TOKEN_CHUNK, VOCAB_CHUNK]`` buffer (bounded, any N), with exact
+zeros in its padded columns (``v_store``) so the GEMMs that read it vectorize alike on
+every shard. :func:`dlogits_blocks` drives it for both triton modes; :func:`chunk_group`
+picks how many vocabulary chunks one launch covers at small N.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lp_kernels._matmul import mm_f32, scratch
+from lp_kernels._stats import lse_coefficient, target_columns
+from lp_kernels._types import LogprobParams
+from lp_kernels.backends.triton.config import (
+    TileConfig,
+    compile_opts,
+    group_size,
+    launch_opts,
+    logit_flags,
+    pad128,
+)
+from lp_kernels.backends.triton.forward import cap_args, logits_sources
+from lp_kernels.backends.triton.gemm import mm_block_n, narrow_block_n
+from lp_kernels.backends.triton.tl_utils import grouped, logits_tile, softcap_tile
+
+IGNORED = -2  # target code of an ignored row in the kernels (see target_codes)
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit(do_not_specialize=["N", "v_begin", "v_count", "group"])
+def dlogits_kernel(
+    h_src, w_src, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, c0_ptr, dl_ptr, b_ptr, db_ptr,
+    N, H, v_begin, v_count, v_store, inv_t, cap, inv_cap, group,
+    stride_hn, stride_hh, stride_wv, stride_wh, stride_dn,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, EVEN_H: tl.constexpr,
+    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, IGNORED: tl.constexpr, TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T for columns [v_begin, +v_count).
+
+    Columns [v_count, v_store) of the output get exact zeros (v_store: v_count padded to 128).
+    ``HAS_BIAS``: the logits are ``h W^T + b``; ``SOFTCAP``: z = c tanh(l / c) / T, and d l
+    takes the factor 1 - tanh^2; ``BIAS_GRAD``: each program also writes its
+    block's fp32 column sums of d l to row ``i_n`` of ``db_ptr`` (``[blocks, v_store]``).
+    """
+    i_n, i_v = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_store, BLOCK_V), group)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # column within the chunk
+    m_n = o_n < N
+    m_v = o_c < v_count
+    b_z = logits_tile(
+        h_src, w_src, i_n * BLOCK_N, v_begin + i_v * BLOCK_V, m_n, m_v, H, stride_hn,
+        stride_hh, stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET,
+        PRECISION, TMA,
+    )  # fmt: skip
+    if HAS_BIAS:  # fp32 bias of the tile's columns
+        b_z += tl.load(b_ptr + v_begin + o_c, mask=m_v, other=0.0)[None, :]
+    if SOFTCAP:
+        b_z, b_slope = softcap_tile(b_z, cap, inv_cap)
+    # d z / T = p (c0 - g_ent (z / T - E)) / T with the 1/T folded into per-row factors
+    b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
+    b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0) * inv_t
+    b_zs = b_z * inv_t
+    b_p = tl.exp(b_zs - b_lse[:, None])
+    if ENTROPY:
+        b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
+        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
+        b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
+    else:
+        b_dz = b_p * b_c0[:, None]
+    b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
+    if HAS_LP:  # + g_lp / T in the target's column, in tiles that hold some row's target
+        b_trel = b_t - (v_begin + i_v * BLOCK_V)
+        if tl.max(((b_trel >= 0) & (b_trel < BLOCK_V)).to(tl.int32), axis=0) > 0:
+            b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
+            m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
+            b_dz = tl.where(m_hit, b_dz + b_glp[:, None], b_dz)
+    if SOFTCAP:  # d l = d z / T * (1 - tanh^2)
+        b_dz = b_dz * b_slope
+    # ignored rows (code IGNORED) and rows past N get exact zeros, even where their hidden
+    # is not finite, as do columns past v_count: a select only in tiles that have them
+    m_live = m_n & (b_t != IGNORED)
+    if (tl.min(m_live.to(tl.int32), axis=0) == 0) | ((i_v + 1) * BLOCK_V > v_count):
+        b_dz = tl.where(m_live[:, None] & m_v[None, :], b_dz, 0.0)
+    p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_c[None, :]
+    tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & (o_c < v_store)[None, :])
+    if BIAS_GRAD:  # the block's column sums in fp32 (dead rows and columns hold exact zeros)
+        p_db = db_ptr + i_n.to(tl.int64) * v_store + o_c
+        tl.store(p_db, tl.sum(b_dz, axis=0), mask=o_c < v_store)
+
+
+@triton.jit(do_not_specialize=["B", "V"])
+def colsum_kernel(part_ptr, out_ptr, B, V, stride_pb, BLOCK: tl.constexpr):
+    """out[v] += sum_i part[i, v], the rows i summed from +0.0 in order, then added once."""
+    o_v = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m_v = o_v < V
+    b_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, B):
+        b_acc += tl.load(part_ptr + i * stride_pb + o_v, mask=m_v, other=0.0)
+    tl.store(out_ptr + o_v, tl.load(out_ptr + o_v, mask=m_v, other=0.0) + b_acc, mask=m_v)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def dlogits(
+    hidden, w_real, t_col, lse, mean, g_lp, g_ent, c0, out, v_begin, v_count, p, cfg,
+    b_real=None, db=None,
+):  # fmt: skip
+    """d_logits of columns [v_begin, +v_count) into ``out``; its columns past v_count get
+    exact zeros (callers pass ``pad_cols(v_count, buffer)`` columns). ``b_real``: the fp32
+    bias of ``w_real``'s rows, or None; ``db``: None, or a contiguous fp32
+    ``[cdiv(rows, block_n), out.shape[1]]`` buffer for the row blocks' column sums."""
+    n, h_dim = hidden.shape
+    v_store = out.shape[1]
+    blocks_n = triton.cdiv(n, cfg.block_n)
+    h_src, w_src, tma = logits_sources(hidden, w_real, cfg)
+    dlogits_kernel[(blocks_n * triton.cdiv(v_store, cfg.block_v),)](
+        h_src, w_src, t_col, lse, mean if mean is not None else lse,
+        g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, out,
+        c0 if b_real is None else b_real, c0 if db is None else db,
+        n, h_dim, v_begin, v_count, v_store, p.inv_temperature, *cap_args(p),
+        group_size(cfg, blocks_n),
+        hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1), out.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
+        ENTROPY=g_ent is not None, HAS_LP=g_lp is not None, IGNORED=IGNORED, TMA=tma,
+        HAS_BIAS=b_real is not None, BIAS_GRAD=db is not None, SOFTCAP=p.softcap is not None,
+        **logit_flags(hidden, cfg), **launch_opts(cfg, hidden.device),
+    )  # fmt: skip
+
+
+def add_column_sums(out: torch.Tensor, part: torch.Tensor) -> None:
+    """``out [V] += part [B, >= V].sum(0)`` in fp32, the B rows summed in order: the same
+    arithmetic for a column whatever its position or the width (no atomics)."""
+    v = out.shape[0]
+    if v == 0 or part.shape[0] == 0:
+        return
+    block = 1024
+    colsum_kernel[(triton.cdiv(v, block),)](
+        part, out, part.shape[0], v, part.stride(0), BLOCK=block, **compile_opts(out.device)
+    )
+
+
+def kernel_inputs(hidden, weight, targets, p: LogprobParams, extra: int = 0):
+    """``(hidden, w_real, t_col, ignored)`` as the kernels take them: ``hidden`` with a unit
+    last stride, this shard's real weight rows, the per-row target codes (see
+    :func:`target_codes`; over ``extra`` more columns past the real rows: a halo) and the
+    ignored-row mask."""
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    v_real = p.local_real_columns(weight.shape[0])
+    t_local, in_shard, ignored = target_columns(
+        targets, p.ignore_index, p.vocab_start, v_real + extra
+    )
+    return hidden, weight[:v_real], target_codes(t_local, in_shard, ignored), ignored
+
+
+def buffer_width(v_real: int, cfg: TileConfig) -> int:
+    """Columns of the d_logits buffer: a multiple of 128, so its row stride specializes alike
+    on every shard (the kernels' code must not depend on the shard width)."""
+    return min(cfg.vocab_chunk, pad128(v_real))
+
+
+def pad_cols(v_count: int, dl_buf: torch.Tensor) -> int:
+    """The padded column bound of a d_logits chunk (what dlogits zero-fills)."""
+    return min(pad128(v_count), dl_buf.shape[1])
+
+
+def target_codes(t_local: torch.Tensor, in_shard: torch.Tensor, ignored: torch.Tensor):
+    """Per row: the target's column in this shard, -1 if elsewhere, IGNORED (-2) if ignored."""
+    return torch.where(in_shard, t_local, torch.where(ignored, IGNORED, -1))
+
+
+def dlogits_blocks(
+    hidden, w_real, t_col, lse, mean_z, grads, p: LogprobParams, cfg: TileConfig, pieces=None,
+    b_real=None, grad_bias=None,
+):  # fmt: skip
+    """The backward's d_logits, one bounded block at a time (shared by both triton modes).
+
+    Yields ``(v_begin, v_count, blocks)`` per vocabulary chunk of ``cfg.vocab_chunk``
+    columns (or per piece of ``pieces = (spans, width)``: ``(v_begin, v_count)`` spans in
+    order, each at most ``width`` columns, a multiple of 128 that is then the buffer's
+    width). ``blocks`` yields ``(r0, r1, dl, cols)`` per token chunk of
+    ``cfg.token_chunk`` rows: ``dl [r1 - r0, v_count]`` (input dtype) is ``d loss / d
+    logits`` of those rows and columns, in one reused buffer that holds exact zeros in
+    columns ``[v_count, cols)``. ``grads`` are the masked upstream gradients
+    ``(g_lp, g_ent, g_lse)``. ``b_real``: the fp32 bias of ``w_real``'s rows, or None;
+    ``grad_bias``: None, or fp32 ``[v_real]`` to which each block's fp32 column sums of d l
+    are added before the block is yielded (row blocks in order, then token chunks).
+    """
+    n = hidden.shape[0]
+    v_real = w_real.shape[0]
+    if n == 0 or v_real == 0:
+        return
+    g_lp, g_ent, g_lse = grads
+    c0 = lse_coefficient(g_lp, g_lse, n, hidden.device)
+    rows = min(cfg.token_chunk, n)
+    if pieces is None:
+        spans = [
+            (v_begin, min(cfg.vocab_chunk, v_real - v_begin))
+            for v_begin in range(0, v_real, cfg.vocab_chunk)
+        ]
+        width = buffer_width(v_real, cfg)
+    else:
+        spans, width = pieces
+    dl_buf = scratch.empty((rows, width), dtype=hidden.dtype, device=hidden.device)
+    db_buf = None
+    if grad_bias is not None:  # the row blocks' column sums of one token chunk
+        shape = (triton.cdiv(rows, cfg.block_n), width)
+        db_buf = scratch.empty(shape, dtype=torch.float32, device=hidden.device)
+
+    def blocks(v_begin: int, v_count: int):
+        cols = pad_cols(v_count, dl_buf)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+
+            def cut(x, r0=r0, r1=r1):
+                return None if x is None else x[r0:r1]
+
+            db = None
+            if db_buf is not None:  # contiguous [row blocks, cols]
+                db = db_buf.view(-1)[: triton.cdiv(r1 - r0, cfg.block_n) * cols].view(-1, cols)
+            dlogits(
+                hidden[r0:r1], w_real, t_col[r0:r1], lse[r0:r1], cut(mean_z),
+                cut(g_lp), cut(g_ent), c0[r0:r1], dl_buf[: r1 - r0, :cols],
+                v_begin, v_count, p, cfg, b_real, db,
+            )  # fmt: skip
+            if db is not None:
+                add_column_sums(grad_bias[v_begin : v_begin + v_count], db)
+            yield r0, r1, dl_buf[: r1 - r0, :v_count], cols
+
+    for v_begin, v_count in spans:
+        yield v_begin, v_count, blocks(v_begin, v_count)
+
+
+def chunk_group(n: int, h_dim: int, v_real: int, cfg: TileConfig, device) -> int:
+    """Vocabulary chunks the default backward handles per launch: 1, or, when its N rows
+    fill at most half a token chunk and grad_hidden's GEMM takes the narrow tile anyway
+    (:func:`mm_block_n`), as many chunks as a full token chunk's d_logits buffer holds
+    (``token_chunk // N``; the same scratch bound), at most the shard's.
+
+    At a thousand tokens the host, issuing three to four launches per 8192-column chunk,
+    would otherwise set the step's pace. A group makes one d_logits launch, one grad_W GEMM
+    and one grad_hidden GEMM whose ``chunk_k`` keeps each chunk's sum and the order of
+    the additions: a row's bits are those of one launch per chunk, whatever N. The grouped
+    GEMM needs the narrow tile, so where the pinned one fills the GPU the default stays one
+    chunk per launch (docs/benchmarks.md has the measurements).
+    """
+    if n == 0 or 2 * n > cfg.token_chunk:
+        return 1
+    if mm_block_n(cfg, n, h_dim, device) != narrow_block_n(cfg):
+        return 1
+    return max(1, min(cfg.token_chunk // n, triton.cdiv(v_real, cfg.vocab_chunk)))
+
+
+def grad_weight_slice(dl: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = dl^T @ hidden`` in the input dtype with fp32 accumulation (one GEMM over
+    all tokens), written in place on CUDA."""
+    if hidden.device.type == "cuda":
+        torch.mm(dl.T, hidden, out=out)  # cuBLAS accumulates half GEMMs in fp32
+    else:
+        out.copy_(mm_f32(dl.T, hidden))
+
+
+def grad_weight_buffer(weight: torch.Tensor, v_real: int, n: int) -> torch.Tensor:
+    """grad_weight, uninitialised where the backward writes every element (the real rows,
+    when there are tokens), zero elsewhere (padding rows): no memset of the whole [V, H]."""
+    if n == 0 or v_real == 0:
+        return torch.zeros_like(weight)
+    out = scratch.empty(tuple(weight.shape), dtype=weight.dtype, device=weight.device)
+    out[v_real:].zero_()
+    return out

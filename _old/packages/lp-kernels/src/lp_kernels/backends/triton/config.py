@@ -1,0 +1,185 @@
+"""Pinned launch configurations of the triton backend, device queries and launch options.
+
+A tile config is part of the numerics: another tile is another summation order. So
+configs are pinned per device class and input dtype (:func:`config_for`), never chosen
+from a size. The tile sweep (``benchmarks/sweep_tiles.py``) times other configs by
+passing one (``lp_kernels.backends.triton.function.linear_logprob_with_config``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Pinned launch configuration (part of the numerics: another tile is another order)."""
+
+    block_n: int
+    block_v: int
+    block_h: int
+    v_split: int
+    vocab_chunk: int
+    token_chunk: int
+    mm_block_m: int
+    mm_block_n: int
+    mm_block_k: int
+    num_warps: int
+    num_stages: int
+    group: int = 8
+    """Row blocks per group of the launch order (L2 reuse; <= 0: all rows of the grid).
+    Only the order in which tiles run: it never changes a result."""
+    tma: bool = True
+    """Load the GEMM operands with tensor descriptors (Hopper's bulk tensor copy) where
+    :func:`tma_ok` allows; the same products and summation order as pointer loads."""
+    narrow_cost: float = 0.575
+    """The time of a program of the GEMM's narrow output tile (128 x 128) as a fraction of
+    one of the pinned tile (128 x 256): :func:`~lp_kernels.backends.triton.gemm.mm_block_n`
+    takes the narrow tile where that leaves fewer, cheaper waves. A launch choice only: both
+    tiles give the same bits (docs/benchmarks.md has the measurement)."""
+    round_group: int = 4
+    """``deterministic=True`` with tiles wider than half a vocabulary chunk: up to how many
+    tiles' fp32 products wait, each in its own ``[N, H]`` buffer, to be rounded into the
+    int64 sum in one pass (``deterministic.round_slots``). Every tile is still rounded on
+    its own, so the grouping never changes a bit."""
+    fixed_tiles: tuple[int, int, int] | None = None
+    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of ``deterministic=True``'s fixed-point GEMM; None:
+    the pinned ones for the device and dtype (``fixed_point.fixed_tiles_for``)."""
+
+
+# Chosen by benchmarks/sweep_tiles.py on H200 (docs/benchmarks.md).
+GPU_CONFIG = TileConfig(
+    block_n=128, block_v=256, block_h=64, v_split=8192, vocab_chunk=8192, token_chunk=8192,
+    mm_block_m=128, mm_block_n=256, mm_block_k=64, num_warps=8, num_stages=3,
+    group=8, tma=True,
+)  # fmt: skip
+# Large blocks under the interpreter: its cost scales with the number of block operations.
+INTERPRET_CONFIG = TileConfig(
+    block_n=64, block_v=256, block_h=64, v_split=1024, vocab_chunk=2048, token_chunk=128,
+    mm_block_m=64, mm_block_n=64, mm_block_k=256, num_warps=4, num_stages=1,
+    group=2, tma=True,
+)  # fmt: skip
+
+
+# GPUs with less shared memory per block than Hopper's 227 KiB (A100: 163 KiB; Ada and
+# consumer Ampere: 99 KiB) take 128 x 128 tiles, without tensor descriptors; below
+# 160 KiB with two pipeline stages. Untested there: lp's GPU runs are on H200.
+LARGE_SMEM = 200 << 10
+MID_SMEM = 160 << 10
+_SMEM: dict[int, int] = {}
+_SMS: dict[int, int] = {}
+
+
+def smem_per_block(device: torch.device) -> int:
+    """Opt-in shared memory per block of a CUDA device, in bytes (cached per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMEM:
+        props = torch.cuda.get_device_properties(index)
+        smem = getattr(props, "shared_memory_per_block_optin", 0)
+        if not smem:  # by compute capability (H100/H200: 227 KiB, A100: 163 KiB)
+            smem = (227 << 10) if props.major >= 9 else (163 << 10)
+        _SMEM[index] = int(smem)
+    return _SMEM[index]
+
+
+def sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device (cached per device); None elsewhere (the
+    interpreter has no waves of programs)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def gpu_tier(device: torch.device) -> str:
+    """ "large" (Hopper-class shared memory: the pinned GPU_CONFIG), "mid" or "small"."""
+    smem = smem_per_block(device)
+    return "large" if smem >= LARGE_SMEM else "mid" if smem >= MID_SMEM else "small"
+
+
+def config_for(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+    """The pinned config for a device and input dtype: chosen by the device's shared
+    memory and the dtype, never by a size. 4-byte inputs (exact fp32 dots: FMAs, not
+    tensor cores) take :data:`FP32_TILES`."""
+    if device.type == "cpu":
+        return INTERPRET_CONFIG
+    cfg = GPU_CONFIG
+    tier = gpu_tier(device)
+    if tier != "large":
+        cfg = dataclasses.replace(
+            cfg, block_v=128, mm_block_n=128, tma=False, num_stages=3 if tier == "mid" else 2
+        )
+    if dtype.itemsize > 2:
+        cfg = dataclasses.replace(cfg, **FP32_TILES)
+    return cfg
+
+
+# 4-byte inputs. ``input_precision="ieee"`` makes Triton compile their dots to FMAs, where a
+# 128 x 256 fp32 tile with K steps of 32 needs far more than 255 registers and spills to a
+# stack frame; 64 x 128 tiles with K steps of 16 fit the register file with no stack frame
+# (``python -m lp_testing.aot`` prints both).
+FP32_TILES = {
+    "block_n": 64, "block_v": 128, "block_h": 16,
+    "mm_block_m": 64, "mm_block_n": 128, "mm_block_k": 16,
+}  # fmt: skip
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether every 2-D tensor can back a tensor descriptor: unit last stride, 16-byte
+    aligned base and row stride, no empty dimension."""
+    for t in tensors:
+        size = t.element_size()
+        if t.dim() != 2 or t.stride(1) != 1 or 0 in t.shape:
+            return False
+        if t.data_ptr() % 16 or (t.stride(0) * size) % 16:
+            return False
+    return True
+
+
+def descriptor(t: torch.Tensor, rows: int, cols: int, block: tuple[int, int]):
+    """A tensor descriptor over ``rows x cols`` elements from ``t``'s base with its row
+    stride (it may reach past ``t``'s view into the same buffer: padded columns)."""
+    return TensorDescriptor(t, [rows, cols], [t.stride(0), 1], list(block))
+
+
+def group_size(cfg: TileConfig, blocks_m: int) -> int:
+    return blocks_m if cfg.group <= 0 else min(cfg.group, max(blocks_m, 1))
+
+
+def logit_flags(hidden: torch.Tensor, cfg: TileConfig) -> dict:
+    """Constexpr flags of the two logit-tile kernels (forward statistics, d_logits)."""
+    return {
+        "EVEN_H": hidden.shape[1] % cfg.block_h == 0,
+        "INTERPRET": hidden.device.type == "cpu",
+        "PRECISION": "ieee",
+    }
+
+
+# Multiply-adds contract to FMAs in every kernel, as Triton has always compiled them by
+# default; pinned because Triton 3.9 warns that 3.10 turns that default off, which would
+# change the bits (and the speed) of every kernel with a Triton upgrade.
+FP_FUSION = True
+
+
+def compile_opts(device: torch.device) -> dict:
+    """Compile options every GPU launch pins (none under the interpreter)."""
+    return {} if device.type == "cpu" else {"enable_fp_fusion": FP_FUSION}
+
+
+def launch_opts(cfg: TileConfig, device: torch.device) -> dict:
+    """``num_warps``, ``num_stages`` and :func:`compile_opts` of a GPU launch (none on CPU)."""
+    if device.type == "cpu":
+        return {}
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **compile_opts(device)}
+
+
+def pad128(x: int) -> int:
+    """``x`` rounded up to a multiple of 128 (a bound that specializes alike everywhere)."""
+    return triton.cdiv(x, 128) * 128

@@ -1,0 +1,236 @@
+"""``deterministic=True``'s fixed-point kernels: grad_hidden as an exact int64 sum.
+
+Each global tile's contribution to ``grad_hidden`` (a "leaf": an fp32 product computed
+from zero over the tile's columns) is scaled by the row's power of two ``2^e_n`` and
+rounded to int64 (ties to even); integer addition is associative, so neither the tile
+order nor the TP all-reduce can change the bits. One rounding back at the end. The
+scale's bound is ``lp_kernels._fixed_point``'s (shared with the torch backend).
+
+- ``matmul_fixed_kernel``: ``C += round(s * (A[:, leaf] @ B[leaf]))`` per leaf, one loop
+  over K steps that rounds at each leaf's end (tiles of up to half a vocabulary chunk).
+- ``round_into_kernel``: rounds the fp32 products of wider tiles, summed by lp's fp32
+  GEMM, into the int64 sum (several tiles per pass).
+- ``from_fixed_kernel``: int64 -> float32, with NaN rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from lp_kernels.backends.triton.config import (
+    TileConfig,
+    compile_opts,
+    gpu_tier,
+    group_size,
+    launch_opts,
+)
+from lp_kernels.backends.triton.gemm import gemm_sources
+from lp_kernels.backends.triton.tl_utils import gemm_step, grouped, operand_ptrs
+from lp_kernels.tiles import DETERMINISTIC_TILE as TILE
+
+# Every column tile is one global vocabulary tile. The fixed-point GEMM keeps an int64
+# and an fp32 accumulator per output element (chosen by benchmarks/sweep_tiles.py).
+FIXED_GPU = (128, 128, 64)  # BLOCK_M, BLOCK_N, BLOCK_K of matmul_fixed_kernel (2-byte)
+FIXED_GPU_4BYTE = (64, 128, 16)  # fp32 inputs (FMA dots; see config.FP32_TILES)
+FIXED_SMALL, FIXED_SMALL_4BYTE = (64, 128, 64), (32, 64, 32)  # less shared memory
+FIXED_INTERPRET = (64, 64, TILE)
+# Pipeline stages of the fixed-point GEMM for leaves wider than 128 columns (2-byte inputs,
+# Hopper-class shared memory: 4 x 32 KiB). Its 128 x 128 tiles (the int64 sum needs the
+# registers of a wider one) give each stage half the MMAs of the fp32 GEMM's 128 x 256,
+# so more stages cover the same load latency (docs/benchmarks.md). At 128-column leaves
+# the rounding dominates: those take the config's stages.
+FIXED_WIDE_STAGES = 4
+ELEMENTWISE_BLOCK = 1024  # elements per program of the two elementwise kernels (4 warps)
+
+
+def fixed_tiles_for(device: torch.device, dtype: torch.dtype) -> tuple[int, int, int]:
+    """The pinned ``(BLOCK_M, BLOCK_N, BLOCK_K)`` of the fixed-point GEMM.
+
+    A pipeline stage holds a whole 128-column leaf of A and B: (BLOCK_M + BLOCK_N) x 128
+    elements. 4-byte inputs: smaller tiles and two stages (see :func:`matmul_fixed`); GPUs
+    with less shared memory than Hopper: half the tile (a quarter for fp32), two stages
+    (untested)."""
+    if device.type == "cpu":
+        return FIXED_INTERPRET
+    if gpu_tier(device) != "large":
+        return FIXED_SMALL if dtype.itemsize <= 2 else FIXED_SMALL_4BYTE
+    return FIXED_GPU if dtype.itemsize <= 2 else FIXED_GPU_4BYTE
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def round_to_int64(x, INTERPRET: tl.constexpr):
+    """Round to the nearest integer, ties to even (as ``torch.round``), as int64.
+
+    One conversion instruction on the GPU (``cvt.rni.s64.f32``); the interpreter has no
+    libdevice, so there the same rounding is built from fp32 operations (exact: below
+    2^23 ``x + 0.5`` is exact, from 2^23 on ``x`` is an integer already)."""
+    if INTERPRET:
+        r = tl.floor(x + 0.5)
+        odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+        r = tl.where(((r - x) == 0.5) & odd, r - 1.0, r)
+        return tl.where(tl.abs(x) >= 8388608.0, x, r).to(tl.int64)
+    else:
+        return libdevice.llrint(x)
+
+
+@triton.jit(do_not_specialize=["M", "K", "K_B", "group"])
+def matmul_fixed_kernel(
+    a_src, b_src, c_ptr, s_ptr, M, N, K, K_A, K_B, group,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """C (int64) += sum over LEAF-wide K tiles of round(s_m * (A[:, tile] @ B[tile])).
+
+    Each tile's product is an fp32 dot from zero (fixed BLOCK_K order); ``s_m`` is a
+    power of two per row, so the scaling is exact; rounding is to nearest, ties to even.
+    The last leaf may be cut by K (the end of a shard's real columns).
+    ``ACC=False``: C = the sum (C is not read: as into a zeroed C).
+    A (d_logits) is read up to K_A columns (padded to 128 with zeros, so its loads
+    vectorize alike on every shard), B up to its K_B real rows; with TMA ``a_src`` /
+    ``b_src`` are tensor descriptors with those bounds. K > 0.
+    """
+    i_m, i_n = grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), group)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    m_m = o_m < M
+    m_n = o_n < N
+    m_c = m_m[:, None] & m_n[None, :]
+    p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
+    # [BLOCK_M, BLOCK_N] int64
+    if ACC:  # noqa: SIM108  (a constexpr branch: only one side is compiled)
+        b_acc = tl.load(p_c, mask=m_c, other=0)
+    else:
+        b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int64)
+    b_scale = tl.load(s_ptr + o_m, mask=m_m, other=1.0)
+    p_a, p_b = operand_ptrs(
+        a_src, b_src, o_m, o_n, o_k, stride_am, stride_ak, stride_bk, stride_bn, TMA
+    )
+    b_zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # One loop over K steps (software-pipelined across leaf ends: the loads of the
+    # next leaf are in flight while a leaf is rounded); the same steps in the same
+    # order for every leaf, so each leaf's product is its own fp32 dot from zero.
+    b_leaf = b_zero
+    for k0 in range(0, K, BLOCK_K):
+        b_leaf = gemm_step(
+            b_leaf, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_m, m_n, o_k, K_A, K_B,
+            stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, False,
+        )  # fmt: skip
+        if ((k0 + BLOCK_K) % LEAF == 0) | (k0 + BLOCK_K >= K):
+            b_acc += round_to_int64(b_leaf * b_scale[:, None], INTERPRET)
+            b_leaf = b_zero
+    tl.store(p_c, b_acc, mask=m_c)
+
+
+@triton.jit(do_not_specialize=["numel", "stride_f"])
+def round_into_kernel(
+    f_ptr, c_ptr, s_ptr, numel, H, stride_f,
+    BLOCK: tl.constexpr, INTERPRET: tl.constexpr, ACC: tl.constexpr, COUNT: tl.constexpr,
+):  # fmt: skip
+    """C (int64) += round(s_row * F_0) + ... + round(s_row * F_{COUNT-1}) for the fp32
+    products F_i of COUNT tiles, ``stride_f`` elements apart (``ACC=False``: C = ...);
+    C and every F_i contiguous [rows, H], flattened. Each F_i is rounded on its own and
+    the int64 sum is exact, so the grouping never changes C."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    b_s = tl.load(s_ptr + offs // H, mask=m, other=1.0)
+    if ACC:  # noqa: SIM108  (a constexpr branch)
+        b_q = tl.load(c_ptr + offs, mask=m, other=0)
+    else:
+        b_q = tl.zeros([BLOCK], dtype=tl.int64)
+    for i in tl.static_range(COUNT):
+        b_f = tl.load(f_ptr + stride_f.to(tl.int64) * i + offs, mask=m, other=0.0)
+        b_q += round_to_int64(b_f * b_s, INTERPRET)
+    tl.store(c_ptr + offs, b_q, mask=m)
+
+
+def round_into(c, f, scale, *, accumulate: bool) -> None:
+    """``c (int64) += round(scale_n * f[0]) + ... + round(scale_n * f[k-1])`` (fp32 ``f``
+    of shape ``[k, *c.shape]``, each ``f[i]`` contiguous; ``accumulate=False``: ``c =
+    ...``): the products of ``k`` wide tiles, summed by lp's fp32 GEMM, join the sum."""
+    if not (c.is_contiguous() and f.dim() == 3 and f.shape[1:] == c.shape and f[0].is_contiguous()):
+        raise ValueError("round_into: contiguous c [rows, H] and f [k, rows, H]")
+    if c.numel() == 0:
+        return
+    round_into_kernel[(triton.cdiv(c.numel(), ELEMENTWISE_BLOCK),)](
+        f, c, scale, c.numel(), c.shape[1], f.stride(0), BLOCK=ELEMENTWISE_BLOCK,
+        INTERPRET=c.device.type == "cpu", ACC=accumulate, COUNT=f.shape[0],
+        **compile_opts(c.device),
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["numel"])
+def from_fixed_kernel(acc_ptr, s_ptr, bad_ptr, out_ptr, numel, H, BLOCK: tl.constexpr):
+    """out (float32) = acc * s_row (s = 2^-e, float64; NaN on bad rows): int64 -> float64
+    (as torch's ``.double()``), the exact power-of-two scaling, one rounding. Contiguous
+    [N, H], flattened."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    row = offs // H
+    b_x = tl.load(acc_ptr + offs, mask=m, other=0)
+    b_s = tl.load(s_ptr + row, mask=m, other=1.0)
+    b_bad = tl.load(bad_ptr + row, mask=m, other=0) != 0
+    b_y = tl.where(b_bad, float("nan"), b_x.to(tl.float64) * b_s)
+    tl.store(out_ptr + offs, b_y.to(tl.float32), mask=m)
+
+
+def from_fixed_point(acc, e, bad, dtype):
+    """``acc [N, H]`` int64 in units of ``2^-e_n`` -> ``dtype`` (the triton backend's
+    :func:`lp_kernels._fixed_point.from_fixed_point`, without float64 temporaries).
+
+    The kernel stops at float32 and torch rounds to the input dtype: Triton may fold the
+    two conversions into one from float64 (another rounding than torch's), and its
+    interpreter rounds float32 to bfloat16 toward zero."""
+    acc = acc.contiguous()
+    out = torch.empty(acc.shape, dtype=torch.float32, device=acc.device)
+    if out.numel() == 0:
+        return out.to(dtype)
+    from_fixed_kernel[(triton.cdiv(acc.numel(), ELEMENTWISE_BLOCK),)](
+        acc, torch.exp2(-e.to(torch.float64)), bad.to(torch.int8), out, acc.numel(),
+        acc.shape[1], BLOCK=ELEMENTWISE_BLOCK, **compile_opts(acc.device),
+    )  # fmt: skip
+    return out.to(dtype)
+
+
+def full_stages(a: torch.Tensor) -> bool:
+    """Whether the fixed-point GEMM keeps the config's pipeline depth: 2-byte inputs on a
+    GPU with Hopper-class shared memory (elsewhere two stages, see fixed_tiles_for)."""
+    return a.device.type == "cuda" and a.element_size() <= 2 and gpu_tier(a.device) == "large"
+
+
+def matmul_fixed(
+    c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: TileConfig, *,
+    leaf: int = TILE, accumulate: bool = True,
+):  # fmt: skip
+    """``c (int64) += fixed-point(a @ b)`` per ``leaf``-column tile; ``a`` has zeros up to
+    k_a. ``accumulate=False``: ``c = ...`` (``c`` is not read)."""
+    m, k = a.shape
+    n = b.shape[1]
+    block_m, block_n, block_k = fixed
+    blocks_m = triton.cdiv(m, block_m)
+    mm_cfg = dataclasses.replace(
+        cfg,
+        mm_block_k=block_k,
+        num_stages=(
+            (FIXED_WIDE_STAGES if leaf > TILE else cfg.num_stages)
+            if full_stages(a)
+            else min(cfg.num_stages, 2)
+        ),
+    )
+    a_src, b_src, tma = gemm_sources(a, b, m, k_a, False, mm_cfg, block_m, block_n)
+    matmul_fixed_kernel[(blocks_m * triton.cdiv(n, block_n),)](
+        a_src, b_src, c, scale, m, n, k_a, k_a, k, group_size(cfg, blocks_m),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        LEAF=leaf, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, ACC=accumulate,
+        **launch_opts(mm_cfg, a.device),
+    )  # fmt: skip

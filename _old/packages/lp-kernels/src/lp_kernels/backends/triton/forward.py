@@ -1,0 +1,199 @@
+"""The forward of the triton backend: partial softmax statistics per (row block, split),
+and their merge in order.
+
+``fwd_stats_kernel``, one program per (row block, split): for each ``BLOCK_V`` tile of the
+split, ``z = (h W^T) / T`` on chip (fp32 accumulation), online ``(m, s, a, t)`` per row
+-> ``stats [S, N, 4]`` (the logits are never stored). ``merge_kernel`` visits the
+``P * S`` partials of each row in (rank, split) order -> lse, E, target logit, entropy.
+The algebra is ``lp_kernels._stats``'.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lp_kernels._matmul import scratch
+from lp_kernels._stats import N_STATS
+from lp_kernels._types import LogprobParams
+from lp_kernels.backends.triton.config import (
+    TileConfig,
+    compile_opts,
+    descriptor,
+    group_size,
+    launch_opts,
+    logit_flags,
+    tma_ok,
+)
+from lp_kernels.backends.triton.tl_utils import grouped, logits_tile, softcap_tile
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit(do_not_specialize=["N", "V_real", "splits", "group"])
+def fwd_stats_kernel(
+    h_src, w_src, t_ptr, stats_ptr, b_ptr,
+    N, H, V_real, inv_t, cap, inv_cap, splits, group,
+    stride_hn, stride_hh, stride_wv, stride_wh,
+    V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target],
+    with z = softcap(h W^T (+ b)) / T (``SOFTCAP``: c tanh(l / c))."""
+    i_n, i_s = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)  # target column in this shard, or -1
+    b_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_a = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_zt = tl.zeros([BLOCK_N], dtype=tl.float32)
+    v_begin = i_s * V_SPLIT
+    v_end = tl.minimum(v_begin + V_SPLIT, V_real)
+    for v0 in tl.range(v_begin, v_end, BLOCK_V):
+        o_v = v0 + tl.arange(0, BLOCK_V)
+        m_v = o_v < v_end
+        b_z = logits_tile(
+            h_src, w_src, i_n * BLOCK_N, v0, m_n, m_v, H, stride_hn, stride_hh, stride_wv,
+            stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET, PRECISION, TMA,
+        )  # fmt: skip
+        if HAS_BIAS:  # fp32 bias of the tile's columns
+            b_z += tl.load(b_ptr + o_v, mask=m_v, other=0.0)[None, :]
+        if SOFTCAP:
+            b_z, _ = softcap_tile(b_z, cap, inv_cap)
+        b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
+        # masked: a split that is not a multiple of BLOCK_V (deterministic_tile) ends
+        # inside a tile whose masked columns belong to the next split
+        m_t = (o_v[None, :] == b_t[:, None]) & m_v[None, :]
+        b_zt += tl.sum(tl.where(m_t, b_z, 0.0), axis=1)
+        # online update; the first tile turns m from -inf into a finite maximum
+        b_mn = tl.maximum(b_m, tl.max(b_z, axis=1))
+        b_alpha = tl.exp(b_m - b_mn)
+        b_d = b_z - b_mn[:, None]
+        b_e = tl.exp(b_d)
+        if ENTROPY:
+            b_shift = tl.where(b_s > 0, b_m - b_mn, 0.0)
+            b_ed = tl.where(m_v[None, :], b_e * b_d, 0.0)
+            b_a = b_alpha * (b_a + b_shift * b_s) + tl.sum(b_ed, axis=1)
+        b_s = b_s * b_alpha + tl.sum(b_e, axis=1)
+        b_m = b_mn
+    p_out = stats_ptr + (i_s.to(tl.int64) * N + o_n) * 4
+    tl.store(p_out + 0, b_m, mask=m_n)
+    tl.store(p_out + 1, b_s, mask=m_n)
+    tl.store(p_out + 2, b_a, mask=m_n)
+    tl.store(p_out + 3, b_zt, mask=m_n)
+
+
+@triton.jit(do_not_specialize=["K", "N"])
+def merge_kernel(
+    stats_ptr, lse_ptr, mean_ptr, zt_ptr, ent_ptr, K, N,
+    BLOCK_N: tl.constexpr, ENTROPY: tl.constexpr,
+):  # fmt: skip
+    """Merge K partials per row in order (see lp_kernels._stats for the algebra)."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_big_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    for k in range(0, K):
+        b_mk = tl.load(stats_ptr + (k * N + o_n).to(tl.int64) * 4, mask=m_n, other=0.0)
+        b_big_m = tl.maximum(b_big_m, b_mk)
+    b_big_s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_big_b = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_zt = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in range(0, K):
+        p = stats_ptr + (k * N + o_n).to(tl.int64) * 4
+        b_mk = tl.load(p + 0, mask=m_n, other=0.0)
+        b_sk = tl.load(p + 1, mask=m_n, other=1.0)
+        b_w = tl.exp(b_mk - b_big_m)
+        b_big_s += b_w * b_sk
+        if ENTROPY:
+            b_ak = tl.load(p + 2, mask=m_n, other=0.0)
+            b_shift = tl.where(b_w > 0, b_mk - b_big_m, 0.0)
+            b_big_b += b_w * (b_ak + b_shift * b_sk)
+        b_zt += tl.load(p + 3, mask=m_n, other=0.0)
+    b_log_s = tl.log(b_big_s)
+    tl.store(lse_ptr + o_n, b_big_m + b_log_s, mask=m_n)
+    tl.store(zt_ptr + o_n, b_zt, mask=m_n)
+    if ENTROPY:
+        b_ms = b_big_b / b_big_s
+        tl.store(mean_ptr + o_n, b_big_m + b_ms, mask=m_n)
+        tl.store(ent_ptr + o_n, b_log_s - b_ms, mask=m_n)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def forward_stats(
+    hidden: torch.Tensor,
+    w_real: torch.Tensor,
+    t_col: torch.Tensor,
+    p: LogprobParams,
+    cfg: TileConfig,
+    b_real: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[S, N, 4]`` fp32 partial statistics of this shard's splits (``b_real``: the fp32
+    bias of ``w_real``'s rows, or None).
+
+    S is set by the largest shard of the group, so that every rank exchanges the same
+    number of bytes; splits past this shard's end report ``m = -inf, s = a = t = 0``.
+    """
+    n, h_dim = hidden.shape
+    v_real = w_real.shape[0]
+    splits = triton.cdiv(max(p.max_v_local, v_real), cfg.v_split)
+    stats = scratch.empty((splits, n, N_STATS), dtype=torch.float32, device=hidden.device)
+    if n == 0 or splits == 0:
+        return stats
+    blocks_n = triton.cdiv(n, cfg.block_n)
+    h_src, w_src, tma = logits_sources(hidden, w_real, cfg)
+    fwd_stats_kernel[(blocks_n * splits,)](
+        h_src, w_src, t_col, stats, t_col if b_real is None else b_real,
+        n, h_dim, v_real, p.inv_temperature, *cap_args(p), splits, group_size(cfg, blocks_n),
+        hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1),
+        V_SPLIT=cfg.v_split, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
+        ENTROPY=p.return_entropy, TMA=tma, HAS_BIAS=b_real is not None,
+        SOFTCAP=p.softcap is not None,
+        **logit_flags(hidden, cfg),
+        **launch_opts(cfg, hidden.device),
+    )  # fmt: skip
+    return stats
+
+
+def cap_args(p: LogprobParams) -> tuple[float, float]:
+    """``(cap, 1 / cap)`` of the kernels' ``SOFTCAP`` path (unused without a cap)."""
+    return (p.softcap, 1.0 / p.softcap) if p.softcap is not None else (1.0, 1.0)
+
+
+def logits_sources(hidden: torch.Tensor, w_real: torch.Tensor, cfg: TileConfig):
+    """``(h_src, w_src, tma)``: tensor descriptors over hidden and the shard's real rows when
+    the config asks for them and both tensors allow them, else the tensors themselves.
+
+    Which one runs depends on H, the dtype and the tensors' alignment, never on N or on
+    the shard's width; both compute the same products in the same order.
+    """
+    if cfg.tma and w_real.shape[0] > 0 and tma_ok(hidden, w_real):
+        n, h_dim = hidden.shape
+        return (
+            descriptor(hidden, n, h_dim, (cfg.block_n, cfg.block_h)),
+            descriptor(w_real, w_real.shape[0], h_dim, (cfg.block_v, cfg.block_h)),
+            True,
+        )
+    return hidden, w_real, False
+
+
+def merge(stats: torch.Tensor, *, entropy: bool):
+    """Merge ``[K, N, 4]`` partials per row in order -> (lse, E or None, t, entropy or None)."""
+    k, n, _ = stats.shape
+    dev = stats.device
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    zt = torch.empty(n, dtype=torch.float32, device=dev)
+    mean = torch.empty(n, dtype=torch.float32, device=dev) if entropy else None
+    ent = torch.empty(n, dtype=torch.float32, device=dev) if entropy else None
+    if n == 0:
+        return lse, mean, zt, ent
+    block = 128 if dev.type != "cpu" else 256
+    merge_kernel[(triton.cdiv(n, block),)](
+        stats.contiguous(), lse, mean if entropy else lse, zt, ent if entropy else lse, k, n,
+        BLOCK_N=block, ENTROPY=entropy, **compile_opts(dev),
+    )  # fmt: skip
+    return lse, mean, zt, ent

@@ -1,0 +1,205 @@
+"""lp's fp32-accumulating GEMM ``C (+)= A @ B`` (grad_hidden, and grad_weight where cuBLAS'
+shape-picked kernels would break an invariance).
+
+One program per C tile, no atomics: A @ B is summed over K in a fixed order from +0.0,
+then C added once. Its output tile width is the one launch choice that follows the sizes
+(:func:`mm_block_n`): each element of C gets the same MMAs in the same K order in a 128- or
+a 256-wide tile, so the bits do not change.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lp_kernels.backends.triton.config import (
+    TileConfig,
+    descriptor,
+    group_size,
+    launch_opts,
+    sm_count,
+    tma_ok,
+)
+from lp_kernels.backends.triton.tl_utils import gemm_step, grouped, operand_ptrs
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def matmul_acc_body(
+    a_src, b_src, c_ptr, M, M_A, N, K, K_A, K_B, group, chunk_k,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
+    ACC: tl.constexpr, C_TMA: tl.constexpr, MULTI: tl.constexpr,
+):  # fmt: skip
+    """C[:M] (fp32) = C + A @ B (``ACC``; else C = A @ B, without reading C). One program
+    per C tile: A @ B summed over K in a fixed order from +0.0, then C added once. No
+    atomics.
+
+    ``MULTI``: K is several chunks of ``chunk_k`` columns, each summed from +0.0 and added
+    to C in order: exactly the arithmetic of one call per chunk, in one launch (the
+    backward's vocabulary chunks at small N; see ``chunk_group``). The running C tile then
+    sits in registers beside the chunk's sum, which the narrow tile affords.
+
+    A's rows are bounded by M_A and its columns by K_A, B's rows by K_B; the loop runs to
+    K, which may pass K_B over columns where A holds exact zeros. The bound of A's
+    contiguous dimension comes padded to a multiple of 128 so that every call vectorizes
+    alike; see the module docstring. With TMA, ``a_src`` / ``b_src`` are tensor
+    descriptors with those bounds (``A_T``: ``a_src`` describes A^T, contiguous along M);
+    with C_TMA (only with ACC), ``c_ptr`` is one over C's ``M x N`` elements.
+    """
+    i_m, i_n = grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), group)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    m_m = o_m < M
+    m_am = o_m < M_A
+    m_n = o_n < N
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    p_a, p_b = operand_ptrs(
+        a_src, b_src, o_m, o_n, o_k, stride_am, stride_ak, stride_bk, stride_bn, TMA
+    )
+    k_end = K
+    if MULTI:
+        k_end = tl.minimum(chunk_k, K)  # the first chunk
+    for k0 in range(0, k_end, BLOCK_K):
+        b_acc = gemm_step(
+            b_acc, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B,
+            stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, A_T,
+        )  # fmt: skip
+    # With ACC, C is read and written after the K loop through a tensor descriptor where
+    # allowed (C_TMA): no [BLOCK_M, BLOCK_N] pointer block is then held in registers next
+    # to the accumulator and the loaded tile (with one, the kernel spilled about 1 KB per
+    # thread on sm_90). Without ACC a pointer store spills nothing, and a descriptor store
+    # would need its own shared memory under Triton 3.6 (over Hopper's 227 KiB).
+    if C_TMA:
+        b_acc += c_ptr.load([i_m * BLOCK_M, i_n * BLOCK_N])
+    elif ACC:
+        p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
+        b_acc += tl.load(p_c, mask=m_m[:, None] & m_n[None, :], other=0.0)
+    if MULTI:  # the further chunks, each summed from +0.0, then added: C + P0 + P1 + ..
+        for k_lo in range(chunk_k, K, chunk_k):
+            b_part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(k_lo, tl.minimum(k_lo + chunk_k, K), BLOCK_K):
+                b_part = gemm_step(
+                    b_part, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B,
+                    stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, A_T,
+                )  # fmt: skip
+            b_acc += b_part
+    if C_TMA:
+        c_ptr.store([i_m * BLOCK_M, i_n * BLOCK_N], b_acc)
+    else:
+        p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
+        tl.store(p_c, b_acc, mask=m_m[:, None] & m_n[None, :])
+
+
+# One body, two specializations. Sizes that vary with N or with the shard are not
+# specialized; the padded bound of A's contiguous dimension is (it is always a multiple
+# of 128, so every call vectorizes alike).
+# A = d_logits [rows, cols] (grad_hidden): contiguous along K, bounded by K_A (padded).
+matmul_acc_kernel = triton.jit(do_not_specialize=["M", "M_A", "K", "K_B", "group", "chunk_k"])(
+    matmul_acc_body
+)
+# A = d_logits^T [cols, rows] (grad_weight): contiguous along M, bounded by M_A (padded).
+matmul_acc_t_kernel = triton.jit(do_not_specialize=["M", "K", "K_A", "K_B", "group", "chunk_k"])(
+    matmul_acc_body
+)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def narrow_block_n(cfg: TileConfig) -> int:
+    """The GEMM's narrow output tile width: half the pinned 256, else the pinned width (the
+    configs of smaller GPUs, 4-byte inputs and the interpreter are narrow already)."""
+    return cfg.mm_block_n // 2 if cfg.mm_block_n >= 256 else cfg.mm_block_n
+
+
+def mm_block_n(cfg: TileConfig, m: int, n: int, device: torch.device) -> int:
+    """Output tile width of lp's GEMM ``C [m, n] (+)= A @ B``: the config's ``mm_block_n``, or
+    half of it where the pinned grid would leave much of the GPU idle in its last wave
+    (grad_hidden at about a thousand tokens and H = 2048 has 64 tiles of 128 x 256 for 132
+    SMs: half the GPU idles). The narrow tile wins when its waves, each costing
+    ``cfg.narrow_cost`` of a wide one, take less time (docs/benchmarks.md).
+
+    Unlike every other tile of this backend, this one follows the sizes, because it does not
+    change the bits: each element of C gets the same MMAs in the same K order in a 128- or
+    a 256-wide tile (checked bitwise on H200, both modes, and tested: test_gpu.py). So a
+    row's grad_hidden stays the same whatever N, and batch invariance holds.
+    """
+    wide, narrow = cfg.mm_block_n, narrow_block_n(cfg)
+    sms = sm_count(device)
+    if sms is None or narrow == wide:
+        return wide
+    rows = triton.cdiv(m, cfg.mm_block_m)
+    waves_wide = triton.cdiv(rows * triton.cdiv(n, wide), sms)
+    waves_narrow = triton.cdiv(rows * triton.cdiv(n, narrow), sms)
+    return narrow if waves_narrow * cfg.narrow_cost < waves_wide else wide
+
+
+def matmul_acc(
+    c: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    cfg: TileConfig,
+    *,
+    m_a: int | None = None,
+    k_a: int | None = None,
+    accumulate: bool = True,
+    chunk_k: int | None = None,
+) -> None:
+    """``c += a @ b`` (fp32 ``c``; ``accumulate=False``: ``c = a @ b``, bitwise as into a
+    zeroed ``c``). ``a`` may extend, with exact zeros, to ``m_a`` rows or ``k_a`` columns
+    past its shape: the padded bound of its contiguous dimension (give exactly one of
+    them; ``m_a`` means ``a`` is a transposed d_logits buffer).
+
+    ``chunk_k``: K is consecutive chunks of that many columns, and the result is bitwise
+    that of one call per chunk in order (``c += a_0 @ b_0``, then ``c += a_1 @ b_1``, ..),
+    in one launch, on the narrow output tile (the same bits: :func:`mm_block_n`). Where
+    tensor descriptors do not apply it makes those calls one by one instead: the pointer
+    path with two fp32 tiles live would spill registers (``lp_testing.aot`` shows it)."""
+    m, k = a.shape
+    n = b.shape[1]
+    a_t = m_a is not None
+    kernel = matmul_acc_t_kernel if a_t else matmul_acc_kernel
+    m_a = m if m_a is None else m_a
+    k_a = k if k_a is None else k_a
+    blocks_m = triton.cdiv(m, cfg.mm_block_m)
+    multi = chunk_k is not None and max(k, k_a) > chunk_k
+    # MULTI holds two fp32 tiles (C's and the chunk's): the narrow one
+    block_n = narrow_block_n(cfg) if multi else mm_block_n(cfg, m, n, a.device)
+    a_src, b_src, tma = gemm_sources(a, b, m_a, k_a, a_t, cfg, cfg.mm_block_m, block_n)
+    if multi and not tma:
+        for k0 in range(0, max(k, k_a), chunk_k):
+            matmul_acc(
+                c, a[:, k0 : k0 + chunk_k], b[k0 : k0 + chunk_k], cfg,
+                k_a=min(k_a - k0, chunk_k), accumulate=accumulate or k0 > 0,
+            )  # fmt: skip
+        return
+    c_tma = tma and accumulate and tma_ok(c)
+    c_arg = descriptor(c, m, n, (cfg.mm_block_m, block_n)) if c_tma else c
+    kernel[(blocks_m * triton.cdiv(n, block_n),)](
+        a_src, b_src, c_arg, m, m_a, n, max(k, k_a), k_a, k, group_size(cfg, blocks_m),
+        chunk_k if multi else max(k, k_a),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        BLOCK_M=cfg.mm_block_m, BLOCK_N=block_n, BLOCK_K=cfg.mm_block_k,
+        INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, A_T=a_t, ACC=accumulate,
+        C_TMA=c_tma, MULTI=multi,
+        **launch_opts(cfg, a.device),
+    )  # fmt: skip
+
+
+def gemm_sources(a, b, m_a: int, k_a: int, a_t: bool, cfg: TileConfig, block_m, block_n):
+    """``(a_src, b_src, tma)`` for ``a @ b`` with ``a`` bounded by ``m_a x k_a`` (padded, see
+    :func:`matmul_acc`): tensor descriptors when the config asks for them and both
+    allow them, else the tensors. ``a_t``: ``a`` is the transpose of a row-major buffer."""
+    a_rm = a.T if a_t else a  # the row-major buffer behind a
+    if not (cfg.tma and tma_ok(a_rm, b)):
+        return a, b, False
+    k_b, n = b.shape
+    if a_t:
+        a_src = descriptor(a_rm, a.shape[1], m_a, (cfg.mm_block_k, block_m))
+    else:
+        a_src = descriptor(a_rm, m_a, k_a, (block_m, cfg.mm_block_k))
+    return a_src, descriptor(b, k_b, n, (cfg.mm_block_k, block_n)), True

@@ -1,0 +1,131 @@
+"""Shared ``@triton.jit`` helpers of the triton backend's kernels.
+
+- :func:`grouped`: the launch order (row blocks ``group`` at a time, rows fastest).
+- :func:`logits_tile`: one fp32 tile of ``h W^T`` (the forward and the d_logits kernel).
+- :func:`operand_ptrs` and :func:`gemm_step`: one K step of lp's GEMMs (fp32 and fixed point).
+- :func:`softcap_tile`: final-logit softcapping of a logits block and its slope.
+
+Operands come through tensor descriptors (``TMA``) or masked pointer loads; both feed the
+same ``tl.dot`` sequence. Under the interpreter (``INTERPRET``) dots are an fp32
+broadcast-multiply-and-sum (see the ``function`` module's docstring).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grouped(pid, blocks_m, blocks_n, group):
+    """Tile (i_m, i_n) of program ``pid``: ``group`` row blocks at a time, rows fastest, so
+    that the programs running together share their operands in L2 (order only)."""
+    width = group * blocks_n
+    first_m = (pid // width) * group
+    size_m = tl.minimum(blocks_m - first_m, group)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@triton.jit
+def logits_tile(
+    h_src, w_src, row0, col0, m_n, m_v, H, stride_hn, stride_hh, stride_wv, stride_wh,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """fp32 ``[BLOCK_N, BLOCK_V]`` tile of ``h W^T`` for rows ``row0 +`` and columns ``col0 +``.
+
+    ``h_src`` / ``w_src`` are tensor descriptors (TMA: out-of-bounds reads are zeros) or
+    base pointers (masked loads, zeros likewise): the same products in the same order.
+    """
+    b_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    if not TMA:
+        o_h = tl.arange(0, BLOCK_H)
+        o_n = row0 + tl.arange(0, BLOCK_N)
+        o_v = col0 + tl.arange(0, BLOCK_V)
+        p_h = h_src + o_n[:, None].to(tl.int64) * stride_hn + o_h[None, :] * stride_hh
+        p_w = w_src + o_v[:, None].to(tl.int64) * stride_wv + o_h[None, :] * stride_wh
+    for k0 in range(0, H, BLOCK_H):
+        if TMA:
+            b_h = h_src.load([row0, k0])  # [BLOCK_N, BLOCK_H]
+            b_w = w_src.load([col0, k0])  # [BLOCK_V, BLOCK_H]
+        elif EVEN_H:
+            b_h = tl.load(p_h + k0 * stride_hh, mask=m_n[:, None], other=0.0)
+            b_w = tl.load(p_w + k0 * stride_wh, mask=m_v[:, None], other=0.0)
+        else:
+            m_h = (o_h + k0) < H
+            b_h = tl.load(p_h + k0 * stride_hh, mask=m_n[:, None] & m_h[None, :], other=0.0)
+            b_w = tl.load(p_w + k0 * stride_wh, mask=m_v[:, None] & m_h[None, :], other=0.0)
+        if INTERPRET:
+            b_acc += tl.sum(b_h.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :], axis=2)
+        else:
+            b_acc = tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=PRECISION)
+    return b_acc
+
+
+@triton.jit
+def softcap_tile(b_l, cap, inv_cap):
+    """``(c tanh(l / c), 1 - tanh^2(l / c))`` of an fp32 block, from ``exp`` only (no
+    libdevice under the interpreter; the formula of ``lp_kernels._softcap``): ``e =
+    exp(-2|x|)``, ``tanh = sign(x) (1 - e) / (1 + e)``, its series below ``|x| = 1/8``,
+    slope ``4e / (1 + e)^2``; non-finite logits pass through."""
+    b_x = b_l * inv_cap
+    b_a = tl.abs(b_x)
+    b_e = tl.exp(-2.0 * b_a)
+    b_t = (1.0 - b_e) / (1.0 + b_e)
+    b_a2 = b_a * b_a
+    b_ts = b_a * (1.0 + b_a2 * (-1.0 / 3.0 + b_a2 * (2.0 / 15.0 + b_a2 * (-17.0 / 315.0))))
+    b_t = tl.where(b_a < 0.125, b_ts, b_t)
+    b_t = tl.where(b_x < 0, -b_t, b_t)
+    b_z = tl.where(b_a < float("inf"), cap * b_t, b_l)
+    b_1e = 1.0 + b_e
+    return b_z, 4.0 * b_e / (b_1e * b_1e)
+
+
+@triton.jit
+def gemm_step(
+    acc, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B, stride_ak, stride_bk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
+):  # fmt: skip
+    """``acc + A[:, k0 : k0 + BLOCK_K] @ B[k0 : k0 + BLOCK_K]`` for one output tile.
+
+    Operands come through tensor descriptors (``TMA``; ``A_T``: ``a_src`` describes A^T)
+    or through the pointer blocks ``p_a`` / ``p_b`` at K offset 0, masked by A's rows
+    (``m_am``), A's columns (``K_A``), B's rows (``K_B``) and B's columns (``m_n``).
+    """
+    if TMA:
+        if A_T:  # noqa: SIM108  (a constexpr branch: only one side is compiled)
+            b_a = tl.trans(a_src.load([k0, i_m * BLOCK_M]))
+        else:
+            b_a = a_src.load([i_m * BLOCK_M, k0])
+        b_b = b_src.load([k0, i_n * BLOCK_N])
+    else:
+        # [BLOCK_M, BLOCK_K]
+        b_a = tl.load(
+            p_a + k0 * stride_ak, mask=m_am[:, None] & ((o_k + k0) < K_A)[None, :], other=0.0
+        )
+        # [BLOCK_K, BLOCK_N]
+        b_b = tl.load(
+            p_b + k0 * stride_bk, mask=((o_k + k0) < K_B)[:, None] & m_n[None, :], other=0.0
+        )
+    if INTERPRET:
+        acc += tl.sum(b_a.to(tl.float32)[:, :, None] * b_b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        acc = tl.dot(b_a, b_b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def operand_ptrs(
+    a_src, b_src, o_m, o_n, o_k, stride_am, stride_ak, stride_bk, stride_bn, TMA: tl.constexpr
+):
+    """``(p_a, p_b)`` for :func:`gemm_step`: the pointer blocks of A's rows ``o_m`` and
+    B's columns ``o_n`` at K offset 0, or (``TMA``) the descriptors themselves (unused).
+
+    One ``return`` after a constexpr if/else: Triton (3.6) still compiles the code after an
+    early ``return`` under ``if TMA``, and pointer arithmetic on a descriptor fails."""
+    if TMA:
+        p_a = a_src
+        p_b = b_src
+    else:
+        p_a = a_src + o_m[:, None].to(tl.int64) * stride_am + o_k[None, :] * stride_ak
+        p_b = b_src + o_k[:, None].to(tl.int64) * stride_bk + o_n[None, :] * stride_bn
+    return p_a, p_b

@@ -1,0 +1,164 @@
+"""``deterministic=True`` of ``linear_logprob``: which rank computes which global tile,
+and the point-to-point exchange of the rows of tiles that cross a shard bound.
+
+A rank owns the global ``deterministic_tile``-column tiles that start in its shard
+(:class:`TileOwnership`). Where a tile crosses the shard's end, the next ranks send it
+the weight rows it lacks (:func:`exchange_halo`, once per forward) and, with one tile per
+backward piece, it sends their grad_weight rows back (:func:`return_halo_grad`).
+Point-to-point sends only; every rank derives the same plan from the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TileOwnership:
+    """Which global ``deterministic_tile``-column tiles one rank computes, and what it
+    needs from the ranks after it (``deterministic=True`` of ``linear_logprob``).
+
+    Tiles lie on a global grid from column 0 (the last one cut by ``vocab_size``). A rank
+    computes every tile that *starts* in its shard, whole: the tiles partition the
+    vocabulary in rank order, whatever the layout, and each tile's numbers come from one
+    computation over all of its columns. A tile that runs past the shard's end needs the
+    weight rows of the next shard(s) up to its end: the *halo*, sent by their owners
+    (:func:`exchange_halo`). The shard's first ``skip`` columns belong to a tile that
+    starts on an earlier rank: this rank computes them only for its own grad_weight rows.
+    """
+
+    skip: int
+    """Columns at the shard's start that belong to an earlier rank's tile."""
+    ext: int
+    """Columns of the owned tiles, from column ``skip`` of the shard (halo included)."""
+    halo: int
+    """Weight rows past this shard's real rows that the owned tiles need."""
+    tiles: int
+    """Owned tiles."""
+    max_tiles: int
+    """The most tiles any rank of the layout owns (sizes the exchange of tile partials)."""
+
+
+def _owned(start: int, real: int, vocab_size: int, tile: int) -> tuple[int, int, int, int]:
+    first = -(-start // tile) * tile  # the first tile edge at or after the shard's start
+    if real <= 0 or first >= start + real:
+        return max(real, 0), 0, 0, 0
+    last_end = min(((start + real - 1) // tile + 1) * tile, vocab_size)
+    ext = last_end - first
+    return first - start, ext, max(0, last_end - start - real), -(-ext // tile)
+
+
+def tile_ownership(starts, sizes, vocab_size: int, tile: int, rank: int) -> TileOwnership:
+    """:class:`TileOwnership` of ``rank`` in the layout ``(starts, sizes)``."""
+    owned = [
+        _owned(st, min(sz, vocab_size - st), vocab_size, tile)
+        for st, sz in zip(starts, sizes, strict=True)
+    ]
+    skip, ext, halo, tiles = owned[rank]
+    return TileOwnership(skip, ext, halo, tiles, max(o[3] for o in owned))
+
+
+def _halo_plan(starts, sizes, vocab_size: int, tile: int, rank: int):
+    """``(lo, hi, sends, recvs)`` of :func:`exchange_halo`: this rank's halo is the global
+    rows ``[lo, hi)``; ``sends`` lists ``(peer, a, b)``: rows ``[a, b)`` of this shard that
+    ``peer``'s halo takes; ``recvs`` lists ``(peer, a, b)``: rows ``[a, b)`` of this rank's
+    halo, held by ``peer``. Every rank derives the same plan from the layout."""
+    reals = [max(0, min(sz, vocab_size - st)) for st, sz in zip(starts, sizes, strict=True)]
+    need = []  # per rank: the global rows [lo, hi) of its halo
+    for r, st in enumerate(starts):
+        halo = _owned(st, reals[r], vocab_size, tile)[2]
+        need.append((st + reals[r], st + reals[r] + halo))
+    lo, hi = need[rank]
+    mine = starts[rank]
+    sends, recvs = [], []
+    for r, (r_lo, r_hi) in enumerate(need):  # what this rank lends to r
+        a, b = max(r_lo, mine), min(r_hi, mine + reals[rank])
+        if r != rank and a < b:
+            sends.append((r, a - mine, b - mine))
+    for q, st in enumerate(starts):  # what this rank's halo takes from q
+        a, b = max(lo, st), min(hi, st + reals[q])
+        if q != rank and a < b:
+            recvs.append((q, a - lo, b - lo))
+    return lo, hi, sends, recvs
+
+
+def _p2p(ops: list, group: Any) -> None:
+    """Run ``[(dist.isend or dist.irecv, tensor, peer)]`` as one batch and wait for it
+    (ranks with nothing to send or receive take no part)."""
+    if ops:
+        batch = [dist.P2POp(op, t, group=group, group_peer=peer) for op, t, peer in ops]
+        for work in dist.batch_isend_irecv(batch):
+            work.wait()
+
+
+def exchange_halo(
+    w_real: torch.Tensor, starts, sizes, vocab_size: int, tile: int, rank: int, group: Any
+) -> torch.Tensor:
+    """This rank's halo (``[halo, H]`` weight rows, see :class:`TileOwnership`), received
+    from the ranks after it, while sending theirs the rows of ``w_real`` (this shard's real
+    rows) that their halos need. Point-to-point sends only."""
+    lo, hi, sends, recvs = _halo_plan(starts, sizes, vocab_size, tile, rank)
+    out = torch.empty((hi - lo, w_real.shape[1]), dtype=w_real.dtype, device=w_real.device)
+    ops = [(dist.isend, w_real[a:b].contiguous(), r) for r, a, b in sends]
+    _p2p(ops + [(dist.irecv, out[a:b], q) for q, a, b in recvs], group)
+    return out
+
+
+def return_halo_grad(
+    grad_halo: torch.Tensor,
+    grad_w: torch.Tensor,
+    starts,
+    sizes,
+    vocab_size: int,
+    tile: int,
+    rank: int,
+    group: Any,
+) -> None:
+    """:func:`exchange_halo` backwards: the weight-gradient rows of this rank's halo
+    (``grad_halo [halo, H]``, computed with its owned tiles) go to the ranks that hold
+    those rows, and the rows of this shard that other ranks' halos took (its head
+    fragment) arrive in ``grad_w``."""
+    _, _, sends, recvs = _halo_plan(starts, sizes, vocab_size, tile, rank)
+    ops = [(dist.isend, grad_halo[a:b].contiguous(), q) for q, a, b in recvs]
+    _p2p(ops + [(dist.irecv, grad_w[a:b], r) for r, a, b in sends], group)
+
+
+def owned_halo(w_real: torch.Tensor, p) -> tuple[TileOwnership, torch.Tensor]:
+    """``(ownership, halo)`` of ``linear_logprob(deterministic=True)``: this rank's
+    :class:`TileOwnership` and its halo rows (``[halo, H]``, maybe empty), exchanged with
+    the other ranks of ``p.tp_group`` (every rank calls this in the same step)."""
+    own = p.tile_ownership()
+    if p.tp_size == 1:
+        return own, w_real[:0]
+    halo = exchange_halo(
+        w_real, p.shard_starts, p.shard_sizes, p.vocab_size, p.deterministic_tile,
+        p.tp_rank, p.tp_group,
+    )  # fmt: skip
+    return own, halo
+
+
+def bias_halo(bias: torch.Tensor | None, v_real: int, p):
+    """``(b_real, halo)``: the shard's real bias entries in fp32 and those of its halo (the
+    next shards' entries that its crossing tile needs), exchanged as the weight's halo is
+    (every rank of the group passes a bias, or none does); ``(None, None)`` without bias."""
+    if bias is None:
+        return None, None
+    b_real = bias[:v_real].float()
+    if p.tp_size == 1:
+        return b_real, b_real[:0]
+    halo = exchange_halo(
+        b_real[:, None], p.shard_starts, p.shard_sizes, p.vocab_size, p.deterministic_tile,
+        p.tp_rank, p.tp_group,
+    )  # fmt: skip
+    return b_real, halo[:, 0]
+
+
+def with_halo(w_real: torch.Tensor, halo: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """This shard's real weight rows from row ``start``, followed by its halo rows: a
+    view without a halo, else a copy of ``v_real - start + halo`` rows (callers that
+    need only the columns that run into the halo pass where those begin)."""
+    return torch.cat([w_real[start:], halo]) if halo.shape[0] else w_real[start:]
