@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lp_kernels import linear_logprob, vocab_parallel_logprob
+from lp_kernels import linear_logprob, linear_logprob_loss, vocab_parallel_logprob
 from lp_testing import make_problem, run_ranks
 
 N, H, V = 8, 16, 64
@@ -37,7 +37,15 @@ CASES = {  # case -> what every rank's message must contain
     "no bias, rank 1: a bias)",
     "hint": "disagree on the targets in this call (an order-sensitive checksum of their "
     "values: rank 0: ",
+    "loss-chunk": "disagree on chunk_size (linear_logprob_loss exchanges statistics per block) "
+    "in this call (rank 0: None, rank 1: 16)",
+    "loss-op": "disagree on the op in this call (rank 0: linear_logprob_loss, rank 1: "
+    "linear_logprob)",
 }
+
+
+def _pg_loss(logprob, entropy, lse):
+    return -logprob
 
 
 def _call(rank, case, device):
@@ -50,6 +58,11 @@ def _call(rank, case, device):
         if rank == 1:
             targets[0] = (targets[0] + 1) % V
         return vocab_parallel_logprob(logits, targets, **kw)
+    if case in ("loss-chunk", "loss-op"):  # linear_logprob_loss's blocks and op
+        if case == "loss-op" and rank == 1:
+            return linear_logprob(hidden, weight, targets, **kw)
+        chunk = 16 if case == "loss-chunk" and rank == 1 else None
+        return linear_logprob_loss(hidden, weight, targets, _pg_loss, chunk_size=chunk, **kw)
     if case == "layout-changed":  # a first call agrees; then rank 1's shard loses a row
         linear_logprob(hidden, weight, targets, **kw)
         if rank == 1:

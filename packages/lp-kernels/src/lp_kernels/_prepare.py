@@ -79,13 +79,15 @@ def prepare(
     bias: Any = None,
     softcap: Any = None,
     hint: str | None = None,
+    loss: bool = False,
 ) -> Prepared:
     """Check and resolve one call's arguments (see the public ops for their meaning).
 
     ``weight=None``: ``inputs`` are logits (``deterministic_tile`` then must be an int).
     ``hint``: appended to the per-call rank contract's errors (``validate=True`` under a
     ``tp_group`` of several ranks; :func:`lp_kernels.distributed.contract.exchange_call_record`),
-    for a caller that knows a likely cause of ranks disagreeing.
+    for a caller that knows a likely cause of ranks disagreeing. ``loss``: the call is
+    ``linear_logprob_loss``'s (the record then carries its op and ``chunk_size``).
 
     Raises:
         TypeError, ValueError: as documented by the public ops; layout errors on every rank.
@@ -124,6 +126,7 @@ def prepare(
                 bias=local.bias,
                 softcap=softcap,
                 hint=hint,
+                loss=loss,
             )
     name = "hidden" if linear else "logits"
     _checks.check_tensor(inputs, name)
@@ -200,6 +203,8 @@ def prepare(
                 device=inputs.device,
                 softcap=softcap,
                 bias=bias,
+                loss=loss,
+                chunk_size=chunk_size,
             ),
             targets=targets,
             ignore_index=ignore_index,

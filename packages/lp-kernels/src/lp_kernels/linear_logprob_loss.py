@@ -137,7 +137,7 @@ def linear_logprob_loss(
         "chunk_size": chunk_size,
         "validate": validate,
     }
-    prep = prepare(hidden, weight, targets, **options)
+    prep = prepare(hidden, weight, targets, loss=not deterministic, **options)
     if deterministic:  # the composed path; linear_logprob repeats the cheap checks
         out = linear_logprob(hidden, weight, targets, **options)
         ignored = target_columns(prep.targets, prep.params.ignore_index, 0, 0)[2]

@@ -48,12 +48,13 @@ from lp_kernels.distributed.layout import LAYOUT_FIELDS, ShardLayout, cache_layo
 _Q = 2**31 - 1  # a prime: the checksum's modulus
 _NO_TARGET = (2**62, -(2**62))  # (smallest, largest) when every target is ignore_index
 _BACKENDS = ("auto", "torch", "triton")
-_OPS = ("linear_logprob", "vocab_parallel_logprob")
+_OPS = ("linear_logprob", "vocab_parallel_logprob", "linear_logprob_loss")
 
 # The per-call fields after the layout key, in order, with how a message names each.
 _CALL = (
     ("n", "the number of rows N"),
     ("op", "the op"),
+    ("chunk_size", "chunk_size (linear_logprob_loss exchanges statistics per block)"),
     ("return_entropy", "return_entropy"),
     ("return_lse", "return_lse"),
     ("reduce_grad_hidden", "reduce_grad_hidden"),
@@ -113,11 +114,16 @@ def call_fields(
     device: torch.device,
     softcap: float | None = None,
     bias: torch.Tensor | None = None,
+    loss: bool = False,
+    chunk_size: int | None = None,
 ) -> tuple[int, ...]:
-    """The host part of the per-call record (the fields of ``_CALL``), as int64 values."""
+    """The host part of the per-call record (the fields of ``_CALL``), as int64 values.
+    ``loss``: the call is ``linear_logprob_loss``'s, whose ``chunk_size`` sets the blocks
+    of its per-block exchanges (so it must agree; other ops record 0)."""
     return (
         n,
-        0 if linear else 1,
+        2 if loss else 0 if linear else 1,
+        (chunk_size or 0) if loss else 0,
         int(return_entropy),
         int(return_lse),
         int(reduce_grad_hidden),
@@ -138,6 +144,8 @@ def _shown(field: str, value: int) -> str:
         return repr(_bits_float(value))
     if field == "softcap":
         return "None" if value == 0 else repr(_bits_float(value))
+    if field == "chunk_size":
+        return "None" if value == 0 else str(value)
     if field == "bias":
         return ("no bias", "a bias", "a bias that requires grad")[value]
     if field == "backend":

@@ -256,6 +256,6 @@ def linear_logprob_loss_with_config(
     entropy = resolve_entropy(options.pop("return_entropy", None), loss_fn)
     prep = prepare(
         hidden, weight, targets, backend="triton", tile_config=config, return_entropy=entropy,
-        return_lse=True, **options,
+        return_lse=True, loss=True, **options,
     )  # fmt: skip
     return apply_fused(LinearLogprobLossTriton, prep, loss_fn, per_token, chunk_size)

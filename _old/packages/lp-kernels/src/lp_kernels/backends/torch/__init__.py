@@ -1,1 +1,0 @@
-"""The ``torch`` backend: chunked torch ops, CPU and GPU (:mod:`.linear`, :mod:`.deterministic`)."""
