@@ -88,7 +88,9 @@ def linear_logprob_loss(
             logits, ``chunk_size x V_local x 4`` bytes, and with several blocks an fp32
             ``[V_local, H]`` grad_weight accumulator). None: a default from the vocabulary
             width and the device, never from N. Under ``tp_group`` pass the same value on
-            every rank (the blocks' statistics are exchanged block by block).
+            every rank (the blocks' statistics are exchanged block by block; with
+            ``validate=True`` the per-call rank record carries it, so ranks that
+            disagree raise instead of hanging).
 
     Returns:
         ``LossOutput(loss, token_loss, logprob, entropy, lse)``: ``loss`` a differentiable
