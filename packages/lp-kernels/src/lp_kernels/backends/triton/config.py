@@ -55,7 +55,7 @@ class TileConfig:
     """``linear_logprob_loss``: at most this many rows per block of the two gradient GEMMs
     (a multiple of the logits blocks; fewer where its d_logits buffer would pass
     :data:`LOSS_GRAD_BYTES`). One block for all N needs no fp32 grad_weight accumulator."""
-    loss_block: tuple[int, int] = (16, 512)
+    loss_block: tuple[int, int] = (8, 512)
     """``(BLOCK_N, BLOCK_V)`` of ``linear_logprob_loss``'s elementwise d_logits kernel over
     the kept logits (runs on ``num_warps`` warps). A launch choice: every element's
     arithmetic is its own."""
