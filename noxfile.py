@@ -52,7 +52,8 @@ PACKAGES = sorted(p.parent for p in ROOT.glob("packages/*/pyproject.toml"))
 SRC_DIRS = [package / "src" for package in PACKAGES]
 KERNEL_TESTS = "packages/lp-kernels/tests"
 # The compat subset (~2-4 min per Python on 2 cores): both backends (the Triton one in the
-# interpreter at small sizes), argument errors, autocast and torch.compile glue (inductor
+# interpreter at small sizes), argument errors, the fused loss and its ready-made losses,
+# autocast and torch.compile glue (inductor
 # included), two gloo tensor-parallel runs, lp-testing's own tests and one Megatron TP=2 parity
 # test (megatron-core 0.16.1 on 3.10/3.11, 0.19.x on 3.12+).
 COMPAT_TESTS = [
