@@ -180,15 +180,17 @@ def block_loss(
     return out.detach(), tuple(None if x is None else torch.where(dead, 0.0, x) for x in g)
 
 
-def scale_(grad: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor | None:
+def scale_(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``grad * g`` in place (``g`` a 0-d upstream gradient)."""
-    return None if grad is None else grad.mul_(g.to(grad.dtype))
+    return grad.mul_(g.to(grad.dtype))
 
 
 class FinishedGradients(torch.autograd.Function):
     """Base of the loss Functions: ``forward`` saves the finished gradients of the loss
-    (``ctx.grads = (grad_hidden, grad_weight, grad_bias)``); ``backward`` scales them by the
-    loss's upstream gradient. Outputs after the loss are metrics without gradient."""
+    (``ctx.grads = (grad_hidden, grad_weight, grad_bias)``); ``backward`` scales them in
+    place by the loss's upstream gradient, with ``ctx.scale(grad, g)`` if the forward set
+    one (the triton backend's skips the pass on the device when g is 1: no host sync), else
+    :func:`scale_`. Outputs after the loss are metrics without gradient."""
 
     @staticmethod
     def forward(ctx, *args):  # pragma: no cover - subclasses define it
@@ -207,7 +209,8 @@ class FinishedGradients(torch.autograd.Function):
         ctx.grads = None
         if g_loss is None:
             return (None,) * 6
-        grad_h, grad_w, grad_b = (scale_(x, g_loss) for x in grads)
+        scale = getattr(ctx, "scale", scale_)
+        grad_h, grad_w, grad_b = (None if x is None else scale(x, g_loss) for x in grads)
         return grad_h, grad_w, grad_b, None, None, None
 
 

@@ -56,9 +56,11 @@ from lp_kernels.backends.triton.config import (
     LOSS_GRAD_BYTES,
     LOSS_LOGITS_BYTES,
     TileConfig,
+    compile_opts,
     config_for,
     launch_opts,
     pad128,
+    sm_count,
 )
 from lp_kernels.backends.triton.forward import cap_args, forward_stats, merge
 from lp_kernels.backends.triton.tl_utils import softcap_tile
@@ -132,6 +134,33 @@ def dlogits_from_logits(
         BLOCK_N=block_n, BLOCK_V=block_v, ENTROPY=g_ent is not None, HAS_LP=g_lp is not None,
         IGNORED=IGNORED, BIAS_GRAD=db is not None, SOFTCAP=p.softcap is not None, **opts,
     )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["numel"])
+def scale_kernel(x_ptr, g_ptr, numel, BLOCK: tl.constexpr):
+    """``x *= g`` in place, over blocks ``pid, pid + programs, ...``; nothing is read or
+    written when g is 1 (the usual ``loss.backward()``), and no host sync is needed to
+    know it."""
+    b_g = tl.load(g_ptr).to(tl.float32)
+    if b_g != 1.0:
+        for start in range(tl.program_id(0) * BLOCK, numel, tl.num_programs(0) * BLOCK):
+            o = start + tl.arange(0, BLOCK)  # int64 when numel is (past 2^31)
+            m = o < numel
+            b_x = tl.load(x_ptr + o, mask=m, other=0.0).to(tl.float32)
+            tl.store(x_ptr + o, (b_x * b_g).to(x_ptr.dtype.element_ty), mask=m)
+
+
+def scale_on_device_(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``grad *= g`` (``g`` a 0-d upstream gradient) by :func:`scale_kernel`: a pass over
+    ``grad`` only where g is not 1. The product is rounded once, from fp32."""
+    numel = grad.numel()
+    if numel == 0:
+        return grad
+    block = 4096
+    sms = sm_count(grad.device) or 4
+    grid = (max(1, min(triton.cdiv(numel, block), 8 * sms)),)
+    scale_kernel[grid](grad, g.reshape(1).float(), numel, BLOCK=block, **compile_opts(grad.device))
+    return grad
 
 
 def pow2_floor(x: int) -> int:
@@ -232,6 +261,7 @@ class LinearLogprobLossTriton(FinishedGradients):
         if acc_w is not None:
             grad_w = acc_w.to(weight.dtype)  # no copy for fp32 weights
         grads = (grad_h, grad_w, bias_grad(acc_b, bias))
+        ctx.scale = scale_on_device_
         return finish(ctx, (token_loss, logprob, entropy, lse), grads, spec)
 
 
