@@ -27,7 +27,7 @@ from lp_kernels.backends.triton.config import (
 )
 from lp_kernels.backends.triton.forward import cap_args, logits_sources
 from lp_kernels.backends.triton.gemm import mm_block_n, narrow_block_n
-from lp_kernels.backends.triton.tl_utils import grouped, logits_tile, softcap_tile
+from lp_kernels.backends.triton.tl_utils import grouped, logits_tile, softcap
 
 IGNORED = -2  # target code of an ignored row in the kernels (see target_codes)
 
@@ -64,7 +64,7 @@ def dlogits_kernel(
     if HAS_BIAS:  # fp32 bias of the tile's columns
         b_z += tl.load(b_ptr + v_begin + o_c, mask=m_v, other=0.0)[None, :]
     if SOFTCAP:
-        b_z, b_slope = softcap_tile(b_z, cap, inv_cap)
+        b_z, b_slope = softcap(b_z, cap, inv_cap, INTERPRET)
     # d z / T = p (c0 - g_ent (z / T - E)) / T with the 1/T folded into per-row factors
     b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
     b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0) * inv_t

@@ -26,7 +26,7 @@ from lp_kernels.backends.triton.config import (
     logit_flags,
     tma_ok,
 )
-from lp_kernels.backends.triton.tl_utils import grouped, logits_tile, softcap_tile
+from lp_kernels.backends.triton.tl_utils import grouped, logits_tile, softcap
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -62,7 +62,7 @@ def fwd_stats_kernel(
         if HAS_BIAS:  # fp32 bias of the tile's columns
             b_z += tl.load(b_ptr + o_v, mask=m_v, other=0.0)[None, :]
         if SOFTCAP:
-            b_z, _ = softcap_tile(b_z, cap, inv_cap)
+            b_z, _ = softcap(b_z, cap, inv_cap, INTERPRET)
         b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
         # masked: a split that is not a multiple of BLOCK_V (deterministic_tile) ends
         # inside a tile whose masked columns belong to the next split
