@@ -27,11 +27,73 @@ from lp_kernels.backends.triton.config import (
 )
 from lp_kernels.backends.triton.forward import cap_args, logits_sources
 from lp_kernels.backends.triton.gemm import mm_block_n, narrow_block_n
-from lp_kernels.backends.triton.tl_utils import grouped, logits_tile, softcap_tile
+from lp_kernels.backends.triton.tl_utils import exp_ftz, grouped, logits_tile, softcap
 
 IGNORED = -2  # target code of an ignored row in the kernels (see target_codes)
 
 # ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def capped_dl(l, cap, inv_cap, inv_t, lse, c0, hit, g_lp, INTERPRET: tl.constexpr = False):
+    """d l of a capped logit ``l`` without the entropy term: ``(p c0 + [hit] g_lp) (1 -
+    tanh^2)``, ``p = e^(z / T - lse)`` (``c0`` and ``g_lp`` carry the 1/T). Elementwise:
+    a block, or one element under ``tl.map_elementwise``.
+
+    Under the cap ``p >= e^(-2c / T) / V``, so :func:`exp_ftz` flushes nothing at the
+    usual caps and temperatures (at worst a ``p`` below 2^-126 becomes 0)."""
+    z, slope = softcap(l, cap, inv_cap, INTERPRET)
+    p = exp_ftz(z * inv_t - lse)
+    return (p * c0 + tl.where(hit, g_lp, 0.0)) * slope
+
+
+@triton.jit
+def capped_dl_entropy(
+    l, cap, inv_cap, inv_t, lse, c0, g_ent, mean, hit, g_lp, INTERPRET: tl.constexpr = False
+):
+    """:func:`capped_dl` with the entropy term: ``(p (c0 - g_ent (z / T - E)) + [hit] g_lp)
+    (1 - tanh^2)`` (``g_ent`` carries the 1/T)."""
+    z, slope = softcap(l, cap, inv_cap, INTERPRET)
+    zs = z * inv_t
+    p = exp_ftz(zs - lse)
+    return (p * (c0 - g_ent * (zs - mean)) + tl.where(hit, g_lp, 0.0)) * slope
+
+
+@triton.jit
+def capped_dlogits(
+    b_l, b_trel, b_lse, b_c0, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, inv_t, cap, inv_cap,
+    BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """d l of a block of capped logits ``b_l`` (``b_trel``: each row's target column
+    relative to the tile, int32), on the GPU one element at a time (``tl.map_elementwise``).
+
+    Op by op over the block (the plain path's form), the slope, ``z / T`` and ``p`` are
+    three live ``[BLOCK_N, BLOCK_V]`` fp32 blocks beside the other state, and ptxas spills;
+    element by element none is held. ``g_lp`` is selected into the target's column in
+    every tile: the plain path's branch around it (only tiles that hold a target) makes
+    ptxas spill here too."""
+    if HAS_LP:  # noqa: SIM108  (a constexpr branch: only one side is compiled)
+        b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
+    else:
+        b_glp = tl.zeros_like(b_c0)  # a constant: the select folds away
+    m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
+    if ENTROPY:
+        b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
+        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
+        args = (b_l, cap, inv_cap, inv_t, b_lse[:, None], b_c0[:, None], b_gent[:, None],
+                b_mean[:, None], m_hit, b_glp[:, None])  # fmt: skip
+        if INTERPRET:
+            b_dl = capped_dl_entropy(*args, INTERPRET)
+        else:
+            b_dl = tl.map_elementwise(capped_dl_entropy, *args)
+    else:
+        args = (b_l, cap, inv_cap, inv_t, b_lse[:, None], b_c0[:, None], m_hit, b_glp[:, None])
+        if INTERPRET:  # noqa: SIM108  (a constexpr branch)
+            b_dl = capped_dl(*args, INTERPRET)
+        else:
+            b_dl = tl.map_elementwise(capped_dl, *args)
+    return b_dl
 
 
 @triton.jit(do_not_specialize=["N", "v_begin", "v_count", "group"])
@@ -63,28 +125,32 @@ def dlogits_kernel(
     )  # fmt: skip
     if HAS_BIAS:  # fp32 bias of the tile's columns
         b_z += tl.load(b_ptr + v_begin + o_c, mask=m_v, other=0.0)[None, :]
-    if SOFTCAP:
-        b_z, b_slope = softcap_tile(b_z, cap, inv_cap)
     # d z / T = p (c0 - g_ent (z / T - E)) / T with the 1/T folded into per-row factors
     b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
     b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0) * inv_t
-    b_zs = b_z * inv_t
-    b_p = tl.exp(b_zs - b_lse[:, None])
-    if ENTROPY:
-        b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
-        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
-        b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
+    if SOFTCAP:  # d l = d z / T * (1 - tanh^2), element by element
+        b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
+        b_trel = (b_t - (v_begin + i_v * BLOCK_V)).to(tl.int32)  # int32: one compare each
+        b_dz = capped_dlogits(
+            b_z, b_trel, b_lse, b_c0, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, inv_t, cap,
+            inv_cap, BLOCK_V, ENTROPY, HAS_LP, INTERPRET,
+        )  # fmt: skip
     else:
-        b_dz = b_p * b_c0[:, None]
-    b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
-    if HAS_LP:  # + g_lp / T in the target's column, in tiles that hold some row's target
-        b_trel = b_t - (v_begin + i_v * BLOCK_V)
-        if tl.max(((b_trel >= 0) & (b_trel < BLOCK_V)).to(tl.int32), axis=0) > 0:
-            b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
-            m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
-            b_dz = tl.where(m_hit, b_dz + b_glp[:, None], b_dz)
-    if SOFTCAP:  # d l = d z / T * (1 - tanh^2)
-        b_dz = b_dz * b_slope
+        b_zs = b_z * inv_t
+        b_p = tl.exp(b_zs - b_lse[:, None])
+        if ENTROPY:
+            b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
+            b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
+            b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
+        else:
+            b_dz = b_p * b_c0[:, None]
+        b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
+        if HAS_LP:  # + g_lp / T in the target's column, in tiles that hold some row's target
+            b_trel = b_t - (v_begin + i_v * BLOCK_V)
+            if tl.max(((b_trel >= 0) & (b_trel < BLOCK_V)).to(tl.int32), axis=0) > 0:
+                b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
+                m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
+                b_dz = tl.where(m_hit, b_dz + b_glp[:, None], b_dz)
     # ignored rows (code IGNORED) and rows past N get exact zeros, even where their hidden
     # is not finite, as do columns past v_count: a select only in tiles that have them
     m_live = m_n & (b_t != IGNORED)

@@ -26,9 +26,34 @@ from lp_kernels.backends.triton.config import (
     logit_flags,
     tma_ok,
 )
-from lp_kernels.backends.triton.tl_utils import grouped, logits_tile, softcap_tile
+from lp_kernels.backends.triton.tl_utils import grouped, logits_tile, softcap
 
 # ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def capped_z(l, cap, inv_cap, inv_t, o_v, v_end, INTERPRET: tl.constexpr = False):
+    """``z = c tanh(l / c) / T`` of a logit in column ``o_v``, ``-inf`` from ``v_end`` on.
+    Elementwise: a block, or one element under ``tl.map_elementwise``.
+
+    With entropy the capped forward runs element by element on the GPU (this and
+    :func:`stats_terms` under ``tl.map_elementwise``), as d_logits does: op by op, the
+    cap's and the entropy terms' blocks made ptxas spill the bf16 tile (less in Triton 3.9,
+    more in 3.6). Without entropy op by op spills nothing and takes fewer instructions:
+    mapped, ptxas unpacks the column masks from bit registers (``python -m
+    lp_testing.aot`` prints the stack frames; docs/history.md the figures)."""
+    z, _ = softcap(l, cap, inv_cap, INTERPRET)
+    return tl.where(o_v < v_end, z * inv_t, float("-inf"))
+
+
+@triton.jit
+def stats_terms(z, m, o_v, v_end):
+    """``(e^(z - m), e^(z - m) (z - m))`` of a block or one element, the second 0 from
+    ``v_end`` on: the capped path's online-softmax terms with entropy (see
+    :func:`capped_z`)."""
+    d = z - m
+    e = tl.exp(d)
+    return e, tl.where(o_v < v_end, e * d, 0.0)
 
 
 @triton.jit(do_not_specialize=["N", "V_real", "splits", "group"])
@@ -74,9 +99,13 @@ def fwd_stats_kernel(
                 p_l = l_ptr + (i_n * BLOCK_N).to(tl.int64) * stride_ln + v0
                 o_l = tl.arange(0, BLOCK_N)[:, None] * stride_ln + tl.arange(0, BLOCK_V)[None, :]
                 tl.store(p_l + o_l, b_z, mask=m_n[:, None] & m_v[None, :])
-        if SOFTCAP:
-            b_z, _ = softcap_tile(b_z, cap, inv_cap)
-        b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
+        if SOFTCAP:  # with entropy element by element on the GPU (see capped_z)
+            if ENTROPY and not INTERPRET:
+                b_z = tl.map_elementwise(capped_z, b_z, cap, inv_cap, inv_t, o_v[None, :], v_end)
+            else:
+                b_z = capped_z(b_z, cap, inv_cap, inv_t, o_v[None, :], v_end, INTERPRET)
+        else:
+            b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
         # masked: a split that is not a multiple of BLOCK_V (deterministic_tile) ends
         # inside a tile whose masked columns belong to the next split
         m_t = (o_v[None, :] == b_t[:, None]) & m_v[None, :]
@@ -84,11 +113,19 @@ def fwd_stats_kernel(
         # online update; the first tile turns m from -inf into a finite maximum
         b_mn = tl.maximum(b_m, tl.max(b_z, axis=1))
         b_alpha = tl.exp(b_m - b_mn)
-        b_d = b_z - b_mn[:, None]
-        b_e = tl.exp(b_d)
+        if SOFTCAP and ENTROPY:  # element by element on the GPU (see capped_z)
+            args = (b_z, b_mn[:, None], o_v[None, :], v_end)
+            if INTERPRET:
+                b_e, b_ed = stats_terms(*args)
+            else:
+                b_e, b_ed = tl.map_elementwise(stats_terms, *args)
+        else:
+            b_d = b_z - b_mn[:, None]
+            b_e = tl.exp(b_d)
         if ENTROPY:
             b_shift = tl.where(b_s > 0, b_m - b_mn, 0.0)
-            b_ed = tl.where(m_v[None, :], b_e * b_d, 0.0)
+            if not SOFTCAP:
+                b_ed = tl.where(m_v[None, :], b_e * b_d, 0.0)
             b_a = b_alpha * (b_a + b_shift * b_s) + tl.sum(b_ed, axis=1)
         b_s = b_s * b_alpha + tl.sum(b_e, axis=1)
         b_m = b_mn

@@ -63,7 +63,7 @@ from lp_kernels.backends.triton.config import (
     sm_count,
 )
 from lp_kernels.backends.triton.forward import cap_args, forward_stats, merge
-from lp_kernels.backends.triton.tl_utils import softcap_tile
+from lp_kernels.backends.triton.tl_utils import softcap
 from lp_kernels.distributed.collectives import RowSums, gather_stats
 
 
@@ -91,7 +91,7 @@ def dlogits_l_kernel(
     m_2 = m_n[:, None] & m_v[None, :]
     b_z = tl.load(l_ptr + o_n[:, None].to(tl.int64) * stride_ln + o_v[None, :], mask=m_2, other=0.0)
     if SOFTCAP:
-        b_z, b_slope = softcap_tile(b_z, cap, inv_cap)
+        b_z, b_slope = softcap(b_z, cap, inv_cap, True)
     b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
     b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0) * inv_t
     b_zs = b_z * inv_t

@@ -3,7 +3,8 @@
 - :func:`grouped`: the launch order (row blocks ``group`` at a time, rows fastest).
 - :func:`logits_tile`: one fp32 tile of ``h W^T`` (the forward and the d_logits kernel).
 - :func:`operand_ptrs` and :func:`gemm_step`: one K step of lp's GEMMs (fp32 and fixed point).
-- :func:`softcap_tile`: final-logit softcapping of a logits block and its slope.
+- :func:`softcap`: final-logit softcapping of fp32 logits and its slope, with
+  :func:`reciprocal` and :func:`exp_ftz` (one ``MUFU`` each on the GPU).
 
 Operands come through tensor descriptors (``TMA``) or masked pointer loads; both feed the
 same ``tl.dot`` sequence. Under the interpreter (``INTERPRET``) dots are an fp32
@@ -61,22 +62,55 @@ def logits_tile(
 
 
 @triton.jit
-def softcap_tile(b_l, cap, inv_cap):
-    """``(c tanh(l / c), 1 - tanh^2(l / c))`` of an fp32 block, from ``exp`` only (no
-    libdevice under the interpreter; the formula of ``lp_kernels._softcap``): ``e =
-    exp(-2|x|)``, ``tanh = sign(x) (1 - e) / (1 + e)``, its series below ``|x| = 1/8``,
-    slope ``4e / (1 + e)^2``; non-finite logits pass through."""
-    b_x = b_l * inv_cap
-    b_a = tl.abs(b_x)
-    b_e = tl.exp(-2.0 * b_a)
-    b_t = (1.0 - b_e) / (1.0 + b_e)
-    b_a2 = b_a * b_a
-    b_ts = b_a * (1.0 + b_a2 * (-1.0 / 3.0 + b_a2 * (2.0 / 15.0 + b_a2 * (-17.0 / 315.0))))
-    b_t = tl.where(b_a < 0.125, b_ts, b_t)
-    b_t = tl.where(b_x < 0, -b_t, b_t)
-    b_z = tl.where(b_a < float("inf"), cap * b_t, b_l)
-    b_1e = 1.0 + b_e
-    return b_z, 4.0 * b_e / (b_1e * b_1e)
+def reciprocal(x, INTERPRET: tl.constexpr):
+    """``1 / x`` of fp32 ``x`` (a block, or one element): one ``MUFU.RCP`` on the GPU
+    (``rcp.approx.ftz.f32``, at most 1 ulp off; subnormals flushed), a correctly rounded
+    division under the interpreter (no inline assembly there). Triton's ``/`` is
+    ``div.full.f32``: the same ``MUFU.RCP`` behind range checks and rescaling, nine
+    instructions in all."""
+    if INTERPRET:
+        r = 1.0 / x
+    else:
+        r = tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return r
+
+
+@triton.jit
+def exp_ftz(x):
+    """``e^x`` as ``tl.exp`` computes it (``x log2(e)`` in fp32, then ``ex2``) with the
+    flush-to-zero ``ex2``: one ``MUFU`` where ``tl.exp`` adds a compare and two multiplies
+    for subnormal results. The same bits unless ``e^x < 2^-126`` (then 0)."""
+    return tl.math.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
+def softcap(l, cap, inv_cap, INTERPRET: tl.constexpr = False):
+    """``(c tanh(l / c), 1 - tanh^2(l / c))`` of fp32 ``l``, from ``exp2`` and one reciprocal
+    (the formula of ``lp_kernels._softcap``): ``e = exp(-2|x|)``, ``r = 1 / (1 + e)``,
+    ``tanh = sign(x) (r - e r)``, its series below ``|x| = 1/8``, slope ``4 e r^2``;
+    non-finite logits pass through.
+
+    ``l`` is a block, or one element inside ``tl.map_elementwise`` (whose scalar functions
+    take no constexpr: hence the GPU default of ``INTERPRET``). Two ``MUFU`` per element:
+    ``exp2`` is the flush-to-zero ``ex2`` (``tl.exp`` adds a subnormal path; its argument
+    ``-2|x| log2 e`` here is the same fp32 product), and :func:`reciprocal` serves both
+    tanh and the slope."""
+    x = l * inv_cap
+    a = tl.abs(x)
+    e = tl.math.exp2(a * -2.8853900817779268)  # exp(-2a): -2 log2(e) in fp32 (exact x 2)
+    r = reciprocal(1.0 + e, INTERPRET)
+    er = e * r
+    t = r - er  # (1 - e) / (1 + e); one FMA on the GPU
+    a2 = a * a
+    ts = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
+    t = tl.where(a < 0.125, ts, t)
+    # sign(x) |tanh|: x's sign bit on t >= 0 (one LOP3, no compare and select)
+    t = (t.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)).to(
+        tl.float32, bitcast=True
+    )
+    return tl.where(a < float("inf"), cap * t, l), 4.0 * (er * r)
 
 
 @triton.jit
