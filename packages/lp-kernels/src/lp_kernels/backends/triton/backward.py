@@ -96,6 +96,46 @@ def capped_dlogits(
     return b_dl
 
 
+@triton.jit
+def dlogits_tile(
+    b_z, t_ptr, lse_ptr, c0_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, col0, inv_t, cap,
+    inv_cap, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
+    SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """``(d l, target codes)`` of a tile of raw logits ``b_z`` (``h W^T + b``, fp32) whose
+    first column is ``col0`` (the target codes' column numbering), rows ``o_n``: the
+    arithmetic of both d_logits kernels, the one that recomputes the logits
+    (:func:`dlogits_kernel`) and the one that reads them (``triton.loss``). Rows and columns
+    outside the tile's bounds are the caller's to zero."""
+    # d z / T = p (c0 - g_ent (z / T - E)) / T with the 1/T folded into per-row factors
+    b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
+    b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0) * inv_t
+    if SOFTCAP:  # d l = d z / T * (1 - tanh^2), element by element
+        b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
+        b_trel = (b_t - col0).to(tl.int32)  # int32: one compare each
+        b_dz = capped_dlogits(
+            b_z, b_trel, b_lse, b_c0, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, inv_t, cap,
+            inv_cap, BLOCK_V, ENTROPY, HAS_LP, INTERPRET,
+        )  # fmt: skip
+    else:
+        b_zs = b_z * inv_t
+        b_p = tl.exp(b_zs - b_lse[:, None])
+        if ENTROPY:
+            b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
+            b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
+            b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
+        else:
+            b_dz = b_p * b_c0[:, None]
+        b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
+        if HAS_LP:  # + g_lp / T in the target's column, in tiles that hold some row's target
+            b_trel = b_t - col0
+            if tl.max(((b_trel >= 0) & (b_trel < BLOCK_V)).to(tl.int32), axis=0) > 0:
+                b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
+                m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
+                b_dz = tl.where(m_hit, b_dz + b_glp[:, None], b_dz)
+    return b_dz, b_t
+
+
 @triton.jit(do_not_specialize=["N", "v_begin", "v_count", "group"])
 def dlogits_kernel(
     h_src, w_src, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, c0_ptr, dl_ptr, b_ptr, db_ptr,
@@ -125,32 +165,10 @@ def dlogits_kernel(
     )  # fmt: skip
     if HAS_BIAS:  # fp32 bias of the tile's columns
         b_z += tl.load(b_ptr + v_begin + o_c, mask=m_v, other=0.0)[None, :]
-    # d z / T = p (c0 - g_ent (z / T - E)) / T with the 1/T folded into per-row factors
-    b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
-    b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0) * inv_t
-    if SOFTCAP:  # d l = d z / T * (1 - tanh^2), element by element
-        b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
-        b_trel = (b_t - (v_begin + i_v * BLOCK_V)).to(tl.int32)  # int32: one compare each
-        b_dz = capped_dlogits(
-            b_z, b_trel, b_lse, b_c0, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, inv_t, cap,
-            inv_cap, BLOCK_V, ENTROPY, HAS_LP, INTERPRET,
-        )  # fmt: skip
-    else:
-        b_zs = b_z * inv_t
-        b_p = tl.exp(b_zs - b_lse[:, None])
-        if ENTROPY:
-            b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
-            b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
-            b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
-        else:
-            b_dz = b_p * b_c0[:, None]
-        b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
-        if HAS_LP:  # + g_lp / T in the target's column, in tiles that hold some row's target
-            b_trel = b_t - (v_begin + i_v * BLOCK_V)
-            if tl.max(((b_trel >= 0) & (b_trel < BLOCK_V)).to(tl.int32), axis=0) > 0:
-                b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
-                m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
-                b_dz = tl.where(m_hit, b_dz + b_glp[:, None], b_dz)
+    b_dz, b_t = dlogits_tile(
+        b_z, t_ptr, lse_ptr, c0_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n,
+        v_begin + i_v * BLOCK_V, inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, SOFTCAP, INTERPRET,
+    )  # fmt: skip
     # ignored rows (code IGNORED) and rows past N get exact zeros, even where their hidden
     # is not finite, as do columns past v_count: a select only in tiles that have them
     m_live = m_n & (b_t != IGNORED)

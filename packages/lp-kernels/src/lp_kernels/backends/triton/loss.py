@@ -48,6 +48,7 @@ from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
     IGNORED,
     add_column_sums,
+    dlogits_tile,
     grad_weight_buffer,
     grad_weight_slice,
     kernel_inputs,
@@ -63,7 +64,6 @@ from lp_kernels.backends.triton.config import (
     sm_count,
 )
 from lp_kernels.backends.triton.forward import cap_args, forward_stats, merge
-from lp_kernels.backends.triton.tl_utils import softcap
 from lp_kernels.distributed.collectives import RowSums, gather_stats
 
 
@@ -73,46 +73,32 @@ def dlogits_l_kernel(
     N, V, inv_t, cap, inv_cap, stride_ln, stride_dn,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
     IGNORED: tl.constexpr, BIAS_GRAD: tl.constexpr, SOFTCAP: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T from stored raw logits l
-    (``h W^T + b``), z = softcap(l) / T: the arithmetic of the backward's ``dlogits_kernel``
-    on the same l, without the GEMM that recomputes it.
+    (``h W^T + b``), z = softcap(l) / T: ``backward.dlogits_tile``, the arithmetic of the
+    backward's ``dlogits_kernel`` on the same l, without the GEMM that recomputes it.
 
-    ``SOFTCAP``: z = c tanh(l / c) / T and d l takes the factor 1 - tanh^2. Ignored rows
-    (code ``IGNORED``) get exact zeros whatever l holds. ``BIAS_GRAD``: each program writes
-    its block's fp32 column sums of d l to row ``i_n`` of ``db_ptr`` (``[blocks, V]``).
+    Ignored rows (code ``IGNORED``) get exact zeros whatever l holds. ``BIAS_GRAD``: each
+    program writes its block's fp32 column sums of d l to row ``i_n`` of ``db_ptr``
+    (``[blocks, V]``).
     """
     i_n = tl.program_id(0)
     i_v = tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     m_n = o_n < N
-    m_v = o_v < V
-    m_2 = m_n[:, None] & m_v[None, :]
-    b_z = tl.load(l_ptr + o_n[:, None].to(tl.int64) * stride_ln + o_v[None, :], mask=m_2, other=0.0)
-    if SOFTCAP:
-        b_z, b_slope = softcap(b_z, cap, inv_cap, True)
-    b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
-    b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0) * inv_t
-    b_zs = b_z * inv_t
-    b_p = tl.exp(b_zs - b_lse[:, None])
-    if ENTROPY:
-        b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
-        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
-        b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
-    else:
-        b_dz = b_p * b_c0[:, None]
-    b_t = tl.load(t_ptr + o_n, mask=m_n, other=IGNORED)
-    if HAS_LP:
-        b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
-        b_dz = tl.where(o_v[None, :] == b_t[:, None], b_dz + b_glp[:, None], b_dz)
-    if SOFTCAP:
-        b_dz = b_dz * b_slope
+    m_2 = m_n[:, None] & (o_v < V)[None, :]
+    b_l = tl.load(l_ptr + o_n[:, None].to(tl.int64) * stride_ln + o_v[None, :], mask=m_2, other=0.0)
+    b_dz, b_t = dlogits_tile(
+        b_l, t_ptr, lse_ptr, c0_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, i_v * BLOCK_V,
+        inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, SOFTCAP, INTERPRET,
+    )  # fmt: skip
     b_dz = tl.where(m_2 & (b_t != IGNORED)[:, None], b_dz, 0.0)
     p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_v[None, :]
     tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_2)
     if BIAS_GRAD:
-        tl.store(db_ptr + i_n.to(tl.int64) * V + o_v, tl.sum(b_dz, axis=0), mask=m_v)
+        tl.store(db_ptr + i_n.to(tl.int64) * V + o_v, tl.sum(b_dz, axis=0), mask=o_v < V)
 
 
 def dlogits_from_logits(
@@ -132,7 +118,8 @@ def dlogits_from_logits(
         c0 if db is None else db,
         k, v, p.inv_temperature, *cap_args(p), logits.stride(0), out.stride(0),
         BLOCK_N=block_n, BLOCK_V=block_v, ENTROPY=g_ent is not None, HAS_LP=g_lp is not None,
-        IGNORED=IGNORED, BIAS_GRAD=db is not None, SOFTCAP=p.softcap is not None, **opts,
+        IGNORED=IGNORED, BIAS_GRAD=db is not None, SOFTCAP=p.softcap is not None,
+        INTERPRET=logits.device.type == "cpu", **opts,
     )  # fmt: skip
 
 
