@@ -92,9 +92,10 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
     # z / T and p made the bf16 128 x 256 d_logits tile spill 2.2 KB per thread on sm_90
     # and the forward 0.6-1.2 KB. Now d_logits spills 8 B (one value kept across the main
     # loop) and no launch with the flags more than 160 B (the mid tier's pointer-path
-    # forward, as without them; 224 B with linear_logprob_loss's logits store there). These are the locked Triton's (3.9) figures (3.6's ptxas 12.8
-    # spills about 0.8 KB in the plain d_logits tile already; docs/history.md). Ceilings
-    # with some room for other ptxas versions; the default path keeps 2 KB.
+    # forward, as without them; 224 B with linear_logprob_loss's logits store there). These
+    # are the locked Triton's (3.9) figures (3.6's ptxas 12.8 spills about 0.8 KB in the
+    # plain d_logits tile already; docs/history.md). Ceilings with some room for other
+    # ptxas versions; the default path keeps 2 KB.
     optional = [f for f in frames if "HAS_BIAS=True" in f[2] or "SOFTCAP=True" in f[2]]
     default = [f for f in frames if f not in optional]
     assert optional and default
