@@ -140,11 +140,12 @@ def linear_logprob_loss(
         "validate": validate,
     }
     prep = prepare(hidden, weight, targets, loss=not deterministic, **options)
-    if deterministic:  # the composed path; linear_logprob repeats the cheap checks
-        out = linear_logprob(hidden, weight, targets, **options)
+    if deterministic:  # the composed path
+        spec = LossSpec(loss_fn, check_per_token(per_token, prep.lead, prep.inputs.device))
+        # prepare has checked the call (and exchanged its record): no second sync or exchange
+        out = linear_logprob(hidden, weight, targets, **{**options, "validate": False})
         ignored = target_columns(prep.targets, prep.params.ignore_index, 0, 0)[2]
         flat = type(out)(*(None if x is None else x.reshape(-1) for x in out))
-        spec = LossSpec(loss_fn, check_per_token(per_token, prep.lead, prep.inputs.device))
         loss, token_loss = composed(flat, spec, ignored)
         lead = prep.lead
         return LossOutput(

@@ -28,7 +28,6 @@ from lp_kernels._stats import (
     d_logits_,
     local_stats,
     masked_outputs,
-    masked_upstream,
     merge_stats,
     target_columns,
 )
@@ -83,7 +82,7 @@ class LinearLogprobLossTorch(FinishedGradients):
                     out[r0:r1] = x[:k]
             if not grad:
                 continue
-            g_lp, g_ent, g_lse = masked_upstream(dead, *g)
+            g_lp, g_ent, g_lse = g  # fp32, 0 on dead rows (block_loss)
             # z holds z - m (m: this shard's max): shift lse and E alike; dead rows get
             # lse = +inf, so p = 0 and d z = 0 exactly there
             m = part[:, 0]

@@ -42,7 +42,7 @@ from lp_kernels._loss import (
 )
 from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
 from lp_kernels._prepare import prepare
-from lp_kernels._stats import lse_coefficient, masked_outputs, masked_upstream
+from lp_kernels._stats import lse_coefficient, masked_outputs
 from lp_kernels._types import LogprobParams, LossOutput
 from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
@@ -221,7 +221,7 @@ class LinearLogprobLossTriton(FinishedGradients):
                         out[r0:r1] = x
                 if not grad:
                     continue
-                g_lp, g_ent, g_lse = masked_upstream(dead, *g)
+                g_lp, g_ent, g_lse = g  # fp32, 0 on dead rows (block_loss)
                 c0 = lse_coefficient(g_lp, g_lse, k, dev)
                 part = None if db is None else db[: triton.cdiv(k, cfg.loss_block[0]), :v_real]
                 dl = dl_buf[r0 - g0 : r1 - g0, :v_real]
