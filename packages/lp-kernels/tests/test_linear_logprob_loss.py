@@ -422,3 +422,117 @@ def test_ready_made_losses_match_their_formula_on_lp_logprobs(name, backend):
     torch.testing.assert_close(gh, p.hidden.grad, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(gw, p.weight.grad, rtol=1e-5, atol=1e-7)
     assert gh.abs().max() > 0
+
+
+def test_closed_form_gradients_match_autograd_per_block(backend):
+    """A loss with ``value_and_grad`` (PolicyLoss) against the same loss behind a plain
+    function (differentiated by autograd per block): the same loss bits, gradients within
+    rounding of the per-row derivatives."""
+    from lp_kernels.losses import grpo
+
+    loss_fn = grpo(entropy_coef=0.01, z_loss_coef=1e-3)
+    p = make_problem(61, 32, 700, seed=21, ignore_frac=0.1)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        own = linear_logprob(p.hidden, p.weight, p.targets, **p.op_kwargs()).logprob
+    per_token = {
+        "old_logprob": own + 0.3 * torch.randn(own.shape, generator=gen),
+        "ref_logprob": own + 0.3 * torch.randn(own.shape, generator=gen),
+        "advantages": torch.randn(own.shape, generator=gen),
+    }
+
+    def run(fn):
+        q = p.with_grad()
+        out = linear_logprob_loss(
+            q.hidden, q.weight, q.targets, fn, per_token=per_token, backend=backend,
+            return_entropy=True, chunk_size=16, **p.op_kwargs(),
+        )  # fmt: skip
+        out.loss.backward()
+        return out, q.hidden.grad, q.weight.grad
+
+    fused, gh, gw = run(loss_fn)
+    auto, gh_a, gw_a = run(lambda *args, **kw: loss_fn(*args, **kw))
+    assert_bitwise_equal(fused.token_loss, auto.token_loss, "token_loss")
+    torch.testing.assert_close(gh, gh_a, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gw, gw_a, rtol=1e-5, atol=1e-7)
+
+
+class _BadClosedForm:
+    def __init__(self, grads):
+        self.grads = grads
+
+    def __call__(self, logprob, entropy, lse):
+        return -logprob
+
+    def value_and_grad(self, logprob, entropy, lse):
+        return -logprob, self.grads(logprob)
+
+
+@pytest.mark.parametrize(
+    "grads,match",
+    [
+        (lambda lp: -torch.ones_like(lp), "must return"),
+        (lambda lp: (torch.ones(3), None, None), "shape"),
+        (lambda lp: (-torch.ones_like(lp), torch.ones_like(lp), None), "entropy, which is None"),
+    ],
+    ids=["not-a-triple", "wrong-shape", "grad-of-none"],
+)
+def test_bad_value_and_grad_is_named(grads, match):
+    p = make_problem(9, 16, 50, seed=3).with_grad()
+    with pytest.raises((TypeError, ValueError), match=match):
+        linear_logprob_loss(p.hidden, p.weight, p.targets, _BadClosedForm(grads))
+
+
+def test_logits_blocks_fill_the_waves():
+    """The triton backend's logits blocks: they cover the gradient block in order, none
+    past the bound, and take no more waves than equal blocks of the bound do."""
+    from lp_kernels.backends.triton.loss import logits_blocks
+
+    def waves(sizes, splits, sms):
+        return sum(-(-(-(-k // 128) * splits) // sms) for k in sizes)
+
+    assert logits_blocks(8192, 2048, 128, 19, None) == [2048] * 4
+    assert logits_blocks(8192, 2048, 128, 19, 132) == [1664] * 4 + [1536]  # 10 waves, not 12
+    assert logits_blocks(2048, 2048, 128, 38, 132) == [2048]
+    assert logits_blocks(0, 2048, 128, 38, 132) == []
+    for rows in (1, 127, 128, 129, 1000, 4096, 8191, 8192, 12345):
+        for r_max in (128, 640, 2048, 8192):
+            for splits, sms in ((1, 132), (19, 132), (38, 132), (31, 78), (8, 7)):
+                sizes = logits_blocks(rows, r_max, 128, splits, sms)
+                plain = logits_blocks(rows, r_max, 128, splits, None)
+                assert sum(sizes) == rows and all(0 < k <= r_max for k in sizes)
+                assert all(k % 128 == 0 for k in sizes[:-1])
+                assert waves(sizes, splits, sms) <= waves(plain, splits, sms)
+
+
+def test_fitted_logits_blocks_keep_every_bit(monkeypatch):
+    """Cutting a gradient block into other logits blocks changes no output and no gradient
+    bit (the interpreter has no waves: an SM count is patched in to make it cut)."""
+    import dataclasses
+
+    from lp_kernels.backends.triton import loss as triton_loss
+    from lp_kernels.backends.triton.config import INTERPRET_CONFIG
+
+    # 64-row tiles, logits blocks of <= 256 rows, gradient blocks of 512, 3 splits
+    cfg = dataclasses.replace(INTERPRET_CONFIG, loss_rows=256, loss_grad_rows=512)
+    p = make_problem(600, 16, 3000, seed=23, ignore_frac=0.1)
+    per_token = per_token_for(p, seed=5)
+
+    def run():
+        q = p.with_grad()
+        out = triton_loss.linear_logprob_loss_with_config(
+            q.hidden, q.weight, q.targets, smooth_loss, cfg, per_token=per_token,
+            return_entropy=True, **p.op_kwargs(),
+        )  # fmt: skip
+        out.loss.backward()
+        return out.token_loss, out.logprob, out.entropy, q.hidden.grad, q.weight.grad
+
+    plain = run()
+    cuts = []
+    fit = triton_loss.logits_blocks
+    monkeypatch.setattr(triton_loss, "sm_count", lambda device: 9)
+    monkeypatch.setattr(triton_loss, "logits_blocks", lambda *a: cuts.append(fit(*a)) or cuts[-1])
+    fitted = run()
+    assert cuts[0] == [192, 192, 128], cuts  # 3 waves of 9 programs, not 2 x 2
+    for a, b in zip(plain, fitted, strict=True):
+        assert_bitwise_equal(a, b)

@@ -502,6 +502,53 @@ def test_elementwise_halves_concatenate(loss_fn):
     assert whole[0].dtype == torch.float32
 
 
+CLOSED_FORM = EVERY_LOSS | {
+    "k1": LOSS_CASES["k1"],
+    "k2-no-clamps": PolicyLoss(kl_coef=0.1, kl_estimator="k2", max_log_ratio=None, max_kl=None),
+    "k3-no-clamps": grpo(max_log_ratio=None, max_kl=None, entropy_coef=0.3),
+}
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("on_policy", [False, True], ids=["off-policy", "on-policy"])
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
+@pytest.mark.parametrize("loss_fn", CLOSED_FORM.values(), ids=CLOSED_FORM.keys())
+def test_value_and_grad_is_autograd_through_the_call(loss_fn, weighted, on_policy, dtype):
+    """The closed form that linear_logprob_loss uses instead of autograd: the same loss
+    bits, and autograd's derivatives (None where autograd gives None) up to rounding, on
+    inputs that cross every clip and clamp (some rows sit exactly on a ratio bound)."""
+    lp, ent, lse, pt = _policy_inputs(257, 80, dtype)
+    if on_policy:
+        pt.pop("old_logprob")
+    else:  # ratios exactly on 1 + clip_high and 1 - clip_low (where dual clip allows)
+        bounds = (1 + loss_fn.clip_high, 1 - loss_fn.clip_low)
+        pt["old_logprob"][4:6] = lp[4:6] - torch.log(torch.tensor(bounds, dtype=dtype))
+        pt["advantages"][4:6] = torch.tensor([1.0, -1.0], dtype=dtype)
+    if not weighted:
+        pt.pop("weights")
+    leaves = [t.clone().requires_grad_() for t in (lp, ent, lse)]
+    out = loss_fn(*leaves, **pt)
+    auto = torch.autograd.grad(out.sum(), leaves, allow_unused=True)
+    value, grads = loss_fn.value_and_grad(lp, ent, lse, **pt)
+    assert torch.equal(value, out.detach())
+    tol = {"rtol": 1e-12, "atol": 1e-14} if dtype == F64 else {"rtol": 2e-6, "atol": 1e-7}
+    for name, a, g in zip(("logprob", "entropy", "lse"), auto, grads, strict=True):
+        assert (a is None) == (g is None), name
+        if a is not None:
+            assert g.dtype == dtype
+            torch.testing.assert_close(g, a, **tol, msg=name)
+
+
+def test_value_and_grad_at_all_zero_inputs_is_finite():
+    """Ignored rows reach value_and_grad as zeros too."""
+    for loss_fn in CLOSED_FORM.values():
+        z = torch.zeros(5)
+        pt = {k: torch.zeros(5) for k in ("old_logprob", "advantages", "weights", "ref_logprob")}
+        value, grads = loss_fn.value_and_grad(z, z, z, **pt)
+        assert torch.equal(value, torch.zeros(5))
+        assert all(g is None or torch.isfinite(g).all() for g in grads)
+
+
 def test_module_docstring_example_runs():
     result = doctest.testmod(losses, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

@@ -149,6 +149,29 @@ def checked_token_loss(out: Any, dead: torch.Tensor) -> torch.Tensor:
     return torch.where(dead, 0.0, out.float())
 
 
+def checked_grads(g: Any, inputs: tuple[torch.Tensor | None, ...]) -> tuple:
+    """``loss_fn.value_and_grad``'s derivatives: three entries, each None or a
+    floating-point tensor of its input's shape (and None where the input is None)."""
+    names = ("logprob", "entropy", "lse")
+    if not isinstance(g, (tuple, list)) or len(g) != 3:
+        raise TypeError(
+            "loss_fn.value_and_grad must return (loss, (g_logprob, g_entropy, g_lse)), got "
+            f"derivatives {type(g).__name__}"
+        )
+    for name, x, gx in zip(names, inputs, g, strict=True):
+        if gx is None:
+            continue
+        if x is None:
+            raise ValueError(f"loss_fn.value_and_grad: a derivative for {name}, which is None")
+        if not isinstance(gx, torch.Tensor) or not gx.is_floating_point() or gx.shape != x.shape:
+            what = f"shape {tuple(gx.shape)}" if isinstance(gx, torch.Tensor) else type(gx).__name__
+            raise ValueError(
+                f"loss_fn.value_and_grad: the derivative for {name} must be a floating-point "
+                f"tensor of shape {tuple(x.shape)}, got {what}"
+            )
+    return tuple(g)
+
+
 def block_loss(
     spec: LossSpec,
     logprob: torch.Tensor,
@@ -162,9 +185,17 @@ def block_loss(
     None for an output the loss does not use).
 
     ``logprob``, ``entropy`` and ``lse`` are the block's outputs (0 on dead rows: ignored
-    and padding rows); ``values`` its per-token values, zeroed on dead rows here.
+    and padding rows); ``values`` its per-token values, zeroed on dead rows here. A
+    ``loss_fn`` with a ``value_and_grad`` method (:class:`lp_kernels.losses.PolicyLoss`)
+    gives its derivatives in closed form; any other is differentiated by autograd.
     """
     grad = spec.any_grad
+    closed_form = getattr(spec.loss_fn, "value_and_grad", None)
+    if grad and callable(closed_form):
+        out, g = closed_form(logprob, entropy, lse, **zero_dead(values, dead))
+        out = checked_token_loss(out, dead)
+        g = checked_grads(g, (logprob, entropy, lse))
+        return out, tuple(None if x is None else torch.where(dead, 0.0, x.float()) for x in g)
     leaves = [
         None if x is None else x.detach().requires_grad_(grad) for x in (logprob, entropy, lse)
     ]

@@ -55,7 +55,8 @@ def linear_logprob_loss(
     same numerics, within its parity bounds); ``loss_fn`` maps them to a loss per row.
     Rows are processed in blocks: each block's logits are computed once (one GEMM), its
     statistics merged over the whole vocabulary (over ``tp_group`` too), ``loss_fn``
-    evaluated on the block's rows under autograd, and the block's logits gradient formed
+    evaluated on the block's rows (its derivatives by autograd, or by its
+    ``value_and_grad``), and the block's logits gradient formed
     from the kept logits, then the two gradient GEMMs. The backward only multiplies the
     finished gradients by the loss's upstream gradient. So a step costs three GEMMs
     where ``linear_logprob`` + a loss + ``backward()`` costs four, and the gradients are
@@ -72,8 +73,11 @@ def linear_logprob_loss(
             ``lse`` and ``entropy`` are fp32 ``[n]`` (``entropy`` None unless computed);
             any torch function of them that autograd differentiates. Ready-made losses
             (GRPO, DAPO, Dr. GRPO, PPO, KL estimators, entropy bonus, z-loss) are in
-            :mod:`lp_kernels.losses`. Ignored rows are evaluated at zeros (outputs and
-            per-token values) and masked: keep ``loss_fn`` finite there.
+            :mod:`lp_kernels.losses`; a ``loss_fn`` with a ``value_and_grad`` method (as
+            :class:`lp_kernels.losses.PolicyLoss` has) gives its per-row derivatives in
+            closed form and is not differentiated by autograd. Ignored rows are
+            evaluated at zeros (outputs and per-token values) and masked: keep
+            ``loss_fn`` finite there.
         per_token: keyword arguments of ``loss_fn``: tensors of the targets' shape (one
             value per row: old log-probs, advantages, weights, ...; cut per block), 0-d
             tensors or numbers (passed as they are). None of them may require grad; under

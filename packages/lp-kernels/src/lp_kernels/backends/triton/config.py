@@ -47,10 +47,12 @@ class TileConfig:
     tiles' fp32 products wait, each in its own ``[N, H]`` buffer, to be rounded into the
     int64 sum in one pass (``deterministic.round_slots``). Every tile is still rounded on
     its own, so the grouping never changes a bit."""
-    loss_rows: int = 4096
+    loss_rows: int = 8192
     """``linear_logprob_loss``: at most this many rows per block of fp32 logits kept from
     the statistics pass to the gradient pass (fewer where the block would pass
-    :data:`LOSS_LOGITS_BYTES`). A row's outputs do not depend on it."""
+    :data:`LOSS_LOGITS_BYTES`; within that bound a gradient block's rows are cut into the
+    logits blocks that fill the GPU's waves best, ``loss.logits_blocks``). A row's
+    outputs do not depend on it."""
     loss_grad_rows: int = 8192
     """``linear_logprob_loss``: at most this many rows per block of the two gradient GEMMs
     (a multiple of the logits blocks; fewer where its d_logits buffer would pass
@@ -66,7 +68,7 @@ class TileConfig:
 
 # Chosen by benchmarks/sweep_tiles.py on H200 (docs/benchmarks.md).
 GPU_CONFIG = TileConfig(
-    block_n=128, block_v=256, block_h=64, v_split=8192, vocab_chunk=8192, token_chunk=8192,
+    block_n=128, block_v=256, block_h=64, v_split=4096, vocab_chunk=8192, token_chunk=8192,
     mm_block_m=128, mm_block_n=256, mm_block_k=64, num_warps=8, num_stages=3,
     group=8, tma=True,
 )  # fmt: skip

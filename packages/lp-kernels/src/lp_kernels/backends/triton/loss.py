@@ -168,6 +168,43 @@ def block_rows(p: LogprobParams, cfg: TileConfig, itemsize: int, rows: int | Non
     return r, max(r, g // r * r)
 
 
+def logits_blocks(rows: int, r_max: int, block_n: int, splits: int, sms: int | None) -> list[int]:
+    """Row counts of the logits blocks that cover a gradient block of ``rows`` rows, each at
+    most ``r_max``: the count and sizes whose forward launches waste the fewest program
+    slots on ``sms`` multiprocessors.
+
+    A block of ``k`` rows launches ``cdiv(k, block_n) * splits`` programs of equal work
+    (the last split's may be shorter), so it takes ``cdiv(programs, sms)`` waves; the
+    count with the fewest waves in all wins, the fewer blocks on a tie (each block costs
+    a launch, an exchange and a ``loss_fn`` call), among equal blocks of ``r_max`` rows
+    and a shorter last one, and row blocks spread evenly over each count from the
+    fewest up (larger first). Only the launch changes: every row's statistics and
+    logits are its own. ``sms`` None (no waves to fit, or ranks that need not agree on
+    it), or ``r_max`` not a multiple of ``block_n``: equal blocks of ``r_max`` rows and a
+    shorter last one.
+    """
+    if rows <= 0:
+        return []
+    plain = [min(r_max, rows - r0) for r0 in range(0, rows, r_max)]
+    if sms is None or rows <= block_n or r_max % block_n:
+        return plain
+    units = triton.cdiv(rows, block_n)
+    unit_max = max(1, r_max // block_n)
+    candidates = [[triton.cdiv(k, block_n) for k in plain]]  # full blocks, then the rest
+    first = triton.cdiv(units, unit_max)
+    for count in range(first, min(units, first + 8) + 1):  # balanced, larger first
+        q, extra = divmod(units, count)
+        candidates.append([q + 1] * extra + [q] * (count - extra))
+    best = min(
+        (sum(triton.cdiv(u * splits, sms) for u in parts), len(parts), i)
+        for i, parts in enumerate(candidates)
+        if max(parts) <= unit_max
+    )
+    sizes = [u * block_n for u in candidates[best[2]]]
+    sizes[-1] -= sum(sizes) - rows  # the last block ends at the gradient block's end
+    return sizes
+
+
 class LinearLogprobLossTriton(FinishedGradients):
     """Fused Triton implementation of the loss; see the module docstring."""
 
@@ -204,11 +241,13 @@ class LinearLogprobLossTriton(FinishedGradients):
             blocks = triton.cdiv(rows, cfg.loss_block[0])  # [blocks, v_real] column sums
             db = scratch.empty((blocks, max(v_real, 1)), dtype=torch.float32, device=dev)
         sums = RowSums(grad_h, p.tp_group, p.tp_size, enabled=need_h and reduce_h)
+        splits = triton.cdiv(max(p.max_v_local, v_real), cfg.v_split)
+        sms = sm_count(dev) if p.tp_size == 1 and spec.block_rows is None else None
         for g0 in range(0, n, g_rows):
             g1 = min(n, g0 + g_rows)
-            for r0 in range(g0, g1, rows):
-                r1 = min(g1, r0 + rows)
-                k = r1 - r0
+            r1 = g0
+            for k in logits_blocks(g1 - g0, rows, cfg.block_n, splits, sms):
+                r0, r1 = r1, r1 + k
                 stats = forward_stats(hidden[r0:r1], w_real, t_col[r0:r1], p, cfg, b_real, lbuf[:k])
                 gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, S, k, 4]
                 lse_c, mean_c, zt_c, ent_c = merge(gathered.flatten(0, 1), entropy=p.return_entropy)
