@@ -38,8 +38,9 @@ VARIANTS = {
     "g16k": {"loss_grad_rows": 16384},
     "vs4k": {"v_split": 4096},
     "vs4k-r4k": {"v_split": 4096, "loss_rows": 4096},
-    "lb8": {"loss_block": (8, 512)},
-    "lb32": {"loss_block": (32, 256)},
+    "lb8": {"loss_block": (8, 512, 1)},
+    "lb32": {"loss_block": (32, 256, 1)},
+    "lb8x16": {"loss_block": (8, 512, 16)},
 }
 LOSS = dapo(kl_coef=0.04)
 

@@ -57,10 +57,15 @@ class TileConfig:
     """``linear_logprob_loss``: at most this many rows per block of the two gradient GEMMs
     (a multiple of the logits blocks; fewer where its d_logits buffer would pass
     :data:`LOSS_GRAD_BYTES`). One block for all N needs no fp32 grad_weight accumulator."""
-    loss_block: tuple[int, int] = (8, 512)
-    """``(BLOCK_N, BLOCK_V)`` of ``linear_logprob_loss``'s elementwise d_logits kernel over
-    the kept logits (runs on ``num_warps`` warps). A launch choice: every element's
-    arithmetic is its own."""
+    loss_block: tuple[int, int, int] = (1, 1024, 16)
+    """``(BLOCK_N, BLOCK_V, TILES)`` of ``linear_logprob_loss``'s elementwise d_logits
+    kernel over the kept logits: each program covers ``TILES`` consecutive ``BLOCK_N x
+    BLOCK_V`` tiles. A launch choice: every element's arithmetic is its own."""
+    loss_bias_block: tuple[int, int, int] = (8, 512, 16)
+    """The same kernel's block when it also sums the bias gradient's columns: one fp32 row
+    of column sums per ``BLOCK_N`` rows, so ``BLOCK_N`` bounds that buffer."""
+    loss_warps: int = 8
+    """Warps of that kernel's programs (a launch choice, as ``loss_block``)."""
     fixed_tiles: tuple[int, int, int] | None = None
     """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of ``deterministic=True``'s fixed-point GEMM; None:
     the pinned ones for the device and dtype (``fixed_point.fixed_tiles_for``)."""
@@ -76,7 +81,8 @@ GPU_CONFIG = TileConfig(
 INTERPRET_CONFIG = TileConfig(
     block_n=64, block_v=256, block_h=64, v_split=1024, vocab_chunk=2048, token_chunk=128,
     mm_block_m=64, mm_block_n=64, mm_block_k=256, num_warps=4, num_stages=1,
-    group=2, tma=True, loss_rows=64, loss_grad_rows=128, loss_block=(64, 256),
+    group=2, tma=True, loss_rows=64, loss_grad_rows=128, loss_block=(64, 256, 2),
+    loss_bias_block=(64, 256, 2),
 )  # fmt: skip
 LOSS_LOGITS_BYTES = 2 << 30
 """Budget of ``linear_logprob_loss``'s fp32 logits block (see ``TileConfig.loss_rows``)."""

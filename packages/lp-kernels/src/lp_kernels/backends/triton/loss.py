@@ -71,34 +71,37 @@ from lp_kernels.distributed.collectives import RowSums, gather_stats
 def dlogits_l_kernel(
     l_ptr, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, c0_ptr, dl_ptr, db_ptr,
     N, V, inv_t, cap, inv_cap, stride_ln, stride_dn,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
-    IGNORED: tl.constexpr, BIAS_GRAD: tl.constexpr, SOFTCAP: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, TILES: tl.constexpr, ENTROPY: tl.constexpr,
+    HAS_LP: tl.constexpr, IGNORED: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T from stored raw logits l
     (``h W^T + b``), z = softcap(l) / T: ``backward.dlogits_tile``, the arithmetic of the
     backward's ``dlogits_kernel`` on the same l, without the GEMM that recomputes it.
 
-    Ignored rows (code ``IGNORED``) get exact zeros whatever l holds. ``BIAS_GRAD``: each
-    program writes its block's fp32 column sums of d l to row ``i_n`` of ``db_ptr``
-    (``[blocks, V]``).
+    Each program covers ``TILES`` consecutive ``[BLOCK_N, BLOCK_V]`` tiles of one row
+    block. Ignored rows (code ``IGNORED``) get exact zeros whatever l holds.
+    ``BIAS_GRAD``: each program writes its tiles' fp32 column sums of d l to row ``i_n``
+    of ``db_ptr`` (``[blocks, V]``).
     """
     i_n = tl.program_id(0)
-    i_v = tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     m_n = o_n < N
-    m_2 = m_n[:, None] & (o_v < V)[None, :]
-    b_l = tl.load(l_ptr + o_n[:, None].to(tl.int64) * stride_ln + o_v[None, :], mask=m_2, other=0.0)
-    b_dz, b_t = dlogits_tile(
-        b_l, t_ptr, lse_ptr, c0_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, i_v * BLOCK_V,
-        inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, SOFTCAP, INTERPRET,
-    )  # fmt: skip
-    b_dz = tl.where(m_2 & (b_t != IGNORED)[:, None], b_dz, 0.0)
-    p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_v[None, :]
-    tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_2)
-    if BIAS_GRAD:
-        tl.store(db_ptr + i_n.to(tl.int64) * V + o_v, tl.sum(b_dz, axis=0), mask=o_v < V)
+    p_l = l_ptr + o_n[:, None].to(tl.int64) * stride_ln
+    p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn
+    for j in tl.static_range(TILES):
+        v0 = (tl.program_id(1) * TILES + j) * BLOCK_V
+        o_v = v0 + tl.arange(0, BLOCK_V)
+        m_2 = m_n[:, None] & (o_v < V)[None, :]
+        b_l = tl.load(p_l + o_v[None, :], mask=m_2, other=0.0)
+        b_dz, b_t = dlogits_tile(
+            b_l, t_ptr, lse_ptr, c0_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, v0,
+            inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, SOFTCAP, INTERPRET,
+        )  # fmt: skip
+        b_dz = tl.where(m_2 & (b_t != IGNORED)[:, None], b_dz, 0.0)
+        tl.store(p_d + o_v[None, :], b_dz.to(dl_ptr.dtype.element_ty), mask=m_2)
+        if BIAS_GRAD:
+            tl.store(db_ptr + i_n.to(tl.int64) * V + o_v, tl.sum(b_dz, axis=0), mask=o_v < V)
 
 
 def dlogits_from_logits(
@@ -106,18 +109,21 @@ def dlogits_from_logits(
 ) -> None:
     """d_logits of the rows of ``logits [k, >= V]`` (raw fp32 logits ``h W^T (+ b)`` of V
     real columns, V = ``out.shape[1]``) into ``out [k, V]``; ``db``: None, or a contiguous
-    fp32 ``[cdiv(k, cfg.loss_block[0]), V]`` buffer for the row blocks' column sums."""
+    fp32 ``[cdiv(k, cfg.loss_bias_block[0]), V]`` buffer for the row blocks' column sums."""
     k, v = out.shape
     if k == 0 or v == 0:
         return
-    block_n, block_v = cfg.loss_block
-    opts = launch_opts(dataclasses.replace(cfg, num_stages=1), logits.device)
-    dlogits_l_kernel[(triton.cdiv(k, block_n), triton.cdiv(v, block_v))](
+    block_n, block_v, tiles = cfg.loss_block if db is None else cfg.loss_bias_block
+    opts = launch_opts(
+        dataclasses.replace(cfg, num_stages=1, num_warps=cfg.loss_warps), logits.device
+    )
+    dlogits_l_kernel[(triton.cdiv(k, block_n), triton.cdiv(v, block_v * tiles))](
         logits, t_col, lse, mean if mean is not None else lse,
         g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, out,
         c0 if db is None else db,
         k, v, p.inv_temperature, *cap_args(p), logits.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_V=block_v, ENTROPY=g_ent is not None, HAS_LP=g_lp is not None,
+        BLOCK_N=block_n, BLOCK_V=block_v, TILES=tiles, ENTROPY=g_ent is not None,
+        HAS_LP=g_lp is not None,
         IGNORED=IGNORED, BIAS_GRAD=db is not None, SOFTCAP=p.softcap is not None,
         INTERPRET=logits.device.type == "cpu", **opts,
     )  # fmt: skip
@@ -238,7 +244,7 @@ class LinearLogprobLossTriton(FinishedGradients):
             acc_w = torch.zeros_like(weight, dtype=torch.float32)
         if need_b:
             acc_b = torch.zeros(v_real, dtype=torch.float32, device=dev)
-            blocks = triton.cdiv(rows, cfg.loss_block[0])  # [blocks, v_real] column sums
+            blocks = triton.cdiv(rows, cfg.loss_bias_block[0])  # [blocks, v_real] column sums
             db = scratch.empty((blocks, max(v_real, 1)), dtype=torch.float32, device=dev)
         sums = RowSums(grad_h, p.tp_group, p.tp_size, enabled=need_h and reduce_h)
         splits = triton.cdiv(max(p.max_v_local, v_real), cfg.v_split)
@@ -262,7 +268,7 @@ class LinearLogprobLossTriton(FinishedGradients):
                     continue
                 g_lp, g_ent, g_lse = g  # fp32, 0 on dead rows (block_loss)
                 c0 = lse_coefficient(g_lp, g_lse, k, dev)
-                part = None if db is None else db[: triton.cdiv(k, cfg.loss_block[0]), :v_real]
+                part = None if db is None else db[: triton.cdiv(k, cfg.loss_bias_block[0]), :v_real]
                 dl = dl_buf[r0 - g0 : r1 - g0, :v_real]
                 dlogits_from_logits(
                     lbuf[:k], t_col[r0:r1], lse_c, mean_c, g_lp, g_ent, c0, dl, p, cfg, part
