@@ -84,16 +84,22 @@ def kl_k2(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logprob - ref_logprob).square()
 
 
-# 1/k! for k = 12 down to 2: the Taylor coefficients of exp(d) - 1 - d, for Horner's rule.
-_TAYLOR = tuple(1.0 / math.factorial(k) for k in range(12, 1, -1))
+# 1/k! for k = K down to 2: the Taylor coefficients of exp(d) - 1 - d, for Horner's rule.
+# Below |d| = 1/2 the first term left out, d^(K+1) / (K+1)!, is under 2 (1/2)^(K-1) / (K+1)!
+# of the sum's d^2 / 2: 2e-9 for K = 9 (fp32 and narrower), 1.6e-13 for K = 12 (fp64).
+_TAYLOR = {
+    "short": tuple(1.0 / math.factorial(k) for k in range(9, 1, -1)),
+    "long": tuple(1.0 / math.factorial(k) for k in range(12, 1, -1)),
+}
 
 
 def _expm1_minus_identity(d: torch.Tensor) -> torch.Tensor:
     """``exp(d) - 1 - d`` to full relative accuracy: Taylor series for ``|d| < 1/2``."""
     small = d.abs() < 0.5
     x = torch.where(small, d, 0.0)  # the unused branch stays finite, so its gradient is 0
-    poly = torch.full_like(x, _TAYLOR[0])
-    for c in _TAYLOR[1:]:
+    coefs = _TAYLOR["long" if d.dtype == torch.float64 else "short"]
+    poly = torch.full_like(x, coefs[0])
+    for c in coefs[1:]:
         poly = poly * x + c
     return torch.where(small, poly * x.square(), torch.expm1(d) - d)
 
@@ -122,13 +128,29 @@ def kl_k3(
     Returns:
         ``[n]`` the per-token estimate, in the promoted dtype of the inputs.
     """
+    return _k3_parts(logprob, ref_logprob, max_log_ratio, max_kl, grad=False)[0]
+
+
+def _k3_parts(logprob, ref_logprob, max_log_ratio, max_kl, *, grad: bool):
+    """``(kl_k3, d kl_k3 / d logprob or None)``: the value by :func:`kl_k3`'s operations;
+    the derivative ``-expm1(d)`` where neither clamp is past its bound (a clamp passes the
+    gradient at its bound, as autograd's does), else 0."""
     d = ref_logprob - logprob
+    live = None
     if max_log_ratio is not None:
+        if grad:
+            live = (d >= -max_log_ratio) & (d <= max_log_ratio)
         d = d.clamp(-max_log_ratio, max_log_ratio)
     kl = _expm1_minus_identity(d)
     if max_kl is not None:
+        if grad:
+            inside = (kl >= -max_kl) & (kl <= max_kl)
+            live = inside if live is None else live & inside
         kl = kl.clamp(-max_kl, max_kl)
-    return kl
+    if not grad:
+        return kl, None
+    slope = -torch.expm1(d)
+    return kl, slope if live is None else torch.where(live, slope, 0.0)
 
 
 def clipped_surrogate(
@@ -164,17 +186,42 @@ def clipped_surrogate(
     Returns:
         ``[n]`` per-token loss (the negated objective), in the promoted dtype of the inputs.
     """
+    clip = (clip_low, clip_high, dual_clip)
+    return _surrogate_parts(logprob, old_logprob, advantages, *clip, max_log_ratio, grad=False)[0]
+
+
+def _surrogate_parts(
+    logprob, old_logprob, advantages, clip_low, clip_high, dual_clip, max_log_ratio, *, grad
+):
+    """``(clipped_surrogate, its derivative with respect to logprob or None)``: the value by
+    the same operations; the derivative ``-A r`` where the bound in use does not clip the
+    ratio and the log-ratio clamp is not past its bound, else 0."""
     log_ratio = logprob - old_logprob
+    live = None
     if max_log_ratio is not None:
+        if grad:
+            live = (log_ratio >= -max_log_ratio) & (log_ratio <= max_log_ratio)
         log_ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio)
     ratio = torch.exp(log_ratio)
     # min(.) keeps min(r, 1 + hi) where A >= 0 and max(r, 1 - lo) where A < 0; where instead
     # of clamp, whose gradient is 0 at the bound itself (the bounds are inclusive here)
-    upper = torch.where(ratio > 1.0 + clip_high, 1.0 + clip_high, ratio)
-    lower = torch.where(ratio < 1.0 - clip_low, 1.0 - clip_low, ratio)
+    above = ratio > 1.0 + clip_high
+    below = ratio < 1.0 - clip_low
+    upper = torch.where(above, 1.0 + clip_high, ratio)
+    lower = torch.where(below, 1.0 - clip_low, ratio)
     if dual_clip is not None:
-        lower = torch.where(ratio > dual_clip, dual_clip, lower)
-    return -advantages * torch.where(advantages >= 0, upper, lower)
+        past_dual = ratio > dual_clip
+        lower = torch.where(past_dual, dual_clip, lower)
+        below = below | past_dual
+    positive = advantages >= 0
+    neg_adv = -advantages
+    value = neg_adv * torch.where(positive, upper, lower)
+    if not grad:
+        return value, None
+    clipped = torch.where(positive, above, below)
+    if live is not None:
+        clipped = clipped | ~live
+    return value, torch.where(clipped, 0.0, neg_adv * ratio)
 
 
 def _reject(field: str, expected: str, value: Any) -> None:
@@ -276,35 +323,7 @@ class PolicyLoss:
         """
         given = {"entropy": entropy, "lse": lse, "old_logprob": old_logprob}
         given |= {"advantages": advantages, "weights": weights, "ref_logprob": ref_logprob}
-        for name, t in given.items():
-            if t is not None and t.shape != logprob.shape:
-                raise ValueError(
-                    f"{name} has shape {tuple(t.shape)}, logprob {tuple(logprob.shape)}"
-                )
-        old = logprob.detach() if old_logprob is None else old_logprob
-        clip = (self.clip_low, self.clip_high, self.dual_clip)
-        loss = clipped_surrogate(logprob, old, advantages, *clip, max_log_ratio=self.max_log_ratio)
-        if self.kl_coef != 0:
-            if ref_logprob is None:
-                raise ValueError(f"kl_coef={self.kl_coef} needs ref_logprob: pass it per token")
-            if self.kl_estimator == "k3":
-                clamps = {"max_log_ratio": self.max_log_ratio, "max_kl": self.max_kl}
-                kl = kl_k3(logprob, ref_logprob, **clamps)
-            else:
-                kl = (kl_k1 if self.kl_estimator == "k1" else kl_k2)(logprob, ref_logprob)
-            loss = loss + self.kl_coef * kl
-        if self.entropy_coef != 0:
-            if entropy is None:
-                raise ValueError(
-                    f"entropy_coef={self.entropy_coef} needs the entropy, got None: pass "
-                    "return_entropy=True (or leave it None) to linear_logprob_loss"
-                )
-            loss = loss - self.entropy_coef * entropy
-        if self.z_loss_coef != 0:
-            if lse is None:
-                raise ValueError(f"z_loss_coef={self.z_loss_coef} needs lse, got None")
-            loss = loss + self.z_loss_coef * lse.square()
-        return loss if weights is None else weights * loss
+        return self._evaluate(logprob, given, grad=False)[0]
 
     def value_and_grad(
         self,
@@ -325,65 +344,68 @@ class PolicyLoss:
         that a term with coefficient 0 does not read, as autograd's ``allow_unused``
         gives). They equal autograd's through ``__call__`` up to rounding: clamps pass the
         gradient at their bounds and block it past them, and k3's derivative is
-        ``expm1(d)``.
+        ``-expm1(d)``.
 
         :func:`lp_kernels.linear_logprob_loss` calls this, when a ``loss_fn`` has it, instead
-        of differentiating ``loss_fn`` per block: a dozen elementwise operations in place
-        of autograd's graph (about a hundred kernel launches per block for DAPO + k3,
-        which at small N cost more host time than the GPU spends on the block).
+        of differentiating ``loss_fn`` per block: the value's operations and a few more in
+        place of autograd's graph and its backward pass.
         """
+        given = {"entropy": entropy, "lse": lse, "old_logprob": old_logprob}
+        given |= {"advantages": advantages, "weights": weights, "ref_logprob": ref_logprob}
         with torch.no_grad():
-            loss = self(
-                logprob, entropy, lse, old_logprob=old_logprob, advantages=advantages,
-                weights=weights, ref_logprob=ref_logprob,
-            )  # fmt: skip
-            g_lp = self._surrogate_grad(logprob, old_logprob, advantages)
-            if self.kl_coef != 0:
-                g_lp = g_lp + self.kl_coef * self._kl_grad(logprob, ref_logprob)
-            g_ent = g_lse = None
-            if self.entropy_coef != 0:
-                g_ent = torch.full_like(logprob, -self.entropy_coef)
-            if self.z_loss_coef != 0:
-                g_lse = (2.0 * self.z_loss_coef) * lse
-            if weights is not None:
-                g_lp, g_ent, g_lse = (
-                    None if g is None else g * weights for g in (g_lp, g_ent, g_lse)
+            return self._evaluate(logprob, given, grad=True)
+
+    def _evaluate(self, logprob: torch.Tensor, given: dict, *, grad: bool):
+        """``(loss, (g_lp, g_ent, g_lse) or None)``: the loss by the same operations either
+        way; with ``grad``, its derivatives in closed form too."""
+        for name, t in given.items():
+            if t is not None and t.shape != logprob.shape:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}, logprob {tuple(logprob.shape)}"
                 )
+        entropy, lse, weights = given["entropy"], given["lse"], given["weights"]
+        old = given["old_logprob"]
+        old = logprob.detach() if old is None else old
+        clip = (self.clip_low, self.clip_high, self.dual_clip)
+        loss, g_lp = _surrogate_parts(
+            logprob, old, given["advantages"], *clip, self.max_log_ratio, grad=grad
+        )
+        if self.kl_coef != 0:
+            ref = given["ref_logprob"]
+            if ref is None:
+                raise ValueError(f"kl_coef={self.kl_coef} needs ref_logprob: pass it per token")
+            if self.kl_estimator == "k3":
+                kl, g_kl = _k3_parts(logprob, ref, self.max_log_ratio, self.max_kl, grad=grad)
+            elif self.kl_estimator == "k2":
+                kl, g_kl = kl_k2(logprob, ref), (logprob - ref if grad else None)
+            else:
+                kl, g_kl = kl_k1(logprob, ref), None
+            loss = loss + self.kl_coef * kl
+            if grad:
+                g_lp = g_lp + (self.kl_coef if g_kl is None else self.kl_coef * g_kl)
+        g_ent = g_lse = None
+        if self.entropy_coef != 0:
+            if entropy is None:
+                raise ValueError(
+                    f"entropy_coef={self.entropy_coef} needs the entropy, got None: pass "
+                    "return_entropy=True (or leave it None) to linear_logprob_loss"
+                )
+            loss = loss - self.entropy_coef * entropy
+            if grad:
+                g_ent = torch.full_like(logprob, -self.entropy_coef)
+        if self.z_loss_coef != 0:
+            if lse is None:
+                raise ValueError(f"z_loss_coef={self.z_loss_coef} needs lse, got None")
+            loss = loss + self.z_loss_coef * lse.square()
+            if grad:
+                g_lse = (2.0 * self.z_loss_coef) * lse
+        if weights is not None:
+            loss = weights * loss
+        if not grad:
+            return loss, None
+        if weights is not None:
+            g_lp, g_ent, g_lse = (None if g is None else g * weights for g in (g_lp, g_ent, g_lse))
         return loss, (g_lp, g_ent, g_lse)
-
-    def _surrogate_grad(self, logprob, old_logprob, advantages) -> torch.Tensor:
-        """d clipped_surrogate / d logprob: ``-A r`` where the chosen bound does not clip
-        the ratio and the log-ratio clamp passes, else 0."""
-        log_ratio = logprob - (logprob if old_logprob is None else old_logprob)
-        live = torch.ones_like(logprob, dtype=torch.bool)
-        if self.max_log_ratio is not None:
-            m = self.max_log_ratio
-            live = (log_ratio >= -m) & (log_ratio <= m)
-            log_ratio = log_ratio.clamp(-m, m)
-        ratio = torch.exp(log_ratio)
-        upper_live = ratio <= 1.0 + self.clip_high
-        lower_live = ratio >= 1.0 - self.clip_low
-        if self.dual_clip is not None:
-            lower_live = lower_live & (ratio <= self.dual_clip)
-        live = live & torch.where(advantages >= 0, upper_live, lower_live)
-        return torch.where(live, -advantages * ratio, 0.0)
-
-    def _kl_grad(self, logprob, ref_logprob) -> torch.Tensor:
-        """d KL / d logprob of the configured estimator."""
-        if self.kl_estimator == "k1":
-            return torch.ones_like(logprob)
-        if self.kl_estimator == "k2":
-            return logprob - ref_logprob
-        d = ref_logprob - logprob
-        live = torch.ones_like(logprob, dtype=torch.bool)
-        if self.max_log_ratio is not None:
-            m = self.max_log_ratio
-            live = (d >= -m) & (d <= m)
-            d = d.clamp(-m, m)
-        if self.max_kl is not None:
-            kl = _expm1_minus_identity(d)
-            live = live & (kl >= -self.max_kl) & (kl <= self.max_kl)
-        return torch.where(live, -torch.expm1(d), 0.0)
 
 
 def grpo(clip: float = 0.2, kl_coef: float = 0.04, **overrides: Any) -> PolicyLoss:
