@@ -376,8 +376,9 @@ class PolicyLoss:
                 raise ValueError(f"kl_coef={self.kl_coef} needs ref_logprob: pass it per token")
             if self.kl_estimator == "k3":
                 kl, g_kl = _k3_parts(logprob, ref, self.max_log_ratio, self.max_kl, grad=grad)
-            elif self.kl_estimator == "k2":
-                kl, g_kl = kl_k2(logprob, ref), (logprob - ref if grad else None)
+            elif self.kl_estimator == "k2":  # kl_k2's operations, the difference kept
+                diff = logprob - ref
+                kl, g_kl = 0.5 * diff.square(), (diff if grad else None)
             else:
                 kl, g_kl = kl_k1(logprob, ref), None
             loss = loss + self.kl_coef * kl
