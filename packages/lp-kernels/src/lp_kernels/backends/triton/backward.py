@@ -27,7 +27,7 @@ from lp_kernels.backends.triton.config import (
 )
 from lp_kernels.backends.triton.forward import cap_args, logits_sources
 from lp_kernels.backends.triton.gemm import mm_block_n, narrow_block_n
-from lp_kernels.backends.triton.tl_utils import exp_ftz, grouped, logits_tile, softcap
+from lp_kernels.backends.triton.tl_utils import cap_tanh, grouped, logits_tile
 
 IGNORED = -2  # target code of an ignored row in the kernels (see target_codes)
 
@@ -35,28 +35,31 @@ IGNORED = -2  # target code of an ignored row in the kernels (see target_codes)
 
 
 @triton.jit
-def capped_dl(l, cap, inv_cap, inv_t, lse, c0, hit, g_lp, INTERPRET: tl.constexpr = False):
+def capped_dl(l, k_e, k_p, lse2, c0, hit, g_lp, INTERPRET: tl.constexpr = False):
     """d l of a capped logit ``l`` without the entropy term: ``(p c0 + [hit] g_lp) (1 -
-    tanh^2)``, ``p = e^(z / T - lse)`` (``c0`` and ``g_lp`` carry the 1/T). Elementwise:
-    a block, or one element under ``tl.map_elementwise``.
+    tanh^2)``, ``p = e^(z / T - lse) = 2^(tanh k_p - lse2)`` (``k_p = c log2(e) / T``,
+    ``lse2 = lse log2(e)``; ``c0`` and ``g_lp`` carry the 1/T and the slope's 4).
+    Elementwise: a block, or one element under ``tl.map_elementwise``.
 
-    Under the cap ``p >= e^(-2c / T) / V``, so :func:`exp_ftz` flushes nothing at the
-    usual caps and temperatures (at worst a ``p`` below 2^-126 becomes 0)."""
-    z, slope = softcap(l, cap, inv_cap, INTERPRET)
-    p = exp_ftz(z * inv_t - lse)
+    The tanh is :func:`cap_tanh`'s (no series: only ``p`` and the slope see it). Under the
+    cap ``p >= e^(-2c / T) / V``, so ``exp2``'s flush to zero takes nothing at the usual
+    caps and temperatures (at worst a ``p`` below 2^-126 becomes 0). An infinite logit
+    has slope 0: its d l is 0."""
+    t, slope = cap_tanh(l, k_e, INTERPRET)
+    p = tl.math.exp2(t * k_p - lse2)
     return (p * c0 + tl.where(hit, g_lp, 0.0)) * slope
 
 
 @triton.jit
 def capped_dl_entropy(
-    l, cap, inv_cap, inv_t, lse, c0, g_ent, mean, hit, g_lp, INTERPRET: tl.constexpr = False
+    l, k_e, k_z, k_p, lse2, c0, g_ent, mean, hit, g_lp, INTERPRET: tl.constexpr = False
 ):
     """:func:`capped_dl` with the entropy term: ``(p (c0 - g_ent (z / T - E)) + [hit] g_lp)
-    (1 - tanh^2)`` (``g_ent`` carries the 1/T)."""
-    z, slope = softcap(l, cap, inv_cap, INTERPRET)
-    zs = z * inv_t
-    p = exp_ftz(zs - lse)
-    return (p * (c0 - g_ent * (zs - mean)) + tl.where(hit, g_lp, 0.0)) * slope
+    (1 - tanh^2)``, ``z / T = tanh k_z`` (``k_z = c / T``; ``g_ent`` carries the 1/T and
+    the 4)."""
+    t, slope = cap_tanh(l, k_e, INTERPRET)
+    p = tl.math.exp2(t * k_p - lse2)
+    return (p * (c0 - g_ent * (t * k_z - mean)) + tl.where(hit, g_lp, 0.0)) * slope
 
 
 @triton.jit
@@ -67,28 +70,34 @@ def capped_dlogits(
 ):  # fmt: skip
     """d l of a block of capped logits ``b_l`` (``b_trel``: each row's target column
     relative to the tile, int32), on the GPU one element at a time (``tl.map_elementwise``).
+    ``b_c0`` carries the 1/T; the slope's 4 joins it and the other per-row factors here.
 
     Op by op over the block (the plain path's form), the slope, ``z / T`` and ``p`` are
     three live ``[BLOCK_N, BLOCK_V]`` fp32 blocks beside the other state, and ptxas spills;
     element by element none is held. ``g_lp`` is selected into the target's column in
     every tile: the plain path's branch around it (only tiles that hold a target) makes
     ptxas spill here too."""
-    if HAS_LP:  # noqa: SIM108  (a constexpr branch: only one side is compiled)
-        b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
+    k_e = inv_cap * -2.8853900817779268  # -2 log2(e) / c
+    k_z = cap * inv_t
+    k_p = k_z * 1.4426950408889634  # c log2(e) / T
+    b_lse2 = b_lse * 1.4426950408889634
+    b_c0 = b_c0 * 4.0  # exact: the slope's 4
+    if HAS_LP:
+        b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * (4.0 * inv_t)
     else:
         b_glp = tl.zeros_like(b_c0)  # a constant: the select folds away
     m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
     if ENTROPY:
         b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
-        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
-        args = (b_l, cap, inv_cap, inv_t, b_lse[:, None], b_c0[:, None], b_gent[:, None],
+        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * (4.0 * inv_t)
+        args = (b_l, k_e, k_z, k_p, b_lse2[:, None], b_c0[:, None], b_gent[:, None],
                 b_mean[:, None], m_hit, b_glp[:, None])  # fmt: skip
         if INTERPRET:
             b_dl = capped_dl_entropy(*args, INTERPRET)
         else:
             b_dl = tl.map_elementwise(capped_dl_entropy, *args)
     else:
-        args = (b_l, cap, inv_cap, inv_t, b_lse[:, None], b_c0[:, None], m_hit, b_glp[:, None])
+        args = (b_l, k_e, k_p, b_lse2[:, None], b_c0[:, None], m_hit, b_glp[:, None])
         if INTERPRET:  # noqa: SIM108  (a constexpr branch)
             b_dl = capped_dl(*args, INTERPRET)
         else:

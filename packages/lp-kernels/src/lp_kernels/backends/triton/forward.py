@@ -26,34 +26,32 @@ from lp_kernels.backends.triton.config import (
     logit_flags,
     tma_ok,
 )
-from lp_kernels.backends.triton.tl_utils import grouped, logits_tile, softcap
+from lp_kernels.backends.triton.tl_utils import cap_tanh, grouped, logits_tile, softcap
 
 # ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
-def capped_z(l, cap, inv_cap, inv_t, o_v, v_end, INTERPRET: tl.constexpr = False):
-    """``z = c tanh(l / c) / T`` of a logit in column ``o_v``, ``-inf`` from ``v_end`` on.
-    Elementwise: a block, or one element under ``tl.map_elementwise``.
+def capped_z(l, k_e, k_z, inv_t, INTERPRET: tl.constexpr = False):
+    """``z = c tanh(l / c) / T`` of a logit for the softmax terms (the tanh of
+    :func:`cap_tanh`, ``k_z = c / T``); non-finite logits pass through (``-inf`` stays a
+    mask). Elementwise: a block, or one element under ``tl.map_elementwise``.
 
-    With entropy the capped forward runs element by element on the GPU (this and
-    :func:`stats_terms` under ``tl.map_elementwise``), as d_logits does: op by op, the
-    cap's and the entropy terms' blocks made ptxas spill the bf16 tile (less in Triton 3.9,
-    more in 3.6). Without entropy op by op spills nothing and takes fewer instructions:
-    mapped, ptxas unpacks the column masks from bit registers (``python -m
-    lp_testing.aot`` prints the stack frames; docs/history.md the figures)."""
-    z, _ = softcap(l, cap, inv_cap, INTERPRET)
-    return tl.where(o_v < v_end, z * inv_t, float("-inf"))
+    The capped forward runs element by element on the GPU (this, and :func:`stats_terms`
+    with entropy, under ``tl.map_elementwise``), as d_logits does: op by op, the cap's
+    blocks beside the tile made ptxas spill (``python -m lp_testing.aot`` prints the stack
+    frames; docs/history.md the figures)."""
+    t, _ = cap_tanh(l, k_e, INTERPRET)
+    return tl.where(tl.abs(l) < float("inf"), t * k_z, l * inv_t)
 
 
 @triton.jit
-def stats_terms(z, m, o_v, v_end):
-    """``(e^(z - m), e^(z - m) (z - m))`` of a block or one element, the second 0 from
-    ``v_end`` on: the capped path's online-softmax terms with entropy (see
-    :func:`capped_z`)."""
+def stats_terms(z, m):
+    """``(e^(z - m), e^(z - m) (z - m))`` of a block or one element: the capped path's
+    online-softmax terms with entropy (see :func:`capped_z`)."""
     d = z - m
     e = tl.exp(d)
-    return e, tl.where(o_v < v_end, e * d, 0.0)
+    return e, e * d
 
 
 @triton.jit(do_not_specialize=["N", "V_real", "splits", "group"])
@@ -66,7 +64,8 @@ def fwd_stats_kernel(
     TMA: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, STORE_L: tl.constexpr,
 ):  # fmt: skip
     """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target],
-    with z = softcap(h W^T (+ b)) / T (``SOFTCAP``: c tanh(l / c)). ``STORE_L``: also
+    with z = softcap(h W^T (+ b)) / T (``SOFTCAP``: c tanh(l / c); the target's z from
+    ``softcap``, the softmax terms' from ``cap_tanh``, see ``capped_z``). ``STORE_L``: also
     store the raw logits l = h W^T (+ b) (fp32, the real columns) to ``l_ptr`` (row
     stride ``stride_ln``)."""
     i_n, i_s = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group)
@@ -76,7 +75,9 @@ def fwd_stats_kernel(
     b_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_a = tl.zeros([BLOCK_N], dtype=tl.float32)
-    b_zt = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_zt = tl.zeros([BLOCK_N], dtype=tl.float32)  # the target's raw logit l
+    k_e = inv_cap * -2.8853900817779268  # -2 log2(e) / c
+    k_z = cap * inv_t
     v_begin = i_s * V_SPLIT
     v_end = tl.minimum(v_begin + V_SPLIT, V_real)
     for v0 in tl.range(v_begin, v_end, BLOCK_V):
@@ -99,36 +100,49 @@ def fwd_stats_kernel(
                 p_l = l_ptr + (i_n * BLOCK_N).to(tl.int64) * stride_ln + v0
                 o_l = tl.arange(0, BLOCK_N)[:, None] * stride_ln + tl.arange(0, BLOCK_V)[None, :]
                 tl.store(p_l + o_l, b_z, mask=m_n[:, None] & m_v[None, :])
-        if SOFTCAP:  # with entropy element by element on the GPU (see capped_z)
-            if ENTROPY and not INTERPRET:
-                b_z = tl.map_elementwise(capped_z, b_z, cap, inv_cap, inv_t, o_v[None, :], v_end)
-            else:
-                b_z = capped_z(b_z, cap, inv_cap, inv_t, o_v[None, :], v_end, INTERPRET)
+        # the target's column: masked past the split (a split that is not a multiple of
+        # BLOCK_V, deterministic_tile, ends inside a tile whose last columns belong to the
+        # next); without a bias as an int32 offset in the tile, one compare per element
+        # (with one, ptxas spills the tile that way; docs/history.md)
+        if HAS_BIAS:
+            m_t = (o_v[None, :] == b_t[:, None]) & m_v[None, :]
         else:
-            b_z = tl.where(m_v[None, :], b_z * inv_t, float("-inf"))
-        # masked: a split that is not a multiple of BLOCK_V (deterministic_tile) ends
-        # inside a tile whose masked columns belong to the next split
-        m_t = (o_v[None, :] == b_t[:, None]) & m_v[None, :]
-        b_zt += tl.sum(tl.where(m_t, b_z, 0.0), axis=1)
+            b_trel = tl.where(b_t < v_end, b_t - v0, -1).to(tl.int32)
+            m_t = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
+        b_zt += tl.sum(tl.where(m_t, b_z, 0.0), axis=1)  # raw: scaled after the loop
+        if SOFTCAP:  # element by element on the GPU (see capped_z)
+            if INTERPRET:
+                b_z = capped_z(b_z, k_e, k_z, inv_t, INTERPRET)
+            else:
+                b_z = tl.map_elementwise(capped_z, b_z, k_e, k_z, inv_t)
+        else:
+            b_z = b_z * inv_t
+        partial = v0 + BLOCK_V > v_end  # the split's last tile, cut: the selects only there
+        if partial:
+            b_z = tl.where(m_v[None, :], b_z, float("-inf"))
         # online update; the first tile turns m from -inf into a finite maximum
         b_mn = tl.maximum(b_m, tl.max(b_z, axis=1))
         b_alpha = tl.exp(b_m - b_mn)
         if SOFTCAP and ENTROPY:  # element by element on the GPU (see capped_z)
-            args = (b_z, b_mn[:, None], o_v[None, :], v_end)
             if INTERPRET:
-                b_e, b_ed = stats_terms(*args)
+                b_e, b_ed = stats_terms(b_z, b_mn[:, None])
             else:
-                b_e, b_ed = tl.map_elementwise(stats_terms, *args)
+                b_e, b_ed = tl.map_elementwise(stats_terms, b_z, b_mn[:, None])
         else:
             b_d = b_z - b_mn[:, None]
             b_e = tl.exp(b_d)
+            if ENTROPY:
+                b_ed = b_e * b_d
         if ENTROPY:
+            if partial:  # masked columns: e = 0, d = -inf
+                b_ed = tl.where(m_v[None, :], b_ed, 0.0)
             b_shift = tl.where(b_s > 0, b_m - b_mn, 0.0)
-            if not SOFTCAP:
-                b_ed = tl.where(m_v[None, :], b_e * b_d, 0.0)
             b_a = b_alpha * (b_a + b_shift * b_s) + tl.sum(b_ed, axis=1)
         b_s = b_s * b_alpha + tl.sum(b_e, axis=1)
         b_m = b_mn
+    if SOFTCAP:  # the target's z with the series (0 where the target is elsewhere)
+        b_zt = softcap(b_zt, cap, inv_cap, INTERPRET)[0]
+    b_zt = b_zt * inv_t
     p_out = stats_ptr + (i_s.to(tl.int64) * N + o_n) * 4
     tl.store(p_out + 0, b_m, mask=m_n)
     tl.store(p_out + 1, b_s, mask=m_n)

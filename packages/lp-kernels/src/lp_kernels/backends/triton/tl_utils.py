@@ -4,7 +4,8 @@
 - :func:`logits_tile`: one fp32 tile of ``h W^T`` (the forward and the d_logits kernel).
 - :func:`operand_ptrs` and :func:`gemm_step`: one K step of lp's GEMMs (fp32 and fixed point).
 - :func:`softcap`: final-logit softcapping of fp32 logits and its slope, with
-  :func:`reciprocal` and :func:`exp_ftz` (one ``MUFU`` each on the GPU).
+  :func:`reciprocal` (one ``MUFU`` on the GPU);
+  :func:`cap_tanh`: the cap's tanh for the softmax terms of a tile (no series).
 
 Operands come through tensor descriptors (``TMA``) or masked pointer loads; both feed the
 same ``tl.dot`` sequence. Under the interpreter (``INTERPRET``) dots are an fp32
@@ -78,14 +79,6 @@ def reciprocal(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def exp_ftz(x):
-    """``e^x`` as ``tl.exp`` computes it (``x log2(e)`` in fp32, then ``ex2``) with the
-    flush-to-zero ``ex2``: one ``MUFU`` where ``tl.exp`` adds a compare and two multiplies
-    for subnormal results. The same bits unless ``e^x < 2^-126`` (then 0)."""
-    return tl.math.exp2(x * 1.4426950408889634)
-
-
-@triton.jit
 def softcap(l, cap, inv_cap, INTERPRET: tl.constexpr = False):
     """``(c tanh(l / c), 1 - tanh^2(l / c))`` of fp32 ``l``, from ``exp2`` and one reciprocal
     (the formula of ``lp_kernels._softcap``): ``e = exp(-2|x|)``, ``r = 1 / (1 + e)``,
@@ -111,6 +104,29 @@ def softcap(l, cap, inv_cap, INTERPRET: tl.constexpr = False):
         tl.float32, bitcast=True
     )
     return tl.where(a < float("inf"), cap * t, l), 4.0 * (er * r)
+
+
+@triton.jit
+def cap_tanh(l, k_e, INTERPRET: tl.constexpr = False):
+    """``(tanh(l / c), (1 - tanh^2) / 4)`` of fp32 ``l`` with ``k_e = -2 log2(e) / c``:
+    :func:`softcap`'s formula without its small-argument series (the slope ``e r^2``, its 4
+    left to the caller's per-row factors); ``l = +-inf`` gives ``+-1`` and slope 0, NaN
+    stays NaN. Elementwise (see :func:`softcap`).
+
+    For the softmax terms of a tile, where only ``e^(z / T)`` and the slope see the value:
+    ``r - e r`` loses relative accuracy as ``|l / c| -> 0`` (``1 - e`` cancels), but its
+    absolute error stays that of ``e`` and ``r`` (a few 2^-24), the bound that
+    :func:`softcap` itself has from ``|l / c| = 1/8`` up. The target's logit, which a
+    log-prob returns as it is, comes from :func:`softcap`. Six instructions per element
+    where :func:`softcap` takes thirteen."""
+    e = tl.math.exp2(tl.abs(l) * k_e)
+    r = reciprocal(1.0 + e, INTERPRET)
+    er = e * r
+    t = r - er
+    t = (t.to(tl.int32, bitcast=True) | (l.to(tl.int32, bitcast=True) & -2147483648)).to(
+        tl.float32, bitcast=True
+    )
+    return t, er * r
 
 
 @triton.jit
