@@ -100,6 +100,8 @@ class Launch:
     signature: tuple[tuple[str, str], ...]
     constexprs: tuple[tuple[str, object], ...]
     options: tuple[tuple[str, object], ...]
+    aligned: tuple[str, ...] = ()
+    """Arguments the JIT would mark 16-divisible (``tt.divisibility``): see :func:`_specialize`."""
 
     def describe(self) -> str:
         flags = ", ".join(f"{k}={v}" for k, v in self.constexprs)
@@ -125,6 +127,26 @@ def _arg_type(value) -> str:
     raise TypeError(f"no Triton signature type for a {type(value).__name__} argument")
 
 
+def _specialize(param, value) -> tuple[str, object]:
+    """How Triton's JIT specializes a runtime argument at a GPU launch: ``("constexpr", 1)``
+    for an int equal to 1, ``("aligned", None)`` for an int divisible by 16 or a tensor
+    whose address is (``tt.divisibility = 16``), else ``("plain", None)``; parameters in
+    ``do_not_specialize`` (``do_not_specialize_on_alignment``) keep all (their alignment).
+    Without it the compiled code would assume nothing of strides and addresses and
+    vectorize no store: not what the GPU runs."""
+    if param.do_not_specialize or isinstance(value, bool):
+        return "plain", None
+    if isinstance(value, int) and value == 1:
+        return "constexpr", 1
+    if param.do_not_specialize_on_alignment:
+        return "plain", None
+    if isinstance(value, int) and value % 16 == 0:
+        return "aligned", None
+    if isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0:
+        return "aligned", None
+    return "plain", None
+
+
 def _record(fn, args, kwargs) -> Launch:
     params = fn.params
     values = dict(zip((p.name for p in params[: len(args)]), args, strict=True))
@@ -134,7 +156,7 @@ def _record(fn, args, kwargs) -> Launch:
             options[key] = value
         else:
             values[key] = value
-    signature, constexprs = [], []
+    signature, constexprs, aligned = [], [], []
     for p in params:
         if p.name not in values:
             if not p.has_default:
@@ -143,12 +165,18 @@ def _record(fn, args, kwargs) -> Launch:
         value = values[p.name]
         if p.name == "INTERPRET":
             value = False  # the recorded launch ran on CPU; compile the GPU code path
-        if p.is_constexpr:
+        kind, fixed = ("constexpr", value) if p.is_constexpr else _specialize(p, value)
+        if kind == "constexpr":
             signature.append((p.name, "constexpr"))
-            constexprs.append((p.name, value))
+            constexprs.append((p.name, fixed))
         else:
             signature.append((p.name, _arg_type(value)))
-    return Launch(fn.__name__, tuple(signature), tuple(constexprs), tuple(sorted(options.items())))
+            if kind == "aligned":
+                aligned.append(p.name)
+    return Launch(
+        fn.__name__, tuple(signature), tuple(constexprs), tuple(sorted(options.items())),
+        tuple(aligned),
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -315,7 +343,8 @@ def _compile(
 
     names = [name for name, _ in launch.signature]
     constexprs = {(names.index(k),): v for k, v in launch.constexprs}
-    src = ASTSource(fn, dict(launch.signature), constexprs)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in launch.aligned}
+    src = ASTSource(fn, dict(launch.signature), constexprs, attrs)
     try:
         kernel = triton.compile(
             src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options)
