@@ -27,7 +27,7 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile, do not hit a cache
     cmd = [
         sys.executable, "-m", "lp_testing.aot", "--tiers", "large,mid", "--variants", "all",
-        "--jobs", str(max(os.cpu_count() or 1, 2)),
+        "--sass", "--jobs", str(max(os.cpu_count() or 1, 2)),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout
@@ -103,6 +103,25 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
     assert all(stack <= 256 for stack, _, _ in optional), max(optional)
     capped_dl = [f for f in optional if " dlogits_kernel[" in f[2]]
     assert capped_dl and all(stack <= 64 for stack, _, _ in capped_dl), max(capped_dl)
+    # Compiled as the JIT specializes a GPU launch (lp_testing.aot._specialize: unit strides
+    # as constants, 16-divisible ints and aligned addresses marked so): the bf16 d_logits
+    # tile (128 x 256, 8 warps) stores its 128 values per thread in 16-byte stores (16,
+    # one more with the bias gradient's column sums), not one 2-byte store each.
+    sass = [
+        (line, m) for line in lines
+        if (m := re.search(r"(\d+) ins +(\d+) mufu +(\d+) shfl +(\d+) stg", line))
+    ]  # fmt: skip
+    assert len(sass) == len(lines), lines[:3]
+    tile = [
+        (line, m) for line, m in sass
+        if " dlogits_kernel[" in line and "BLOCK_N=128, BLOCK_V=256" in line
+        and "num_warps=8" in line and line.endswith("; TMA]")
+    ]  # fmt: skip
+    assert tile and all(int(m.group(4)) <= 17 for _, m in tile), tile
+    # the cap's tanh (an ex2 and a reciprocal per element): more MUFU than the uncapped tile
+    capped = [int(m.group(2)) for line, m in tile if "SOFTCAP=True" in line]
+    plain = [int(m.group(2)) for line, m in tile if "SOFTCAP=False" in line]
+    assert capped and plain and min(capped) > max(plain)
     # Every launch pins FMA contraction (triton.config.FP_FUSION), the merge's included.
     assert all("enable_fp_fusion=True" in line for line in lines)
     assert any(" merge_kernel[" in line for line in lines)

@@ -26,6 +26,7 @@ interpreter objects that cannot be compiled). ``lp_kernels.backends.resolve.trit
 is patched instead, so the triton backend accepts CPU tensors. Usage::
 
     python -m lp_testing.aot [--tiers large,mid,small] [--variants all] [--jobs N]
+        [--options] [--sass] [--only NAME]
 
 It prints one line per compiled launch with its shared memory, and exits non-zero if any
 failed to compile or needs more shared memory than the smallest tier it serves offers
@@ -230,28 +231,36 @@ def _patched(*settings) -> Iterator[None]:
         yield
 
 
-def _problems():
+def _problems(options: bool = False):
     """(dtype, deterministic, entropy, H, deterministic_tile, V, cover) of the calls
     whose launches get compiled: both input dtype classes, both modes, with and without
     entropy, H a multiple of the tile or not, rows whose stride rules out tensor
     descriptors (H = 100 in bf16: 200 bytes), which takes the pointer path of every kernel,
     and deterministic tiles of every kind (several per backward piece, one per piece, cut
-    into pieces: see triton.deterministic.vocab_pieces). ``cover``: with a bias (and its
-    gradient) and a softcap, the kernels' HAS_BIAS / BIAS_GRAD / SOFTCAP variants."""
+    into pieces: see triton.deterministic.vocab_pieces). ``cover``: the logit options
+    (``"bias"``, with its gradient, and ``"softcap"``), the kernels' HAS_BIAS / BIAS_GRAD /
+    SOFTCAP variants. ``options``: also the bf16 default-mode calls of every option set,
+    with and without entropy, beside the plain ones (``--options``: what each option adds
+    to the same tile's code)."""
+    both = ("bias", "softcap")
     for det in (False, True):
         for dtype in (torch.bfloat16, torch.float32):
             for entropy, h in ((True, 256), (False, 200)):
-                yield dtype, det, entropy, h, 128, 1000, False
-            yield dtype, det, True, 256, 128, 1000, True
-        yield torch.bfloat16, det, True, 100, 128, 1000, False
+                yield dtype, det, entropy, h, 128, 1000, ()
+            yield dtype, det, True, 256, 128, 1000, both
+        yield torch.bfloat16, det, True, 100, 128, 1000, ()
     for dtype in (torch.bfloat16, torch.float32):
         for tile, v in ((384, 1000), (4224, 9000), (8320, 17000)):
-            yield dtype, True, True, 256, tile, v, False
-        yield dtype, True, True, 256, 4224, 9000, True
+            yield dtype, True, True, 256, tile, v, ()
+        yield dtype, True, True, 256, 4224, 9000, both
         # several vocabulary chunks at small N: the default backward's chunk groups (the
         # grad_hidden GEMM summing each chunk apart in one launch: MULTI; with "group2",
         # two groups of two, the second accumulating)
-        yield dtype, False, True, 256, 128, 25000, False
+        yield dtype, False, True, 256, 128, 25000, ()
+    if options:
+        for entropy in (False, True):
+            for cover in ((), ("bias",), ("softcap",), both):
+                yield torch.bfloat16, False, entropy, 256, 128, 1000, cover
 
 
 def _every_output(logprob, entropy, lse):
@@ -260,9 +269,12 @@ def _every_output(logprob, entropy, lse):
     return out if entropy is None else out - 0.1 * entropy
 
 
-def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Launch, object]:
-    """Distinct launches (-> the JITFunction) of forward + backward over :func:`_problems`,
-    with each named launch variant in turn on top of the defaults."""
+def collect(
+    tier: str = "large", experiments: tuple[str, ...] = (), options: bool = False
+) -> dict[Launch, object]:
+    """Distinct launches (-> the JITFunction) of forward + backward over :func:`_problems`
+    (``options``: see there), with each named launch variant in turn on top of the
+    defaults."""
     from lp_kernels import linear_logprob, linear_logprob_loss
 
     found: dict[Launch, object] = {}
@@ -272,18 +284,17 @@ def collect(tier: str = "large", experiments: tuple[str, ...] = ()) -> dict[Laun
         for attr, value in variant.get("patch", []):
             changes += _everywhere(attr, value)
         with _patched(*changes):
-            for dtype, det, entropy, h, tile, v, cover in _problems():
+            for dtype, det, entropy, h, tile, v, cover in _problems(options):
                 gen = torch.Generator().manual_seed(0)
                 n = 300
                 hidden = torch.randn(n, h, generator=gen).to(dtype).requires_grad_()
                 weight = torch.randn(v, h, generator=gen).to(dtype).requires_grad_()
                 targets = torch.randint(0, v, (n,), generator=gen)
                 extra = {}
-                if cover:
-                    extra = {
-                        "bias": torch.randn(v, generator=gen).requires_grad_(),
-                        "softcap": 30.0,
-                    }
+                if "bias" in cover:
+                    extra["bias"] = torch.randn(v, generator=gen).requires_grad_()
+                if "softcap" in cover:
+                    extra["softcap"] = 30.0
                 with gpu_launches(tier, variant.get("config")) as launches:
                     out = linear_logprob(
                         hidden, weight, targets, backend="triton", deterministic=det,
@@ -331,12 +342,40 @@ def resources(cubin: bytes) -> tuple[int, int] | None:
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
+def sass_counts(cubin: bytes) -> dict[str, int] | None:
+    """SASS instructions of a compiled kernel, from ``cuobjdump -sass``: ``{"all": n}`` and
+    the count of each of :data:`SASS_OPS` (the special-function unit's ``MUFU``, warp
+    shuffles, global stores); None if the tool is missing. Loops count once: compare
+    variants of one kernel, whose main loops are the same."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", out)
+    counts = collections.Counter(ops)
+    return {"all": len(ops), **{op: counts[op] for op in SASS_OPS}}
+
+
+SASS_OPS = ("MUFU", "SHFL", "STG")
+"""The instruction kinds :func:`sass_counts` counts apart."""
+
+
 def _compile(
-    fn, launch: Launch, arch: int, limit: int
-) -> tuple[str | None, int | None, tuple[int, int] | None]:
-    """(error or None, shared memory bytes, :func:`resources`) of compiling ``launch``; a
-    kernel that needs more shared memory than ``limit`` is an error (it would fail at
-    launch)."""
+    fn, launch: Launch, arch: int, limit: int, sass: bool = False
+) -> tuple[str | None, int | None, tuple[int, int] | None, dict[str, int] | None]:
+    """(error or None, shared memory bytes, :func:`resources`, :func:`sass_counts` if
+    ``sass``) of compiling ``launch``; a kernel that needs more shared memory than
+    ``limit`` is an error (it would fail at launch)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -350,16 +389,18 @@ def _compile(
             src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options)
         )
     except Exception as exc:  # reported per launch
-        return f"{type(exc).__name__}: {exc}", None, None
+        return f"{type(exc).__name__}: {exc}", None, None, None
     shared = kernel.metadata.shared
     res = resources(kernel.asm["cubin"])
+    counts = sass_counts(kernel.asm["cubin"]) if sass else None
     if shared > limit:
         return (
             f"needs {shared / 1024:.1f} KiB of shared memory; its tier offers {limit >> 10}",
             shared,
             res,
+            counts,
         )
-    return None, shared, res
+    return None, shared, res, counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,6 +409,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variants", default="", help=f"launch variants too: all or {','.join(EXPERIMENTS)}"
     )
+    parser.add_argument(
+        "--options", action="store_true",
+        help="also every logit option set (bias, softcap, both; with and without entropy) "
+        "on the bf16 default-mode tile",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sass", action="store_true",
+        help="SASS instruction counts per launch: all, MUFU, SHFL, STG (cuobjdump)",
+    )  # fmt: skip
+    parser.add_argument("--only", default="", help="compile only launches whose line has this")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
@@ -381,7 +432,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--variants: unknown {v!r}; expected all or {', '.join(EXPERIMENTS)}")
     found: dict[Launch, tuple[object, int]] = {}  # -> (JITFunction, smallest tier limit)
     for tier in args.tiers.split(","):
-        for launch, fn in collect(tier, tuple(names)).items():
+        for launch, fn in collect(tier, tuple(names), args.options).items():
+            if args.only not in launch.describe():
+                continue
             limit = min(smem_limit(tier), found.get(launch, (fn, smem_limit(tier)))[1])
             found[launch] = (fn, limit)
     t0 = time.perf_counter()
@@ -389,15 +442,20 @@ def main(argv: list[str] | None = None) -> int:
 
     def work(item):
         launch, (fn, limit) = item
-        return launch, *_compile(fn, launch, args.arch, limit)
+        return launch, *_compile(fn, launch, args.arch, limit, args.sass)
 
     # Threads: most of a compile is spent in MLIR passes and ptxas, outside the GIL.
     with concurrent.futures.ThreadPoolExecutor(max(args.jobs, 1)) as pool:
-        for launch, error, shared, res in pool.map(work, found.items()):
+        for launch, error, shared, res, counts in pool.map(work, found.items()):
             status = "ok" if error is None else "FAILED"
             smem = "-" if shared is None else f"{shared / 1024:.1f} KiB"
             regs = "-" if res is None else f"{res[0]:3d} regs {res[1]:5d} B stack"
-            print(f"{status:6} {smem:>10}  {regs:>20}  {launch.describe()}")
+            sass = ""
+            if counts is not None:
+                sass = f"{counts['all']:6d} ins " + " ".join(
+                    f"{counts[op]:4d} {op.lower()}" for op in SASS_OPS
+                ) + "  "  # fmt: skip
+            print(f"{status:6} {smem:>10}  {regs:>20}  {sass}{launch.describe()}")
             if error is not None:
                 failed += 1
                 print("       " + error.replace("\n", "\n       "))
