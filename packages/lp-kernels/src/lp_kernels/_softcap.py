@@ -4,7 +4,9 @@ The cap applies to the raw fp32 logits ``l = h W^T (+ b)``, before the temperatu
 its derivative ``dz / dl = 1 - tanh^2(l / c)`` to the logits gradient. The triton kernels
 have no libdevice under the interpreter, so tanh is built from ``exp`` and one reciprocal
 there (``backends.triton.tl_utils.softcap``); this module computes the same formula,
-so both backends share one definition of the numerics::
+so both backends share one definition of the numerics (the triton kernels' softmax terms
+take it without the series, ``tl_utils.cap_tanh``: only absolute errors matter there,
+and its absolute error is the formula's own; the target's logit takes all of it)::
 
     x = l / c,  a = |x|,  e = exp(-2a),  r = 1 / (1 + e)
     tanh(x) = sign(x) * (r - e r)                      a >= 1/8   ((1 - e) / (1 + e))
