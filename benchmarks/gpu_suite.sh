@@ -2,7 +2,7 @@
 # The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
 #   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [hf] [bench] [loss] [sweep]
-#       [profile-step] [ncu] [tp] [ab-tp] [ab-bits]
+#       [profile-step] [ncu] [tp] [ab-tp] [ab] [ab-bits]
 #   (default: tests megatron bench sweep)
 # SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help);
 # STEP_SHAPES (default S1,S4) and STEP_TRACE=1 (chrome traces, large) to profile-step;
@@ -16,7 +16,11 @@
 # liger's GRPO loss) into $OUT/loss/bench.{json,md}, with the same three variables; AB_OLD to ab-tp (an older tree's
 # packages/lp-kernels/src, e.g. made by `git archive REV packages/lp-kernels/src | tar -x -C
 # _old` before the call and carried with it; AB_SHAPES, AB_BACKENDS: its lp bench
-# options); MARK to the pytest stages (default
+# options); ab: the same on one GPU, lp bench alternating between this tree and AB_OLD
+# (AB_RUNS runs each, default 2; AB_SHAPES default S1,S2,S3,S4; AB_BACKENDS default
+# lp-triton; AB_ARGS more options, e.g. "--softcap 30 --bias" or "--mode fwd"), one line
+# per run and shape (ms and x floor), then the median milliseconds of each tree and their
+# ratio: a kernel change's A/B in one call; MARK to the pytest stages (default
 # "gpu or multigpu"; MARK=gpu skips the NCCL tests, e.g. tests-core after tp on -x2).
 # Writes logs, JUnit XML and bench/bench.{json,md,png} under $OUT (default ./gpu-out).
 # megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
@@ -119,6 +123,19 @@ for stage in $stages; do
           echo "$tag $i: $(grep -E '^ *[^ ]+ +[^ ]+ +[^ ]+ +lp-' "$OUT/ab-$tag-$i.log" | tr -s ' ' | tr '\n' ';')"
         done
       done ;;
+    ab)  # single-GPU A/B of lp bench against an older tree (AB_OLD), runs alternating
+      for i in $(seq "${AB_RUNS:-2}"); do
+        for tag in new old; do
+          src=$pk/lp-kernels/src
+          [ "$tag" = old ] && src=$PWD/${AB_OLD:?AB_OLD: the older tree\'s lp-kernels src}
+          PYTHONPATH=$src:$pk/lp-testing/src:$pk/lp-megatron/src:$pk/lp-bench/src${PYTHONPATH:+:$PYTHONPATH} \
+            python3 -m lp_bench.cli bench --shapes "${AB_SHAPES:-S1,S2,S3,S4}" \
+            --backends "${AB_BACKENDS:-lp-triton}" --reps 3 --no-check ${AB_ARGS:-} \
+            --out "$OUT/ab-$tag-$i" > "$OUT/ab-$tag-$i.log" 2>&1 || status=1
+          rm -f "$OUT/ab-$tag-$i/bench.png"
+        done
+      done
+      python3 benchmarks/ab_summary.py "$OUT" || status=1 ;;
     ncu)  # issue 3: hardware counters of each chunk kernel against cuBLAS's (ncu_chunk.py)
       for s in $(echo "${STEP_SHAPES:-S2,S1}" | tr , ' '); do
         (cd benchmarks && ncu --clock-control none --nvtx --nvtx-include "measured/" \
