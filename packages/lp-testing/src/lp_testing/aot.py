@@ -322,10 +322,9 @@ def smem_limit(tier: str) -> int:
     return {"large": 227 << 10, "mid": 163 << 10, "small": 99 << 10}[tier]
 
 
-def resources(cubin: bytes) -> tuple[int, int] | None:
-    """(registers per thread, stack frame bytes) of a compiled kernel, from ``cuobjdump
-    -res-usage`` (Triton's bundled copy); None if the tool is missing or says nothing."""
-    import re
+def cuobjdump(cubin: bytes, flag: str) -> str | None:
+    """The output of Triton's bundled ``cuobjdump flag`` on a cubin; None if the tool is
+    missing."""
     import subprocess
     import tempfile
 
@@ -337,8 +336,15 @@ def resources(cubin: bytes) -> tuple[int, int] | None:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
-    found = re.search(r"REG:(\d+) STACK:(\d+)", out.stdout)
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+
+
+def resources(cubin: bytes) -> tuple[int, int] | None:
+    """(registers per thread, stack frame bytes) of a compiled kernel, from ``cuobjdump
+    -res-usage``; None if the tool is missing or says nothing."""
+    import re
+
+    found = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(cubin, "-res-usage") or "")
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
@@ -349,18 +355,10 @@ def sass_counts(cubin: bytes) -> dict[str, int] | None:
     variants of one kernel, whose main loops are the same."""
     import collections
     import re
-    import subprocess
-    import tempfile
 
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
+    out = cuobjdump(cubin, "-sass")
+    if out is None:
         return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", out)
     counts = collections.Counter(ops)
     return {"all": len(ops), **{op: counts[op] for op in SASS_OPS}}
