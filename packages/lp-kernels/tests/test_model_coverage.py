@@ -271,6 +271,43 @@ def test_bias_without_grad_and_ignored_rows_with_large_bias(backend):
     assert torch.isfinite(h.grad).all()
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "cap5"])
+def test_bias_minus_inf_masks_its_columns(softcap, backend):
+    """``-inf`` bias entries drop their columns out of the softmax: logprob, lse and their
+    gradients equal fp64's over the other columns, and the masked columns' grad_bias and
+    grad_weight rows are exact zeros (the cap keeps ``-inf``; its slope there is 0)."""
+    gen = torch.Generator().manual_seed(21)
+    n, h_dim, v = 37, 64, 300
+    hidden, weight = torch.randn(n, h_dim, generator=gen), torch.randn(v, h_dim, generator=gen)
+    bias = torch.randn(v, generator=gen)
+    masked = [3, 150, 299]
+    bias[masked] = float("-inf")
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets = torch.where(torch.isin(targets, torch.tensor(masked)), targets - 1, targets)
+    h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
+    out = linear_logprob(h, w, targets, bias=b, softcap=softcap, backend=backend,
+                         return_lse=True)  # fmt: skip
+    (out.logprob.sum() + 0.3 * out.lse.sum()).backward()
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    logits = h64 @ w64.T + bias.double()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    keep = [j for j in range(v) if j not in masked]
+    lse = torch.logsumexp(logits[:, keep], dim=1)
+    logprob = logits.gather(1, targets[:, None])[:, 0] - lse
+    (logprob.sum() + 0.3 * lse.sum()).backward()
+    for name, got, want in (
+        ("logprob", out.logprob, logprob),
+        ("lse", out.lse, lse),
+        ("grad_hidden", h.grad, h64.grad),
+        ("grad_weight", w.grad, w64.grad),
+    ):
+        want = want.detach().float()
+        assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()), name=name)
+    assert_zero(b.grad, where=torch.isinf(bias), name="grad_bias of masked columns")
+    assert_zero(w.grad, where=torch.isinf(bias), name="grad_weight rows of masked columns")
+
+
 @pytest.mark.parametrize(
     ("layout", "tile"),
     [([(0, 512), (512, 512)], None), ([(0, 384), (384, 640)], 256), ([(0, 384), (384, 640)], -256)],
