@@ -79,6 +79,24 @@ def reciprocal(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def tanh_of_exp(e, INTERPRET: tl.constexpr = False):
+    """``(|tanh(x)|, (1 - tanh^2(x)) / 4)`` from ``e = exp(-2|x|)``: ``r = 1 / (1 + e)``,
+    ``r - e r`` (``(1 - e) / (1 + e)``; one FMA on the GPU) and ``e r^2``, one
+    :func:`reciprocal` for both (:func:`softcap` and :func:`cap_tanh`)."""
+    r = reciprocal(1.0 + e, INTERPRET)
+    er = e * r
+    return r - er, er * r
+
+
+@triton.jit
+def with_sign_of(t, x):
+    """``t >= 0`` with ``x``'s sign bit (one ``LOP3``, no compare and select)."""
+    return (t.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)).to(
+        tl.float32, bitcast=True
+    )
+
+
+@triton.jit
 def softcap(l, cap, inv_cap, INTERPRET: tl.constexpr = False):
     """``(c tanh(l / c), 1 - tanh^2(l / c))`` of fp32 ``l``, from ``exp2`` and one reciprocal
     (the formula of ``lp_kernels._softcap``): ``e = exp(-2|x|)``, ``r = 1 / (1 + e)``,
@@ -93,17 +111,11 @@ def softcap(l, cap, inv_cap, INTERPRET: tl.constexpr = False):
     x = l * inv_cap
     a = tl.abs(x)
     e = tl.math.exp2(a * -2.8853900817779268)  # exp(-2a): -2 log2(e) in fp32 (exact x 2)
-    r = reciprocal(1.0 + e, INTERPRET)
-    er = e * r
-    t = r - er  # (1 - e) / (1 + e); one FMA on the GPU
+    t, slope = tanh_of_exp(e, INTERPRET)
     a2 = a * a
     ts = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
-    t = tl.where(a < 0.125, ts, t)
-    # sign(x) |tanh|: x's sign bit on t >= 0 (one LOP3, no compare and select)
-    t = (t.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)).to(
-        tl.float32, bitcast=True
-    )
-    return tl.where(a < float("inf"), cap * t, l), 4.0 * (er * r)
+    t = with_sign_of(tl.where(a < 0.125, ts, t), x)
+    return tl.where(a < float("inf"), cap * t, l), 4.0 * slope
 
 
 @triton.jit
@@ -120,14 +132,8 @@ def cap_tanh(l, k_e, INTERPRET: tl.constexpr = False):
     log-prob returns as it is, comes from :func:`softcap`. In the bf16 d_logits tile the
     cap then costs 5 instructions per element where :func:`softcap` took 15 (Triton 3.9;
     ``python -m lp_testing.aot --options --sass``)."""
-    e = tl.math.exp2(tl.abs(l) * k_e)
-    r = reciprocal(1.0 + e, INTERPRET)
-    er = e * r
-    t = r - er
-    t = (t.to(tl.int32, bitcast=True) | (l.to(tl.int32, bitcast=True) & -2147483648)).to(
-        tl.float32, bitcast=True
-    )
-    return t, er * r
+    t, slope = tanh_of_exp(tl.math.exp2(tl.abs(l) * k_e), INTERPRET)
+    return with_sign_of(t, l), slope
 
 
 @triton.jit
