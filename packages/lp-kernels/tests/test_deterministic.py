@@ -58,10 +58,11 @@ def _rank(rank, world, problem, bounds, backend, tile=128, chunk=None, rows=None
 
         from lp_kernels.backends.triton import config as tri
 
-        vocab_chunk, token_chunk = chunk if isinstance(chunk, tuple) else (chunk, None)
+        vocab_chunk, token_chunk, *v_split = chunk if isinstance(chunk, tuple) else (chunk, None)
         tri.INTERPRET_CONFIG = dataclasses.replace(
             tri.INTERPRET_CONFIG, vocab_chunk=vocab_chunk,
             token_chunk=token_chunk or tri.INTERPRET_CONFIG.token_chunk,
+            v_split=v_split[0] if v_split else tri.INTERPRET_CONFIG.v_split,
         )  # fmt: skip
     start, size = bounds[rank]
     h = problem.hidden.clone().requires_grad_()
@@ -158,6 +159,9 @@ WIDE_CASES = {  # name -> (tile, vocab chunk [, token chunk] of the interpreter 
     # and token chunks of 16 rows: grad_W summed over them, pieces cut across shards (the
     # torch backend: chunk_size=16)
     "tile384-cut-rows": (384, (256, 16), 1152, ["tp1", "tp4-x", "tp3-x384"]),
+    # forward splits of 256 columns cut from each tile's start (two per tile: 256 + 128);
+    # the backward's pieces of a tile in one span (tile_groups at 37 rows)
+    "tile384-splits": (384, (256, None, 256), 1152, ["tp1", "tp3-w384", "tp4-x", "tp3-x384"]),
     # fp32 weights: grad_W of a piece that runs into the halo in fp32 scratch, with one
     # token chunk and with several
     "tile256-per-tile-fp32": (256, 256, 1024, ["tp1", "tp2-x", "tp3-x"], torch.float32),
@@ -213,6 +217,48 @@ def test_wider_tiles_bitwise_identical_across_layouts(case, backend):
     for name, got in zip(names, results["tp1"], strict=True):
         scale = float(truth[name].abs().max())
         assert_close(got, truth[name], rtol=2e-2, atol=2e-2 * scale, name=f"{name} vs fp64")
+
+
+def test_tile_groups_keep_every_rows_bits(monkeypatch):
+    """The triton backend at small N takes each wide tile's backward pieces in one span
+    (``tile_groups``) and splits the forward from each tile's start: the rows of a batch of
+    3 (grouped) are bitwise those of the same rows in a batch of 100 (2 x 100 rows pass the
+    interpreter's 128-row token chunk: one span per piece), outputs and grad_hidden (fp32:
+    a bf16 grad_hidden's last rounding would hide a changed sum)."""
+    import dataclasses
+
+    from lp_kernels.backends.triton import config as tri
+    from lp_kernels.backends.triton import deterministic as tdet
+
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        pytest.skip("triton on CPU needs TRITON_INTERPRET=1 (set when no GPU is present)")
+    # K steps of 64: a piece's sum (4 steps) differs from a running sum over the tile
+    cfg = dataclasses.replace(tri.INTERPRET_CONFIG, vocab_chunk=256, v_split=256, mm_block_k=64)
+    monkeypatch.setattr(tri, "INTERPRET_CONFIG", cfg)
+    assert tdet.tile_groups(3, 24, 384, 256, cfg) == 256
+    assert tdet.tile_groups(100, 24, 384, 256, cfg) is None
+    p = make_problem(
+        100, 24, 1000, dtype=torch.float32, seed=11, ignore_frac=0.1, padded_vocab=1152,
+        temperature=0.8,
+    )  # fmt: skip
+
+    g_lp, g_ent, g_lse = _upstream(p.n)  # per row of the batch of 100
+
+    def run(rows):
+        h = p.hidden[rows].clone().requires_grad_()
+        out = linear_logprob(
+            h, p.weight, p.targets[rows], deterministic=True, deterministic_tile=384,
+            return_entropy=True, return_lse=True, backend="triton", **p.op_kwargs(),
+        )  # fmt: skip
+        (
+            out.logprob * g_lp[rows] + out.entropy * g_ent[rows] + out.lse * g_lse[rows]
+        ).sum().backward()
+        return out.logprob, out.entropy, out.lse, h.grad
+
+    rows = torch.tensor([4, 57, 93])
+    names = ("logprob", "entropy", "lse", "grad_hidden")
+    for name, a, b in zip(names, run(rows), run(torch.arange(p.n)), strict=True):
+        assert_bitwise_equal(a, b[rows], f"{name}: 3 rows vs 100")
 
 
 def _torch_chunk_rank(rank, world, problem, bounds, tile):

@@ -168,12 +168,10 @@ def dlogits_kernel(
     m_n = o_n < N
     m_v = o_c < v_count
     b_z = logits_tile(
-        h_src, w_src, i_n * BLOCK_N, v_begin + i_v * BLOCK_V, m_n, m_v, H, stride_hn,
+        h_src, w_src, b_ptr, i_n * BLOCK_N, v_begin + i_v * BLOCK_V, m_n, m_v, H, stride_hn,
         stride_hh, stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET,
-        PRECISION, TMA,
+        PRECISION, TMA, HAS_BIAS,
     )  # fmt: skip
-    if HAS_BIAS:  # fp32 bias of the tile's columns
-        b_z += tl.load(b_ptr + v_begin + o_c, mask=m_v, other=0.0)[None, :]
     b_dz, b_t = dlogits_tile(
         b_z, t_ptr, lse_ptr, c0_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n,
         v_begin + i_v * BLOCK_V, inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, SOFTCAP, INTERPRET,

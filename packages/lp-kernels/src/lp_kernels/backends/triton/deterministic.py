@@ -12,15 +12,16 @@ tile needs (the halo) arrive by point-to-point sends (``distributed.halo.tile_ow
               whole: the tiles within the shard read it in place, the crossing tile a copy
               of its own rows joined to the halo, in a launch of its own)
               per token chunk (rows fixed by the global tile count, never by N):
-                _fwd_stats_kernel with V_SPLIT = w over the owned tiles of W_all: one
-                    partial (m, s, a, t) per row and owned tile    [T_max, rows, 4]
-                all-gather -> [P, T_max, rows, 4]; _merge_kernel visits the partials in
-                    (rank, tile) order = the global tile order, with empty partials
+                fwd_stats_kernel over the owned tiles of W_all, S = cdiv(w, v_split)
+                    splits per tile, cut from the tile's first column (TILE_W = w): one
+                    partial (m, s, a, t) per row, owned tile and split  [T_max * S, rows, 4]
+                all-gather -> [P, T_max * S, rows, 4]; merge_kernel visits the partials in
+                    (rank, tile, split) order = the global order, with empty partials
                     (m = -inf, s = a = t = 0) after each rank's owned tiles; adding an
                     exact zero leaves an fp32 sum unchanged, so every layout merges alike
     backward  per vocabulary span of W_all (backward_spans; from the first span that runs into the
               halo on, over a copy of those rows joined to it: _span_blocks), per token chunk:
-                _dlogits_kernel (as in the default path)
+                dlogits_kernel (as in the default path)
                 head fragment (the shard's columns in an earlier rank's tile): grad_W only,
                     here with several tiles per piece, else by the tile's owner (below)
                 w <= half a vocabulary chunk: a piece holds several owned tiles from the
@@ -85,8 +86,8 @@ from lp_kernels.backends.triton.fixed_point import (
     matmul_fixed,
     round_into,
 )
-from lp_kernels.backends.triton.forward import forward_stats, merge
-from lp_kernels.backends.triton.gemm import matmul_acc
+from lp_kernels.backends.triton.forward import forward_stats, merge, tile_splits
+from lp_kernels.backends.triton.gemm import matmul_acc, mm_block_n, narrow_block_n
 from lp_kernels.distributed.collectives import RowSums, gather_stats
 from lp_kernels.distributed.halo import bias_halo, owned_halo, return_halo_grad, with_halo
 from lp_kernels.tiles import DETERMINISTIC_TILE as TILE
@@ -97,6 +98,9 @@ from lp_kernels.tiles import DETERMINISTIC_TILE as TILE
 # element) once for the group instead of once per tile.
 ROUND_EXTRA_BYTES = 512 << 20
 _STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
+# The SM count that deterministic=True's launch groups plan for (:func:`tile_groups`): a
+# constant (an H100 SXM's or H200's), so that no rank's choice follows its own device.
+PLAN_SMS = 132
 
 
 def deterministic_config(
@@ -105,12 +109,14 @@ def deterministic_config(
     tile: int = TILE,
     base: TileConfig | None = None,
 ) -> tuple[TileConfig, tuple[int, int, int]]:
-    """``base`` (default: the default path's pinned ``config_for(device, dtype)``) with one
-    ``tile``-column tile per forward partial (128-column logit tiles for 128, else the
-    base's), and the fixed-point GEMM's tiles (``base.fixed_tiles``, else the pinned ones)."""
+    """``base`` (default: the default path's pinned ``config_for(device, dtype)``) with
+    forward splits of at most ``base.v_split`` columns cut from each ``tile``-column tile's
+    first column (``forward.tile_splits`` per tile; 128-column logit tiles for 128, else
+    the base's), and the fixed-point GEMM's tiles (``base.fixed_tiles``, else the pinned
+    ones)."""
     base = config_for(device, dtype) if base is None else base
     block_v = TILE if tile < base.block_v else base.block_v
-    cfg = dataclasses.replace(base, block_v=block_v, v_split=tile)
+    cfg = dataclasses.replace(base, block_v=block_v, v_split=min(tile, base.v_split))
     return cfg, base.fixed_tiles or fixed_tiles_for(device, dtype)
 
 
@@ -136,6 +142,28 @@ def vocab_pieces(v_real: int, tile: int, chunk: int) -> tuple[list[tuple[int, in
     return pieces, width
 
 
+def tile_groups(n: int, h_dim: int, tile: int, chunk: int, cfg: TileConfig) -> int | None:
+    """The width of the pieces (:func:`vocab_pieces`) that the backward merges into one span
+    per tile, or None (one span per piece).
+
+    Tiles wider than half a chunk, at small N (as ``backward.chunk_group``): when the N rows
+    fill at most half a token chunk, a whole tile's d_logits fits the chunk's scratch bound,
+    and grad_hidden's GEMM would take the narrow output tile anyway on :data:`PLAN_SMS` SMs.
+    Then a tile takes one d_logits launch, one grad_W GEMM and one grad_hidden GEMM whose
+    ``chunk_k`` (the piece width) keeps each piece's sum and the order of the additions:
+    grad_hidden's bits are those of one launch per piece, whatever N. The choice follows N,
+    the tile and the config, never the shard or the rank's device, so every layout makes
+    the same calls (grad_W's cuBLAS GEMM takes the merged shape)."""
+    if 2 * tile <= chunk or n == 0 or 2 * n > cfg.token_chunk:
+        return None
+    if n * pad128(tile) > cfg.token_chunk * cfg.vocab_chunk:
+        return None
+    if mm_block_n(cfg, n, h_dim, torch.device("cpu"), sms=PLAN_SMS) != narrow_block_n(cfg):
+        return None
+    pieces, width = vocab_pieces(tile, tile, chunk)
+    return width if len(pieces) > 1 else None
+
+
 def round_slots(tiles: int, n: int, h_dim: int, group: int) -> int:
     """Tiles rounded into grad_hidden's int64 sum per pass (one fp32 [n, h_dim] buffer
     each): at most ``group`` (``TileConfig.round_group``) and the owned ``tiles``, and the
@@ -146,7 +174,7 @@ def round_slots(tiles: int, n: int, h_dim: int, group: int) -> int:
 
 def _stats_rows(p: LogprobParams, cfg: TileConfig, max_tiles: int) -> int:
     """Token rows per forward chunk: the gathered partials stay within _STATS_BYTES."""
-    tiles = max(max_tiles, 1) * max(p.tp_size, 1)
+    tiles = max(max_tiles, 1) * max(p.tp_size, 1) * tile_splits(p.deterministic_tile, cfg)
     rows = _STATS_BYTES // (tiles * N_STATS * 4)
     return max(cfg.block_n, rows // cfg.block_n * cfg.block_n)
 
@@ -261,9 +289,12 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         step = _stats_rows(p, cfg, own.max_tiles)
         for r0 in range(0, max(n, 1), step):
             r1 = min(n, r0 + step)
-            stats = [forward_stats(hidden[r0:r1], w, t[r0:r1], pf, cfg, b) for w, t, pf, b in fwd]
-            stats = stats[0] if len(stats) == 1 else torch.cat(stats)  # [T_max, rows, 4]
-            gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, T_max, rows, 4]
+            stats = [
+                forward_stats(hidden[r0:r1], w, t[r0:r1], pf, cfg, b, tile=tile)
+                for w, t, pf, b in fwd
+            ]
+            stats = stats[0] if len(stats) == 1 else torch.cat(stats)  # [T_max * S, rows, 4]
+            gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, T_max * S, rows, 4]
             parts.append(merge(gathered.flatten(0, 1), entropy=p.return_entropy))
         lse, mean_z, zt, ent = (
             None if part[0] is None else torch.cat(part) for part in zip(*parts, strict=True)
@@ -288,6 +319,11 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         dev = hidden.device
         # the head fragment's span (several tiles per piece) serves grad_W and grad_bias
         spans, n_frag, width = backward_spans(own, p, cfg.vocab_chunk, need_w or need_b)
+        chunk_k = tile_groups(n, h_dim, tile, cfg.vocab_chunk, cfg)
+        if chunk_k is not None:  # one span per tile (the pieces' sums kept: chunk_k)
+            spans = [(b, c) for b, c in spans if (b - own.skip) % tile == 0]
+            spans = [(b, min(tile, own.ext - (b - own.skip))) for b, _ in spans]
+            width = pad128(tile)
         b_real = None if bias is None else bias[:v_real].float()
         span_bias = None  # (b_real, b_halo, grad_bias over the real rows, then the halo)
         if bias is not None:
@@ -332,7 +368,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                 return  # the head fragment feeds grad_W only
             if per_tile:  # the default path's fp32 GEMM, then one rounding
                 f = leaf32[pending, r0:r1]
-                matmul_acc(f, dl, w_chunk, cfg, k_a=cols, accumulate=not first)
+                matmul_acc(f, dl, w_chunk, cfg, k_a=cols, accumulate=not first, chunk_k=chunk_k)
                 if flush:
                     f = leaf32[: pending + 1, r0:r1]
                     round_into(acc_h[r0:r1], f, scale[r0:r1], accumulate=written)

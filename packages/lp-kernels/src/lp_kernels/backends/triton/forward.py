@@ -62,12 +62,17 @@ def fwd_stats_kernel(
     V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
     TMA: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, STORE_L: tl.constexpr,
+    TILE_W: tl.constexpr = 0,
 ):  # fmt: skip
     """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target],
     with z = softcap(h W^T (+ b)) / T (``SOFTCAP``: c tanh(l / c); the target's z from
     ``softcap``, the softmax terms' from ``cap_tanh``, see ``capped_z``). ``STORE_L``: also
     store the raw logits l = h W^T (+ b) (fp32, the real columns) to ``l_ptr`` (row
-    stride ``stride_ln``)."""
+    stride ``stride_ln``).
+
+    Splits are ``V_SPLIT`` columns from column 0, or, with ``TILE_W`` (``deterministic=True``'s
+    tile width), ``V_SPLIT`` columns from each ``TILE_W``-wide tile's first column, the
+    tile's last split cut at its end: ``cdiv(TILE_W, V_SPLIT)`` splits per tile, in order."""
     i_n, i_s = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -78,17 +83,22 @@ def fwd_stats_kernel(
     b_zt = tl.zeros([BLOCK_N], dtype=tl.float32)  # the target's raw logit l
     k_e = inv_cap * -2.8853900817779268  # -2 log2(e) / c
     k_z = cap * inv_t
-    v_begin = i_s * V_SPLIT
-    v_end = tl.minimum(v_begin + V_SPLIT, V_real)
+    if TILE_W > 0:
+        SUBS: tl.constexpr = (TILE_W + V_SPLIT - 1) // V_SPLIT
+        i_t = i_s // SUBS
+        v_begin = i_t * TILE_W + (i_s - i_t * SUBS) * V_SPLIT
+        v_end = tl.minimum(tl.minimum(v_begin + V_SPLIT, i_t * TILE_W + TILE_W), V_real)
+    else:
+        v_begin = i_s * V_SPLIT
+        v_end = tl.minimum(v_begin + V_SPLIT, V_real)
     for v0 in tl.range(v_begin, v_end, BLOCK_V):
         o_v = v0 + tl.arange(0, BLOCK_V)
         m_v = o_v < v_end
         b_z = logits_tile(
-            h_src, w_src, i_n * BLOCK_N, v0, m_n, m_v, H, stride_hn, stride_hh, stride_wv,
-            stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET, PRECISION, TMA,
+            h_src, w_src, b_ptr, i_n * BLOCK_N, v0, m_n, m_v, H, stride_hn, stride_hh,
+            stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET, PRECISION, TMA,
+            HAS_BIAS,
         )  # fmt: skip
-        if HAS_BIAS:  # fp32 bias of the tile's columns
-            b_z += tl.load(b_ptr + o_v, mask=m_v, other=0.0)[None, :]
         if STORE_L:
             if TMA:  # a tensor descriptor over [N, V_real]: the tile's out-of-bounds part is cut
                 b_l0, b_l1 = tl.split(
@@ -196,18 +206,24 @@ def forward_stats(
     cfg: TileConfig,
     b_real: torch.Tensor | None = None,
     l_out: torch.Tensor | None = None,
+    tile: int = 0,
 ) -> torch.Tensor:
     """``[S, N, 4]`` fp32 partial statistics of this shard's splits (``b_real``: the fp32
     bias of ``w_real``'s rows, or None). ``l_out``: None, or an fp32 ``[N, >= V_real]``
     buffer (unit column stride) that receives the raw logits ``h W^T (+ b)`` of the real
-    columns (before the cap and the temperature).
+    columns (before the cap and the temperature). ``tile``: 0 (splits of ``cfg.v_split``
+    columns), or the width of the tiles that the splits cut from their first columns
+    (:func:`tile_splits` per tile; ``deterministic=True``).
 
     S is set by the largest shard of the group, so that every rank exchanges the same
     number of bytes; splits past this shard's end report ``m = -inf, s = a = t = 0``.
     """
     n, h_dim = hidden.shape
     v_real = w_real.shape[0]
-    splits = triton.cdiv(max(p.max_v_local, v_real), cfg.v_split)
+    if tile:
+        splits = triton.cdiv(max(p.max_v_local, v_real), tile) * tile_splits(tile, cfg)
+    else:
+        splits = triton.cdiv(max(p.max_v_local, v_real), cfg.v_split)
     stats = scratch.empty((splits, n, N_STATS), dtype=torch.float32, device=hidden.device)
     if n == 0 or splits == 0:
         return stats
@@ -221,11 +237,17 @@ def forward_stats(
         0 if l_out is None else l_out.stride(0),
         V_SPLIT=cfg.v_split, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=p.return_entropy, TMA=tma, HAS_BIAS=b_real is not None,
-        SOFTCAP=p.softcap is not None, STORE_L=l_out is not None,
+        SOFTCAP=p.softcap is not None, STORE_L=l_out is not None, TILE_W=tile,
         **logit_flags(hidden, cfg),
         **launch_opts(cfg, hidden.device),
     )  # fmt: skip
     return stats
+
+
+def tile_splits(tile: int, cfg: TileConfig) -> int:
+    """Forward splits per ``tile``-column tile: ``cfg.v_split`` columns each from the
+    tile's first column, the last cut at the tile's end."""
+    return triton.cdiv(tile, cfg.v_split)
 
 
 def logits_out(l_out: torch.Tensor, n: int, v_real: int, cfg: TileConfig, tma: bool):

@@ -4,18 +4,18 @@ The logits never reach memory in the forward; the backward's scratch is one chun
 
 Data flow for one rank (V_r = real columns of this shard, S = V_r / V_SPLIT splits)::
 
-    forward   _fwd_stats_kernel, one program per (row block, split):
+    forward   fwd_stats_kernel, one program per (row block, split):
                 for each BLOCK_V tile of the split:  z = (h W^T) / T  on chip (fp32 acc)
                 online (m, s, a, t) per row  ->  stats [S, N, 4]   (logits never stored)
               all-gather over tp_group -> [P * S, N, 4]
-              _merge_kernel: merge the P * S partials of each row in order -> lse, E, t, entropy
+              merge_kernel: merge the P * S partials of each row in order -> lse, E, t, entropy
     backward  for each vocabulary chunk of VOCAB_CHUNK columns, for each token chunk of
               TOKEN_CHUNK rows (both fixed):
-                _dlogits_kernel: recompute z tile by tile, d l = d z / T, stored in the
+                dlogits_kernel: recompute z tile by tile, d l = d z / T, stored in the
                     input dtype -> scratch [TOKEN_CHUNK, VOCAB_CHUNK]   (bounded, any N)
                 grad_W[chunk] = d l^T @ h          cuBLAS: one GEMM when N fits one token
                     chunk, else fp32 accumulation over token chunks ([VOCAB_CHUNK, H])
-                grad_h (fp32) += d l @ W[chunk]    _matmul_acc_kernel, each program owns its tile
+                grad_h (fp32) += d l @ W[chunk]    matmul_acc_kernel, each program owns its tile
               (small N: a group of chunks per launch, each chunk still summed apart and
               added in order: chunk_group, MULTI)
               grad_h all-reduced over tp_group (fp32) unless reduce_grad_hidden=False

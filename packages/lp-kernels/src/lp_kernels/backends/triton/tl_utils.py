@@ -28,16 +28,25 @@ def grouped(pid, blocks_m, blocks_n, group):
 
 @triton.jit
 def logits_tile(
-    h_src, w_src, row0, col0, m_n, m_v, H, stride_hn, stride_hh, stride_wv, stride_wh,
+    h_src, w_src, b_ptr, row0, col0, m_n, m_v, H, stride_hn, stride_hh, stride_wv, stride_wh,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    """fp32 ``[BLOCK_N, BLOCK_V]`` tile of ``h W^T`` for rows ``row0 +`` and columns ``col0 +``.
+    """fp32 ``[BLOCK_N, BLOCK_V]`` tile of ``h W^T (+ b)`` for rows ``row0 +`` and columns
+    ``col0 +``.
 
     ``h_src`` / ``w_src`` are tensor descriptors (TMA: out-of-bounds reads are zeros) or
     base pointers (masked loads, zeros likewise): the same products in the same order.
+    ``HAS_BIAS``: the accumulator starts from the fp32 bias ``b_ptr[col0 +]`` (zeros past
+    ``m_v``), so the bias is the first term of every logit's sum and no ``[BLOCK_V]``
+    vector waits beside the finished tile.
     """
-    b_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    if HAS_BIAS:
+        b_b = tl.load(b_ptr + col0 + tl.arange(0, BLOCK_V), mask=m_v, other=0.0)
+        b_acc = tl.broadcast_to(b_b[None, :], [BLOCK_N, BLOCK_V])
+    else:
+        b_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     if not TMA:
         o_h = tl.arange(0, BLOCK_H)
         o_n = row0 + tl.arange(0, BLOCK_N)
