@@ -12,6 +12,10 @@ largest idle gaps between kernels, and the busy time per kernel name, largest fi
 ``--trace DIR`` also writes chrome traces. On CPU it runs a tiny shape through the
 interpreter, as a smoke test of the script (CPU op times only).
 
+``--host`` adds a cProfile of the forward alone and of the step (20 calls each, no
+synchronization between them): the Python functions with the most host time of their
+own per call, to find what the host does before the first kernel.
+
 ``--tp P`` under ``torchrun --nproc-per-node P`` (NCCL; gloo on CPU) profiles one rank's
 step of the head split P ways on Megatron's layout (``lp_bench.protocol.tp_shard``): each
 rank's figures, collectives included, are printed and written by rank 0.
@@ -86,6 +90,36 @@ def _queued_ms(fn, device: str, reps: int = 3) -> float:
     return statistics.median(time_cuda(fn, warmup=0, reps=reps, before=sleep))
 
 
+def _host_profile(fn, device: str, calls: int = 20, top: int = 15) -> list[dict]:
+    """The functions with the most host time of their own (cProfile ``tottime``) over
+    ``calls`` calls made back to back after a warm-up call, per call in microseconds."""
+    import cProfile
+    import pstats
+
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+    rows = [
+        {
+            "function": f"{os.path.basename(file)}:{line}({func})",
+            "own_us": tt / calls * 1e6,
+            "cum_us": ct / calls * 1e6,
+            "calls": nc / calls,
+        }
+        for (file, line, func), (_, nc, tt, ct, _) in stats.items()
+    ]
+    rows.sort(key=lambda r: -r["own_us"])
+    return rows[:top]
+
+
 def _gaps(prof, top: int = 8) -> list[dict]:
     """The largest idle gaps between consecutive GPU activities of the profiled step, with
     the activities on either side (where the GPU waited)."""
@@ -105,8 +139,9 @@ def _gaps(prof, top: int = 8) -> list[dict]:
 
 
 def profile_shape(
-    name: str, n: int, h: int, v: int, device: str, det: bool, trace_dir: str | None = None
-) -> dict:
+    name: str, n: int, h: int, v: int, device: str, det: bool, trace_dir: str | None = None,
+    host: bool = False,
+) -> dict:  # fmt: skip
     hidden, weight, targets, grad_out = make_inputs(n, h, v, device=device)
     if dist.is_initialized():
         weight, start = tp_shard(weight, dist.get_world_size(), dist.get_rank())
@@ -161,7 +196,13 @@ def profile_shape(
         calls[ev.name[:80]] += 1
     busy = sum(per_name.values())
     kernels = sorted(per_name.items(), key=lambda kv: -kv[1])
+    host_rows = {}
+    if host:
+        with torch.no_grad():
+            host_rows["fwd"] = _host_profile(fwd, device)
+        host_rows["step"] = _host_profile(fn, device)
     return {
+        "host_profile": host_rows,
         "shape": name, "N": n, "H": h, "V": v, "deterministic": det, "wall_ms": wall,
         "host_ms": host, "queued_wall_ms": hidden_wall, "fwd_wall_ms": fwd_wall,
         "fwd_queued_ms": fwd_queued, "fwd_host_ms": fwd_host, "gemm_wall_ms": gemm_wall,
@@ -181,6 +222,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--trace", default=None, help="folder for chrome traces (GPU)")
     ap.add_argument("--tp", type=int, default=1, help="under torchrun: the head split P ways")
+    ap.add_argument("--host", action="store_true", help="also cProfile the host's calls")
     args = ap.parse_args()
     DET_TILE["tile"] = args.det_tile
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -193,7 +235,7 @@ def main() -> None:
             raise ValueError(f"--tp {args.tp} needs as many torchrun processes")
     shapes = parse_shapes(args.shapes) if device == "cuda" else [("tiny", 64, 32, 1000)]
     rows = [
-        profile_shape(*s, device, det, args.trace)
+        profile_shape(*s, device, det, args.trace, args.host)
         for s in shapes
         for det in ((False, True) if args.det else (False,))
     ]
@@ -220,6 +262,12 @@ def main() -> None:
             print(f"   gap {g['ms']:7.3f} ms  after {g['after']}  before {g['before']}")
         for k in r["kernels"][:12]:
             print(f"   {k['ms']:9.2f} ms  x{k['calls']:<4d} {k['name']}")
+        for what, funcs in r["host_profile"].items():
+            print(f"   host, {what} (us per call: own, cumulative; calls per call):")
+            for f in funcs:
+                print(
+                    f"   {f['own_us']:9.1f} {f['cum_us']:9.1f} {f['calls']:6.1f}  {f['function']}"
+                )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -70,7 +70,7 @@ import triton
 from lp_kernels._compile import backend_backward
 from lp_kernels._fixed_point import row_exponents
 from lp_kernels._matmul import addmm_f32_, scratch
-from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream
+from lp_kernels._stats import N_STATS, masked_upstream
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
@@ -86,7 +86,7 @@ from lp_kernels.backends.triton.fixed_point import (
     matmul_fixed,
     round_into,
 )
-from lp_kernels.backends.triton.forward import forward_stats, merge, tile_splits
+from lp_kernels.backends.triton.forward import forward_stats, merge_outputs, tile_splits
 from lp_kernels.backends.triton.gemm import matmul_acc, mm_block_n, narrow_block_n
 from lp_kernels.distributed.collectives import RowSums, gather_stats
 from lp_kernels.distributed.halo import bias_halo, owned_halo, return_halo_grad, with_halo
@@ -295,13 +295,18 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             ]
             stats = stats[0] if len(stats) == 1 else torch.cat(stats)  # [T_max * S, rows, 4]
             gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, T_max * S, rows, 4]
-            parts.append(merge(gathered.flatten(0, 1), entropy=p.return_entropy))
-        lse, mean_z, zt, ent = (
-            None if part[0] is None else torch.cat(part) for part in zip(*parts, strict=True)
+            lse, mean_z, outputs = merge_outputs(
+                gathered.flatten(0, 1), ignored[r0:r1], entropy=p.return_entropy,
+                return_lse=p.return_lse,
+            )  # fmt: skip
+            parts.append((lse, mean_z, *outputs))
+        lse, mean_z, *outputs = (
+            None if part[0] is None else torch.cat(part) if len(part) > 1 else part[0]
+            for part in zip(*parts, strict=True)
         )
         ctx.save_for_backward(hidden, weight, bias, t_all, ignored, lse, mean_z, halo, b_halo)
         ctx.params = p
-        return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
+        return tuple(outputs)
 
     @staticmethod
     @backend_backward

@@ -4,8 +4,10 @@ and their merge in order.
 ``fwd_stats_kernel``, one program per (row block, split): for each ``BLOCK_V`` tile of the
 split, ``z = (h W^T) / T`` on chip (fp32 accumulation), online ``(m, s, a, t)`` per row
 -> ``stats [S, N, 4]`` (the logits are never stored). ``merge_kernel`` visits the
-``P * S`` partials of each row in (rank, split) order -> lse, E, target logit, entropy.
-The algebra is ``lp_kernels._stats``'.
+``P * S`` partials of each row in (rank, split) order -> lse and E (the backward's), and
+the op's logprob, entropy and lse, masked as ``lp_kernels._stats.masked_outputs`` masks
+them (one launch instead of a handful of elementwise torch ops, each of which costs host
+time before a forward-only call's first kernel). The algebra is ``lp_kernels._stats``'.
 """
 
 from __future__ import annotations
@@ -162,10 +164,15 @@ def fwd_stats_kernel(
 
 @triton.jit(do_not_specialize=["K", "N"])
 def merge_kernel(
-    stats_ptr, lse_ptr, mean_ptr, zt_ptr, ent_ptr, K, N,
-    BLOCK_N: tl.constexpr, ENTROPY: tl.constexpr,
+    stats_ptr, lse_ptr, mean_ptr, zt_ptr, ent_ptr, ign_ptr, lseo_ptr, K, N,
+    BLOCK_N: tl.constexpr, ENTROPY: tl.constexpr, LSE_OUT: tl.constexpr,
 ):  # fmt: skip
-    """Merge K partials per row in order (see lp_kernels._stats for the algebra)."""
+    """Merge K partials per row in order (see lp_kernels._stats for the algebra).
+
+    ``lse_ptr`` and ``mean_ptr`` receive the raw log-sum-exp and E (the backward's);
+    ``zt_ptr``, ``ent_ptr`` and ``lseo_ptr`` (``LSE_OUT``) the op's logprob ``t - lse``,
+    entropy and log-sum-exp as ``lp_kernels._stats.masked_outputs`` makes them: exact
+    zeros on the rows that ``ign_ptr`` marks, NaN where the log-sum-exp is not finite."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     b_big_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
@@ -187,12 +194,20 @@ def merge_kernel(
             b_big_b += b_w * (b_ak + b_shift * b_sk)
         b_zt += tl.load(p + 3, mask=m_n, other=0.0)
     b_log_s = tl.log(b_big_s)
-    tl.store(lse_ptr + o_n, b_big_m + b_log_s, mask=m_n)
+    b_lse = b_big_m + b_log_s
+    tl.store(lse_ptr + o_n, b_lse, mask=m_n)
+    b_dead = tl.load(ign_ptr + o_n, mask=m_n, other=0) != 0
+    b_bad = (tl.abs(b_lse) == float("inf")) | (b_lse != b_lse)
+    b_zt = tl.where(b_dead, 0.0, tl.where(b_bad, float("nan"), b_zt - b_lse))
+    if LSE_OUT:
+        b_lse_out = tl.where(b_dead, 0.0, tl.where(b_bad, float("nan"), b_lse))
+        tl.store(lseo_ptr + o_n, b_lse_out, mask=m_n)
     tl.store(zt_ptr + o_n, b_zt, mask=m_n)
     if ENTROPY:
         b_ms = b_big_b / b_big_s
         tl.store(mean_ptr + o_n, b_big_m + b_ms, mask=m_n)
-        tl.store(ent_ptr + o_n, b_log_s - b_ms, mask=m_n)
+        b_ent = tl.where(b_dead, 0.0, tl.where(b_bad, float("nan"), b_log_s - b_ms))
+        tl.store(ent_ptr + o_n, b_ent, mask=m_n)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -279,19 +294,27 @@ def logits_sources(hidden: torch.Tensor, w_real: torch.Tensor, cfg: TileConfig):
     return hidden, w_real, False
 
 
-def merge(stats: torch.Tensor, *, entropy: bool):
-    """Merge ``[K, N, 4]`` partials per row in order -> (lse, E or None, t, entropy or None)."""
+def merge_outputs(stats: torch.Tensor, ignored: torch.Tensor, *, entropy: bool, return_lse: bool):
+    """Merge ``[K, N, 4]`` partials per row in order, and make the op's outputs in the same
+    launch: ``(lse, E or None, (logprob, entropy or None, lse or None))``. The first two
+    are raw (what the backward reads); the outputs are exactly what
+    ``lp_kernels._stats.masked_outputs`` makes of the merged statistics (``ignored``: the
+    ``[N]`` bool mask of ignored rows)."""
     k, n, _ = stats.shape
     dev = stats.device
-    lse = torch.empty(n, dtype=torch.float32, device=dev)
-    zt = torch.empty(n, dtype=torch.float32, device=dev)
-    mean = torch.empty(n, dtype=torch.float32, device=dev) if entropy else None
-    ent = torch.empty(n, dtype=torch.float32, device=dev) if entropy else None
+
+    def empty():
+        return torch.empty(n, dtype=torch.float32, device=dev)
+
+    lse, zt = empty(), empty()
+    mean, ent = (empty(), empty()) if entropy else (None, None)
+    lse_out = empty() if return_lse else None
     if n == 0:
-        return lse, mean, zt, ent
+        return lse, mean, (zt, ent, lse_out)
     block = 128 if dev.type != "cpu" else 256
     merge_kernel[(triton.cdiv(n, block),)](
-        stats.contiguous(), lse, mean if entropy else lse, zt, ent if entropy else lse, k, n,
-        BLOCK_N=block, ENTROPY=entropy, **compile_opts(dev),
+        stats.contiguous(), lse, mean if entropy else lse, zt, ent if entropy else lse,
+        ignored, lse if lse_out is None else lse_out, k, n,
+        BLOCK_N=block, ENTROPY=entropy, LSE_OUT=lse_out is not None, **compile_opts(dev),
     )  # fmt: skip
-    return lse, mean, zt, ent
+    return lse, mean, (zt, ent, lse_out)

@@ -8,7 +8,8 @@ Data flow for one rank (V_r = real columns of this shard, S = V_r / V_SPLIT spli
                 for each BLOCK_V tile of the split:  z = (h W^T) / T  on chip (fp32 acc)
                 online (m, s, a, t) per row  ->  stats [S, N, 4]   (logits never stored)
               all-gather over tp_group -> [P * S, N, 4]
-              merge_kernel: merge the P * S partials of each row in order -> lse, E, t, entropy
+              merge_kernel: merge the P * S partials of each row in order -> lse, E, and the
+                  outputs (logprob, entropy, lse; ignored rows 0, non-finite rows NaN)
     backward  for each vocabulary chunk of VOCAB_CHUNK columns, for each token chunk of
               TOKEN_CHUNK rows (both fixed):
                 dlogits_kernel: recompute z tile by tile, d l = d z / T, stored in the
@@ -64,7 +65,7 @@ from lp_kernels import _amp
 from lp_kernels._compile import backend_backward, eager_under_compile
 from lp_kernels._matmul import addmm_f32_, scratch
 from lp_kernels._prepare import prepare, shaped
-from lp_kernels._stats import masked_outputs, masked_upstream
+from lp_kernels._stats import masked_upstream
 from lp_kernels._types import LogProbOutput, LogprobParams
 from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
@@ -76,7 +77,7 @@ from lp_kernels.backends.triton.backward import (
 )
 from lp_kernels.backends.triton.config import TileConfig, config_for, pad128
 from lp_kernels.backends.triton.deterministic import LinearLogprobTritonDeterministic
-from lp_kernels.backends.triton.forward import forward_stats, merge
+from lp_kernels.backends.triton.forward import forward_stats, merge_outputs
 from lp_kernels.backends.triton.gemm import matmul_acc
 from lp_kernels.distributed.collectives import RowSums, gather_stats
 
@@ -94,10 +95,12 @@ class LinearLogprobTriton(torch.autograd.Function):
         b_real = None if bias is None else bias[: w_real.shape[0]].float()
         stats = forward_stats(hidden, w_real, t_col, p, cfg, b_real)
         gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, S, N, 4]
-        lse, mean_z, zt, ent = merge(gathered.flatten(0, 1), entropy=p.return_entropy)
+        lse, mean_z, outputs = merge_outputs(
+            gathered.flatten(0, 1), ignored, entropy=p.return_entropy, return_lse=p.return_lse
+        )
         ctx.save_for_backward(hidden, weight, bias, t_col, ignored, lse, mean_z)
         ctx.params = p
-        return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
+        return outputs
 
     @staticmethod
     @backend_backward

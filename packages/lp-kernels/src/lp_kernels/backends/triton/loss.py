@@ -42,7 +42,7 @@ from lp_kernels._loss import (
 )
 from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
 from lp_kernels._prepare import prepare
-from lp_kernels._stats import lse_coefficient, masked_outputs
+from lp_kernels._stats import lse_coefficient
 from lp_kernels._types import LogprobParams, LossOutput
 from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
@@ -63,7 +63,7 @@ from lp_kernels.backends.triton.config import (
     pad128,
     sm_count,
 )
-from lp_kernels.backends.triton.forward import cap_args, forward_stats, merge
+from lp_kernels.backends.triton.forward import cap_args, forward_stats, merge_outputs
 from lp_kernels.distributed.collectives import RowSums, gather_stats
 
 
@@ -256,9 +256,10 @@ class LinearLogprobLossTriton(FinishedGradients):
                 r0, r1 = r1, r1 + k
                 stats = forward_stats(hidden[r0:r1], w_real, t_col[r0:r1], p, cfg, b_real, lbuf[:k])
                 gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, S, k, 4]
-                lse_c, mean_c, zt_c, ent_c = merge(gathered.flatten(0, 1), entropy=p.return_entropy)
                 dead = ignored[r0:r1]
-                lp_c, e_c, ls_c = masked_outputs(dead, zt_c, lse_c, ent_c, return_lse=True)
+                lse_c, mean_c, (lp_c, e_c, ls_c) = merge_outputs(
+                    gathered.flatten(0, 1), dead, entropy=p.return_entropy, return_lse=True
+                )
                 values = block_values(spec.per_token, r0, r1, k)
                 loss_c, g = block_loss(spec, lp_c, e_c, ls_c, dead, values)
                 for out, x in zip(outs, (loss_c, lp_c, e_c, ls_c), strict=True):
