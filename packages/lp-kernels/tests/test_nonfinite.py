@@ -126,3 +126,60 @@ def test_all_logits_very_negative_stay_exact(device, backend, deterministic):
         # lp stays within a small factor of the fp32 materialized path (measured 2.7x
         # there, from E being stored as an fp32 value near -1e4; 1x elsewhere)
         assert_close(x, truth[name], baseline=fp32[name], k=4.0, name=name)
+
+
+@pytest.mark.parametrize("entropy", [False, True], ids=["logprob", "entropy"])
+def test_merge_kernel_masks_its_outputs_like_masked_outputs(entropy, device):
+    """The triton merge makes the op's outputs in its launch (``merge_outputs``): ignored
+    rows exact +0.0 in every output, rows whose log-sum-exp is not finite NaN, the rest
+    ``t - lse``, entropy and lse as the torch merge and ``masked_outputs`` give them.
+    Partials with an empty split (m = -inf), a NaN sum, an infinite maximum, and those
+    rows ignored too."""
+    import os
+
+    from lp_kernels._stats import masked_outputs, merge_stats
+
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        pytest.skip("triton on CPU needs TRITON_INTERPRET=1 (set when no GPU is present)")
+    from lp_kernels.backends.triton.forward import merge_outputs
+
+    g = torch.Generator().manual_seed(0)
+    k, n = 3, 10
+    m = torch.randn(k, n, generator=g) * 4
+    s = torch.rand(k, n, generator=g) * 30 + 1
+    a = torch.randn(k, n, generator=g)
+    t = torch.randn(k, n, generator=g)
+    m[:, 2] = float("-inf")  # every split empty: lse = -inf
+    s[:, 2] = 0.0
+    s[1, 3] = float("nan")
+    m[0, 4] = float("inf")
+    m[:, 7] = float("-inf")
+    s[:, 7] = 0.0
+    m[1, 8] = float("nan")
+    m[2, 6] = float("-inf")  # one empty split in a finite row
+    s[2, 6] = 0.0
+    a[2, 6] = 0.0
+    t[2, 6] = 0.0
+    stats = torch.stack([m, s, a, t], dim=2).to(device)
+    ignored = torch.zeros(n, dtype=torch.bool)
+    ignored[[1, 7, 8]] = True  # a plain row, an empty one, one with a NaN maximum
+    ignored = ignored.to(device)
+    lse, mean, (lp, ent, lse_out) = merge_outputs(stats, ignored, entropy=entropy, return_lse=True)
+    r_lse, r_mean, r_zt, r_ent = merge_stats(stats, entropy=entropy)  # the torch merge
+    want = masked_outputs(ignored, r_zt, r_lse, r_ent, return_lse=True)
+    for name, got, ref in zip(("logprob", "entropy", "lse"), (lp, ent, lse_out), want, strict=True):
+        if ref is None:
+            assert got is None, name
+            continue
+        assert torch.equal(torch.isnan(got), torch.isnan(ref)), f"{name}: NaN rows differ"
+        assert bool(torch.isnan(got)[[2, 3, 4]].all()), f"{name}: non-finite rows must be NaN"
+        dead = got[ignored]
+        assert bool((dead == 0).all()) and not bool(torch.signbit(dead).any()), name
+        live = ~ignored & ~torch.isnan(ref)
+        assert_close(got[live], ref[live], rtol=1e-6, atol=1e-6, name=name)
+    assert_close(
+        lse[~torch.isnan(r_lse)], r_lse[~torch.isnan(r_lse)], rtol=1e-6, atol=1e-6, name="raw lse"
+    )
+    if entropy:
+        ok = torch.isfinite(r_mean)
+        assert_close(mean[ok], r_mean[ok], rtol=1e-6, atol=1e-6, name="E")
