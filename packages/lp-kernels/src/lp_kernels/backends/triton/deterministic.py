@@ -87,7 +87,7 @@ from lp_kernels.backends.triton.fixed_point import (
     round_into,
 )
 from lp_kernels.backends.triton.forward import forward_stats, merge_outputs, tile_splits
-from lp_kernels.backends.triton.gemm import matmul_acc, mm_block_n, narrow_block_n
+from lp_kernels.backends.triton.gemm import block_n_for, matmul_acc, narrow_block_n
 from lp_kernels.distributed.collectives import RowSums, gather_stats
 from lp_kernels.distributed.halo import bias_halo, owned_halo, return_halo_grad, with_halo
 from lp_kernels.tiles import DETERMINISTIC_TILE as TILE
@@ -158,7 +158,7 @@ def tile_groups(n: int, h_dim: int, tile: int, chunk: int, cfg: TileConfig) -> i
         return None
     if n * pad128(tile) > cfg.token_chunk * cfg.vocab_chunk:
         return None
-    if mm_block_n(cfg, n, h_dim, torch.device("cpu"), sms=PLAN_SMS) != narrow_block_n(cfg):
+    if block_n_for(cfg, n, h_dim, PLAN_SMS) != narrow_block_n(cfg):
         return None
     pieces, width = vocab_pieces(tile, tile, chunk)
     return width if len(pieces) > 1 else None
@@ -326,8 +326,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         spans, n_frag, width = backward_spans(own, p, cfg.vocab_chunk, need_w or need_b)
         chunk_k = tile_groups(n, h_dim, tile, cfg.vocab_chunk, cfg)
         if chunk_k is not None:  # one span per tile (the pieces' sums kept: chunk_k)
-            spans = [(b, c) for b, c in spans if (b - own.skip) % tile == 0]
-            spans = [(b, min(tile, own.ext - (b - own.skip))) for b, _ in spans]
+            spans = [(own.skip + t0, min(tile, own.ext - t0)) for t0 in range(0, own.ext, tile)]
             width = pad128(tile)
         b_real = None if bias is None else bias[:v_real].float()
         span_bias = None  # (b_real, b_halo, grad_bias over the real rows, then the halo)

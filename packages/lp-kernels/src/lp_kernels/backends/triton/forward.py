@@ -198,16 +198,20 @@ def merge_kernel(
     tl.store(lse_ptr + o_n, b_lse, mask=m_n)
     b_dead = tl.load(ign_ptr + o_n, mask=m_n, other=0) != 0
     b_bad = (tl.abs(b_lse) == float("inf")) | (b_lse != b_lse)
-    b_zt = tl.where(b_dead, 0.0, tl.where(b_bad, float("nan"), b_zt - b_lse))
+    tl.store(zt_ptr + o_n, _masked(b_zt - b_lse, b_dead, b_bad), mask=m_n)
     if LSE_OUT:
-        b_lse_out = tl.where(b_dead, 0.0, tl.where(b_bad, float("nan"), b_lse))
-        tl.store(lseo_ptr + o_n, b_lse_out, mask=m_n)
-    tl.store(zt_ptr + o_n, b_zt, mask=m_n)
+        tl.store(lseo_ptr + o_n, _masked(b_lse, b_dead, b_bad), mask=m_n)
     if ENTROPY:
         b_ms = b_big_b / b_big_s
         tl.store(mean_ptr + o_n, b_big_m + b_ms, mask=m_n)
-        b_ent = tl.where(b_dead, 0.0, tl.where(b_bad, float("nan"), b_log_s - b_ms))
-        tl.store(ent_ptr + o_n, b_ent, mask=m_n)
+        tl.store(ent_ptr + o_n, _masked(b_log_s - b_ms, b_dead, b_bad), mask=m_n)
+
+
+@triton.jit
+def _masked(x, dead, bad):
+    """``masked_outputs``' rule for one output: +0.0 on ignored rows, NaN on rows whose
+    log-sum-exp is not finite, else ``x``."""
+    return tl.where(dead, 0.0, tl.where(bad, float("nan"), x))
 
 
 # ----------------------------------------------------------------------------- launchers

@@ -116,9 +116,7 @@ def narrow_block_n(cfg: TileConfig) -> int:
     return cfg.mm_block_n // 2 if cfg.mm_block_n >= 256 else cfg.mm_block_n
 
 
-def mm_block_n(
-    cfg: TileConfig, m: int, n: int, device: torch.device, sms: int | None = None
-) -> int:
+def mm_block_n(cfg: TileConfig, m: int, n: int, device: torch.device) -> int:
     """Output tile width of lp's GEMM ``C [m, n] (+)= A @ B``: the config's ``mm_block_n``, or
     half of it where the pinned grid would leave much of the GPU idle in its last wave
     (grad_hidden at about a thousand tokens and H = 2048 has 64 tiles of 128 x 256 for 132
@@ -129,12 +127,14 @@ def mm_block_n(
     change the bits: each element of C gets the same MMAs in the same K order in a 128- or
     a 256-wide tile (checked bitwise on H200, both modes, and tested: test_gpu.py). So a
     row's grad_hidden stays the same whatever N, and batch invariance holds.
-
-    ``sms``: the SM count to plan for, in place of the device's (for a choice that must
-    not follow a rank's own device: ``deterministic.tile_groups``).
     """
+    return block_n_for(cfg, m, n, sm_count(device))
+
+
+def block_n_for(cfg: TileConfig, m: int, n: int, sms: int | None) -> int:
+    """:func:`mm_block_n` for ``sms`` SMs (None: no waves, the pinned width); also for a
+    choice that must not follow a rank's own device (``deterministic.tile_groups``)."""
     wide, narrow = cfg.mm_block_n, narrow_block_n(cfg)
-    sms = sm_count(device) if sms is None else sms
     if sms is None or narrow == wide:
         return wide
     rows = triton.cdiv(m, cfg.mm_block_m)
