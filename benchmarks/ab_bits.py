@@ -70,10 +70,13 @@ def _digest(t) -> str | None:
 
     t = t.detach().cpu().contiguous()
     head = f"{t.dtype}:{tuple(t.shape)}:".encode()
-    return hashlib.sha256(head + t.view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(head + t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _inputs(n: int, h: int, v: int, dtype, device, seed: int, ignored: bool, vocab_size=None):
+def _inputs(
+    n: int, h: int, v: int, dtype, device, seed: int, ignored: bool, vocab_size=None,
+    ignore_index: int = -100,
+):  # fmt: skip
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -81,12 +84,14 @@ def _inputs(n: int, h: int, v: int, dtype, device, seed: int, ignored: bool, voc
     weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
     targets = torch.randint(0, vocab_size or v, (n,), generator=g)
     if ignored:
-        targets[::7] = -100
+        targets[::7] = ignore_index
     upstream = torch.randn(3, n, generator=g)
     return hidden.to(device), weight.to(device), targets.to(device), upstream.to(device)
 
 
 def _loss(out, upstream):
+    if upstream is None:  # out.sum(): expanded (stride 0) upstream gradients
+        return sum(x.sum() for x in (out.logprob, out.entropy, out.lse) if x is not None)
     loss = (out.logprob * upstream[0]).sum()
     if out.entropy is not None:
         loss = loss + (out.entropy * upstream[1]).sum()
@@ -109,11 +114,20 @@ def _run_linear(spec: dict, device: str, tp=None) -> dict:
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
     n, h, v = spec["shape"]
+    kwargs = dict(spec.get("options", {}))
     hidden, weight, targets, upstream = _inputs(
         n, h, v, dtype, device, spec.get("seed", 0), spec.get("ignored", False),
-        spec.get("vocab_size"),
+        spec.get("vocab_size"), kwargs.get("ignore_index", -100),
     )  # fmt: skip
-    kwargs = dict(spec.get("options", {}))
+    if spec.get("int32"):
+        targets = targets.int()
+    if spec.get("sum"):
+        upstream = None
+    bias = None
+    if spec.get("bias"):
+        g = torch.Generator().manual_seed(1)
+        bias = torch.randn(v, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+        kwargs["bias"] = bias
     if tp is not None:  # (group, start, size): this rank's shard of the full weight
         group, start, size = tp
         weight = weight[start : start + size]
@@ -125,7 +139,41 @@ def _run_linear(spec: dict, device: str, tp=None) -> dict:
         **kwargs,
     )  # fmt: skip
     _loss(out, upstream).backward()
-    return _digests(out, grad_hidden=hidden.grad, grad_weight=weight.grad)
+    grads = {"grad_hidden": hidden.grad, "grad_weight": weight.grad}
+    if bias is not None:
+        grads["grad_bias"] = bias.grad
+    return _digests(out, **grads)
+
+
+def _run_loss(spec: dict, device: str) -> dict:
+    """One linear_logprob_loss case (a DAPO loss with a KL penalty and an entropy bonus):
+    digests of its per-token outputs, the loss and the three gradients."""
+    import torch
+
+    from lp_kernels import linear_logprob_loss, losses
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
+    n, h, v = spec["shape"]
+    kwargs = dict(spec.get("options", {}))
+    hidden, weight, targets, upstream = _inputs(
+        n, h, v, dtype, device, 0, True, None, kwargs.get("ignore_index", -100)
+    )
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(v, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    old = (-upstream[0].abs() * 3).detach()
+    per_token = {"old_logprob": old, "ref_logprob": old - 0.1, "advantages": upstream[1]}
+    out = linear_logprob_loss(
+        hidden, weight, targets, losses.dapo(kl_coef=0.04, entropy_coef=1e-3),
+        per_token=per_token, bias=bias, backend=spec["backend"], **kwargs,
+    )  # fmt: skip
+    out.loss.backward()
+    return {
+        **_digests(out, grad_hidden=hidden.grad, grad_weight=weight.grad, grad_bias=bias.grad),
+        "loss": _digest(out.loss),
+        "token_loss": _digest(out.token_loss),
+    }
 
 
 def _run_vocab_parallel(spec: dict, device: str) -> dict:
@@ -204,6 +252,21 @@ def cases(device: str, with_tp: bool) -> list[tuple[str, str, dict]]:
                         dict(base, options={"deterministic": True}),
                     )
                 )
+        for backend in ("torch", "triton"):
+            # the model-coverage options, an ignore_index that is a real id, int32 targets,
+            # expanded upstream gradients, and the loss op
+            cover = {"softcap": 30.0, "ignore_index": 42, "return_entropy": True}
+            base = {"backend": backend, "dtype": "bf16", "shape": (n, h, v)}
+            tag = f"{prefix}{backend}.bf16"
+            spec = dict(base, ignored=True, bias=True, int32=True, options=cover)
+            out.append((f"{tag}.cover", "linear", spec))
+            out.append((f"{tag}.cover.sum", "linear", dict(spec, sum=True)))
+            det = dict(cover, deterministic=True)
+            out.append((f"{tag}.cover.det", "linear", dict(spec, options=det)))
+            sn = dict(spec, shape=(small_n, h, v), sum=True)
+            out.append((f"{tag}.cover.smalln", "linear", sn))
+            loss_opts = {"softcap": 30.0, "ignore_index": 42, "temperature": 0.7}
+            out.append((f"{tag}.loss", "loss", dict(base, options=loss_opts)))
         for dtype in ("fp32", "bf16"):
             base = {"dtype": dtype, "shape": (n, h, v), "ignored": True, "vocab_size": vocab}
             rich = {"return_entropy": True, "return_lse": True, "temperature": 0.7}
@@ -254,6 +317,8 @@ def run(device: str, with_tp: bool, select: str | None) -> dict:
             results[name] = _run_linear(spec, device)
         elif kind == "vocab_parallel":
             results[name] = _run_vocab_parallel(spec, device)
+        elif kind == "loss":
+            results[name] = _run_loss(spec, device)
         else:
             from lp_testing import run_ranks
 

@@ -70,8 +70,88 @@ def test_triton_conversion_matches_torch_conversion(dtype, device, backend):
     e = torch.randint(-126, 127, (n,), generator=gen).double()
     bad = torch.rand(n, generator=gen) < 0.1
     want = _fixed_point.from_fixed_point(acc, e, bad, dtype)
-    got = from_fixed_point(acc.to(device), e.to(device), bad.to(device), dtype).cpu()
+    inv = torch.exp2(-e).to(device)
+    got = from_fixed_point(acc.to(device), inv, bad.to(device), dtype).cpu()
     # NaN rows: NaN, whatever its payload (CUDA and CPU round a float32 NaN to different
     # half-precision NaN bits); every other element: the same bits
     assert bool(bad.any()) and torch.isnan(got[bad]).all() and torch.isnan(want[bad]).all()
     assert_bitwise_equal(got[~bad], want[~bad], f"conversion to {dtype}")
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["plain", "bias-softcap", "no-entropy", "lse-only", "int32-real-id", "inf-weight", "nan-bias"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_row_scales_match_row_exponents(case, dtype, device, backend):
+    """The triton backend's one-launch row scales (``fixed_point.row_scales``) give
+    ``row_exponents``' exponents and NaN rows exactly: 2^e (fp32), 2^-e (fp64) and the bad
+    rows, for rows with NaN or infinite hidden states, NaN upstream gradients on ignored
+    rows (read raw, zeroed by the kernel), a non-finite lse, N not a multiple of the row
+    block and H not one of the column block, the bias and the cap in the bound, and a
+    non-finite head."""
+    if backend != "triton":
+        pytest.skip("the triton backend's row-scales kernel")
+    from lp_kernels._stats import ignored_rows, masked_upstream
+    from lp_kernels.backends.triton.fixed_point import row_scales
+
+    gen = torch.Generator().manual_seed(3)
+    n, h, v = 37, 70, 50
+    ignore = 7 if case == "int32-real-id" else -100
+    hidden = (torch.randn(n, h, generator=gen) * 3).to(dtype)
+    # rows 0, 5, 10, ... are ignored
+    hidden[1, 5] = float("nan")
+    hidden[2, 69] = float("inf")
+    hidden[3] = 0.0  # no logit term in the bound
+    hidden[10, 0] = float("nan")  # ignored: not a bad row
+    weight = (torch.randn(v, h, generator=gen) / 8).to(dtype)
+    if case == "inf-weight":
+        weight[3, 4] = float("-inf")
+    bias = torch.randn(v, generator=gen) if case in ("bias-softcap", "nan-bias") else None
+    if case == "nan-bias":
+        bias[9] = float("nan")
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[targets == ignore] = ignore + 1  # only rows 0, 5, 10, ... hold the real id
+    targets[::5] = ignore
+    if case == "int32-real-id":
+        targets = targets.int()
+    lse = torch.randn(n, generator=gen) * 5
+    lse[4] = float("inf")  # a live row
+    lse[5] = float("nan")  # an ignored row (5 is a multiple of 5): not bad
+    g = [torch.randn(n, generator=gen) * s for s in (1.0, 0.3, 2.0)]
+    g[0][3] = 0.0
+    g[1][6] = 0.0
+    for x in g:
+        x[10] = float("nan")  # row 10 is ignored: zeroed, never read as NaN
+        x[11] = 1e30  # huge: e at the clamp's bottom
+    if case == "no-entropy":
+        g[1] = None
+    if case == "lse-only":
+        g[0] = g[1] = None
+    p = LogprobParams(
+        temperature=0.7, ignore_index=ignore, return_entropy=True, return_lse=True,
+        vocab_start=0, vocab_size=v, chunk_size=16,
+        softcap=30.0 if case == "bias-softcap" else None,
+    )  # fmt: skip
+    ignored = ignored_rows(targets, ignore)
+    masked = masked_upstream(ignored, *g)
+    e, bad = _fixed_point.row_exponents(
+        hidden.float() if dtype == torch.float32 else hidden, weight, lse, ignored, *masked, p,
+        b_real=bias,
+    )  # fmt: skip
+    dev = torch.device(device)
+
+    def on(x):
+        return None if x is None else x.to(dev)
+
+    got = row_scales(
+        on(hidden), on(weight), on(bias), on(lse), on(targets), tuple(on(x) for x in g), p
+    )
+    assert_bitwise_equal(got.scale.cpu(), torch.exp2(e).float(), "2^e")
+    assert_bitwise_equal(got.inv.cpu(), torch.exp2(-e), "2^-e")
+    assert torch.equal(got.bad.cpu() != 0, bad), (got.bad.cpu(), bad)
+    if case in ("inf-weight", "nan-bias"):  # every row
+        assert bool(bad.all())
+    else:
+        assert bool(bad[[1, 2, 4]].all()) and not bool(bad[[0, 3, 5, 10, 11]].any())
+        assert bool((e[11] == _fixed_point.E_MIN) | (e[11] < 0))

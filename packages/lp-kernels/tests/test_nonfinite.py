@@ -161,10 +161,15 @@ def test_merge_kernel_masks_its_outputs_like_masked_outputs(entropy, device):
     a[2, 6] = 0.0
     t[2, 6] = 0.0
     stats = torch.stack([m, s, a, t], dim=2).to(device)
-    ignored = torch.zeros(n, dtype=torch.bool)
-    ignored[[1, 7, 8]] = True  # a plain row, an empty one, one with a NaN maximum
-    ignored = ignored.to(device)
-    lse, mean, (lp, ent, lse_out) = merge_outputs(stats, ignored, entropy=entropy, return_lse=True)
+    # raw ids (int32 with entropy, else int64), ignore_index a real id
+    targets = torch.arange(n, dtype=torch.int32 if entropy else torch.int64) + 40
+    targets[[1, 7, 8]] = 42  # a plain row, an empty one, one with a NaN maximum
+    targets[2] = 41
+    ignored = (targets == 42).to(device)
+    targets = targets.to(device)
+    lse, mean, (lp, ent, lse_out) = merge_outputs(
+        stats, targets, 42, entropy=entropy, return_lse=True
+    )
     r_lse, r_mean, r_zt, r_ent = merge_stats(stats, entropy=entropy)  # the torch merge
     want = masked_outputs(ignored, r_zt, r_lse, r_ent, return_lse=True)
     for name, got, ref in zip(("logprob", "entropy", "lse"), (lp, ent, lse_out), want, strict=True):

@@ -38,6 +38,7 @@ from lp_kernels._types import LogprobParams
 from lp_kernels.distributed.collectives import global_abs_max
 
 E_MIN, E_MAX = -126, 126
+MARGIN = 2.02  # the bound's margin for roundings (see above)
 CONVERT_ELEMENTS = 1 << 24  # float64 elements per block of the final conversion (128 MiB)
 
 
@@ -82,7 +83,7 @@ def row_exponents(
         zmax = torch.clamp(zmax, max=p.softcap * inv_t)
     ent_term = torch.where(g_ent64 != 0, 2 * g_ent64.abs() * zmax, 0.0)
     bound = (g_lse64 - g_lp64).abs() + g_lp64.abs() + ent_term
-    bound = torch.where(bound != 0, 2.02 * bound * inv_t * w_abs, 0.0)
+    bound = torch.where(bound != 0, MARGIN * bound * inv_t * w_abs, 0.0)
     bad = ~torch.isfinite(bound) | ~head_ok
     bad |= ~ignored & (~torch.isfinite(h_abs) | ~torch.isfinite(lse))
     e = torch.where(bound > 0, torch.floor(60 - torch.log2(bound)), 0.0)

@@ -185,6 +185,14 @@ def masked_outputs(
     )
 
 
+def ignored_rows(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``[N]`` bool: the rows whose target equals ``ignore_index`` (compared in int64)."""
+    info = torch.iinfo(targets.dtype)
+    if not info.min <= ignore_index <= info.max:  # torch would wrap it to the dtype
+        return torch.zeros(targets.shape, dtype=torch.bool, device=targets.device)
+    return targets == ignore_index
+
+
 def target_columns(targets: torch.Tensor, ignore_index: int, vocab_start: int, v_real: int):
     """``(column in this shard, target is in this shard, row is ignored)``, each ``[N]``."""
     targets = targets.long()  # int32 targets: compare in int64 (torch would wrap ignore_index)

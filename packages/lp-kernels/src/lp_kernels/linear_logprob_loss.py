@@ -19,7 +19,7 @@ import torch
 from lp_kernels._compile import eager_under_compile
 from lp_kernels._loss import LossSpec, apply_fused, check_per_token, composed, resolve_entropy
 from lp_kernels._prepare import prepare
-from lp_kernels._stats import target_columns
+from lp_kernels._stats import ignored_rows
 from lp_kernels._types import LossOutput
 from lp_kernels.backends.resolve import resolve_loss_backend
 from lp_kernels.linear_logprob import Backend, linear_logprob
@@ -148,7 +148,7 @@ def linear_logprob_loss(
         spec = LossSpec(loss_fn, check_per_token(per_token, prep.lead, prep.inputs.device))
         # prepare has checked the call (and exchanged its record): no second sync or exchange
         out = linear_logprob(hidden, weight, targets, **{**options, "validate": False})
-        ignored = target_columns(prep.targets, prep.params.ignore_index, 0, 0)[2]
+        ignored = ignored_rows(prep.targets, prep.params.ignore_index)
         flat = type(out)(*(None if x is None else x.reshape(-1) for x in out))
         loss, token_loss = composed(flat, spec, ignored)
         lead = prep.lead

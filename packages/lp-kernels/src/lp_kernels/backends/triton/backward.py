@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from lp_kernels._matmul import mm_f32, scratch
-from lp_kernels._stats import lse_coefficient, target_columns
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends.triton.config import (
     TileConfig,
@@ -27,9 +26,13 @@ from lp_kernels.backends.triton.config import (
 )
 from lp_kernels.backends.triton.forward import cap_args, logits_sources
 from lp_kernels.backends.triton.gemm import mm_block_n, narrow_block_n
-from lp_kernels.backends.triton.tl_utils import cap_tanh, grouped, logits_tile
-
-IGNORED = -2  # target code of an ignored row in the kernels (see target_codes)
+from lp_kernels.backends.triton.tl_utils import (
+    IGNORED,
+    cap_tanh,
+    grouped,
+    logits_tile,
+    target_codes,
+)
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -64,13 +67,14 @@ def capped_dl_entropy(
 
 @triton.jit
 def capped_dlogits(
-    b_l, b_trel, b_lse, b_c0, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, inv_t, cap, inv_cap,
+    b_l, b_trel, b_lse, b_c0, b_glp, gent_ptr, mean_ptr, o_n, m_n, inv_t, cap, inv_cap,
     BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """d l of a block of capped logits ``b_l`` (``b_trel``: each row's target column
     relative to the tile, int32), on the GPU one element at a time (``tl.map_elementwise``).
-    ``b_c0`` carries the 1/T; the slope's 4 joins it and the other per-row factors here.
+    ``b_c0`` carries the 1/T; the slope's 4 joins it and the other per-row factors here
+    (``b_glp``: the rows' upstream gradient of logprob, zeros without one).
 
     Op by op over the block (the plain path's form), the slope, ``z / T`` and ``p`` are
     three live ``[BLOCK_N, BLOCK_V]`` fp32 blocks beside the other state, and ptxas spills;
@@ -82,8 +86,8 @@ def capped_dlogits(
     k_p = k_z * 1.4426950408889634  # c log2(e) / T
     b_lse2 = b_lse * 1.4426950408889634
     b_c0 = b_c0 * 4.0  # exact: the slope's 4
-    if HAS_LP:
-        b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * (4.0 * inv_t)
+    if HAS_LP:  # noqa: SIM108  (a constexpr branch)
+        b_glp = b_glp * (4.0 * inv_t)
     else:
         b_glp = tl.zeros_like(b_c0)  # a constant: the select folds away
     m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
@@ -107,23 +111,31 @@ def capped_dlogits(
 
 @triton.jit
 def dlogits_tile(
-    b_z, t_ptr, lse_ptr, c0_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, col0, inv_t, cap,
+    b_z, b_t, lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, col0, inv_t, cap,
     inv_cap, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
-    SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_LSE: tl.constexpr, SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """``(d l, target codes)`` of a tile of raw logits ``b_z`` (``h W^T + b``, fp32) whose
-    first column is ``col0`` (the target codes' column numbering), rows ``o_n``: the
-    arithmetic of both d_logits kernels, the one that recomputes the logits
-    (:func:`dlogits_kernel`) and the one that reads them (``triton.loss``). Rows and columns
-    outside the tile's bounds are the caller's to zero."""
-    # d z / T = p (c0 - g_ent (z / T - E)) / T with the 1/T folded into per-row factors
+    """d l of a tile of raw logits ``b_z`` (``h W^T + b``, fp32) whose first column is
+    ``col0`` (the target codes' column numbering), rows ``o_n`` with target codes ``b_t``:
+    the arithmetic of both d_logits kernels, the one that recomputes the logits
+    (:func:`dlogits_kernel`) and the one that reads them (``triton.loss``). The upstream
+    gradients are fp32 ``[N]`` (``HAS_LP`` / ``HAS_LSE`` / ``ENTROPY``: present), read as
+    they come: an ignored row's may hold anything. Rows and columns outside the tile's
+    bounds, and ignored rows, are the caller's to zero."""
+    # d z / T = p (c0 - g_ent (z / T - E)) / T with the 1/T folded into per-row factors,
+    # c0 = g_lse - g_lp (an absent gradient is +0.0)
     b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
-    b_c0 = tl.load(c0_ptr + o_n, mask=m_n, other=0.0) * inv_t
+    b_glp = tl.zeros_like(b_lse)
+    b_glse = tl.zeros_like(b_lse)
+    if HAS_LP:
+        b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0)
+    if HAS_LSE:
+        b_glse = tl.load(glse_ptr + o_n, mask=m_n, other=0.0)
+    b_c0 = (b_glse - b_glp) * inv_t
     if SOFTCAP:  # d l = d z / T * (1 - tanh^2), element by element
-        b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
         b_trel = (b_t - col0).to(tl.int32)  # int32: one compare each
         b_dz = capped_dlogits(
-            b_z, b_trel, b_lse, b_c0, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, inv_t, cap,
+            b_z, b_trel, b_lse, b_c0, b_glp, gent_ptr, mean_ptr, o_n, m_n, inv_t, cap,
             inv_cap, BLOCK_V, ENTROPY, HAS_LP, INTERPRET,
         )  # fmt: skip
     else:
@@ -135,27 +147,27 @@ def dlogits_tile(
             b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
         else:
             b_dz = b_p * b_c0[:, None]
-        b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)
         if HAS_LP:  # + g_lp / T in the target's column, in tiles that hold some row's target
             b_trel = b_t - col0
             if tl.max(((b_trel >= 0) & (b_trel < BLOCK_V)).to(tl.int32), axis=0) > 0:
-                b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0) * inv_t
                 m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
-                b_dz = tl.where(m_hit, b_dz + b_glp[:, None], b_dz)
-    return b_dz, b_t
+                b_dz = tl.where(m_hit, b_dz + (b_glp * inv_t)[:, None], b_dz)
+    return b_dz
 
 
-@triton.jit(do_not_specialize=["N", "v_begin", "v_count", "group"])
+@triton.jit(do_not_specialize=["N", "v_begin", "v_count", "ignore_index", "first_id", "group"])
 def dlogits_kernel(
-    h_src, w_src, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, c0_ptr, dl_ptr, b_ptr, db_ptr,
-    N, H, v_begin, v_count, v_store, inv_t, cap, inv_cap, group,
+    h_src, w_src, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, glse_ptr, dl_ptr, b_ptr, db_ptr,
+    N, H, v_begin, v_count, v_store, ignore_index, first_id, inv_t, cap, inv_cap, group,
     stride_hn, stride_hh, stride_wv, stride_wh, stride_dn,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, EVEN_H: tl.constexpr,
+    ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, HAS_LSE: tl.constexpr, EVEN_H: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, IGNORED: tl.constexpr, TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T for columns [v_begin, +v_count).
+    """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T for columns [v_begin, +v_count),
+    c0 = g_lse - g_lp; ``t_ptr``: the raw target ids, ``first_id`` the id of the weight's
+    first row (:func:`~lp_kernels.backends.triton.tl_utils.target_codes`).
 
     Columns [v_count, v_store) of the output get exact zeros (v_store: v_count padded to 128).
     ``HAS_BIAS``: the logits are ``h W^T + b``; ``SOFTCAP``: z = c tanh(l / c) / T, and d l
@@ -172,9 +184,11 @@ def dlogits_kernel(
         stride_hh, stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET,
         PRECISION, TMA, HAS_BIAS,
     )  # fmt: skip
-    b_dz, b_t = dlogits_tile(
-        b_z, t_ptr, lse_ptr, c0_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n,
-        v_begin + i_v * BLOCK_V, inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, SOFTCAP, INTERPRET,
+    b_t = target_codes(t_ptr, o_n, m_n, ignore_index, first_id, v_begin + v_count, IGNORED)
+    b_dz = dlogits_tile(
+        b_z, b_t, lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n,
+        v_begin + i_v * BLOCK_V, inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, HAS_LSE, SOFTCAP,
+        INTERPRET,
     )  # fmt: skip
     # ignored rows (code IGNORED) and rows past N get exact zeros, even where their hidden
     # is not finite, as do columns past v_count: a select only in tiles that have them
@@ -203,26 +217,29 @@ def colsum_kernel(part_ptr, out_ptr, B, V, stride_pb, BLOCK: tl.constexpr):
 
 
 def dlogits(
-    hidden, w_real, t_col, lse, mean, g_lp, g_ent, c0, out, v_begin, v_count, p, cfg,
+    hidden, w_real, targets, first_id, lse, mean, grads, out, v_begin, v_count, p, cfg,
     b_real=None, db=None,
 ):  # fmt: skip
     """d_logits of columns [v_begin, +v_count) into ``out``; its columns past v_count get
-    exact zeros (callers pass ``pad_cols(v_count, buffer)`` columns). ``b_real``: the fp32
-    bias of ``w_real``'s rows, or None; ``db``: None, or a contiguous fp32
-    ``[cdiv(rows, block_n), out.shape[1]]`` buffer for the row blocks' column sums."""
+    exact zeros (callers pass ``pad_cols(v_count, buffer)`` columns). ``targets``: the raw
+    ids of the rows, ``first_id`` the vocabulary id of ``w_real``'s first row; ``grads``:
+    the upstream ``(g_lp, g_ent, g_lse)`` (:func:`upstream`). ``b_real``: the fp32 bias of
+    ``w_real``'s rows, or None; ``db``: None, or a contiguous fp32 ``[cdiv(rows,
+    block_n), out.shape[1]]`` buffer for the row blocks' column sums."""
     n, h_dim = hidden.shape
     v_store = out.shape[1]
     blocks_n = triton.cdiv(n, cfg.block_n)
     h_src, w_src, tma = logits_sources(hidden, w_real, cfg)
+    g_lp, g_ent, g_lse = (lse if g is None else g for g in grads)
     dlogits_kernel[(blocks_n * triton.cdiv(v_store, cfg.block_v),)](
-        h_src, w_src, t_col, lse, mean if mean is not None else lse,
-        g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, out,
-        c0 if b_real is None else b_real, c0 if db is None else db,
-        n, h_dim, v_begin, v_count, v_store, p.inv_temperature, *cap_args(p),
-        group_size(cfg, blocks_n),
+        h_src, w_src, targets, lse, mean if mean is not None else lse, g_lp, g_ent, g_lse, out,
+        lse if b_real is None else b_real, lse if db is None else db,
+        n, h_dim, v_begin, v_count, v_store, p.ignore_index, first_id, p.inv_temperature,
+        *cap_args(p), group_size(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
-        ENTROPY=g_ent is not None, HAS_LP=g_lp is not None, IGNORED=IGNORED, TMA=tma,
+        ENTROPY=grads[1] is not None, HAS_LP=grads[0] is not None,
+        HAS_LSE=grads[2] is not None, IGNORED=IGNORED, TMA=tma,
         HAS_BIAS=b_real is not None, BIAS_GRAD=db is not None, SOFTCAP=p.softcap is not None,
         **logit_flags(hidden, cfg), **launch_opts(cfg, hidden.device),
     )  # fmt: skip
@@ -240,17 +257,26 @@ def add_column_sums(out: torch.Tensor, part: torch.Tensor) -> None:
     )
 
 
-def kernel_inputs(hidden, weight, targets, p: LogprobParams, extra: int = 0):
-    """``(hidden, w_real, t_col, ignored)`` as the kernels take them: ``hidden`` with a unit
-    last stride, this shard's real weight rows, the per-row target codes (see
-    :func:`target_codes`; over ``extra`` more columns past the real rows: a halo) and the
-    ignored-row mask."""
+def kernel_inputs(hidden, weight, targets, p: LogprobParams):
+    """``(hidden, w_real, targets)`` as the kernels take them: ``hidden`` with a unit last
+    stride, this shard's real weight rows, and the raw ``[N]`` target ids, contiguous (the
+    kernels make each row's target code from them:
+    :func:`~lp_kernels.backends.triton.tl_utils.target_codes`)."""
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
-    v_real = p.local_real_columns(weight.shape[0])
-    t_local, in_shard, ignored = target_columns(
-        targets, p.ignore_index, p.vocab_start, v_real + extra
-    )
-    return hidden, weight[:v_real], target_codes(t_local, in_shard, ignored), ignored
+    targets = targets if targets.is_contiguous() else targets.contiguous()
+    return hidden, weight[: p.local_real_columns(weight.shape[0])], targets
+
+
+def upstream(*grads):
+    """The upstream gradients ``(g_lp, g_ent, g_lse)`` as the d_logits kernels read them:
+    fp32 ``[N]`` with a unit stride (an expanded gradient, as ``out.sum().backward()``
+    makes, is copied), None for an absent one. Ignored rows keep what they hold: the
+    kernels give those rows exact zeros whatever it is."""
+    return tuple(
+        None if g is None else g if g.dtype == torch.float32 and g.is_contiguous()
+        else g.float().contiguous()
+        for g in grads
+    )  # fmt: skip
 
 
 def buffer_width(v_real: int, cfg: TileConfig) -> int:
@@ -264,14 +290,9 @@ def pad_cols(v_count: int, dl_buf: torch.Tensor) -> int:
     return min(pad128(v_count), dl_buf.shape[1])
 
 
-def target_codes(t_local: torch.Tensor, in_shard: torch.Tensor, ignored: torch.Tensor):
-    """Per row: the target's column in this shard, -1 if elsewhere, IGNORED (-2) if ignored."""
-    return torch.where(in_shard, t_local, torch.where(ignored, IGNORED, -1))
-
-
 def dlogits_blocks(
-    hidden, w_real, t_col, lse, mean_z, grads, p: LogprobParams, cfg: TileConfig, pieces=None,
-    b_real=None, grad_bias=None,
+    hidden, w_real, targets, first_id, lse, mean_z, grads, p: LogprobParams, cfg: TileConfig,
+    pieces=None, b_real=None, grad_bias=None,
 ):  # fmt: skip
     """The backward's d_logits, one bounded block at a time (shared by both triton modes).
 
@@ -281,8 +302,9 @@ def dlogits_blocks(
     width). ``blocks`` yields ``(r0, r1, dl, cols)`` per token chunk of
     ``cfg.token_chunk`` rows: ``dl [r1 - r0, v_count]`` (input dtype) is ``d loss / d
     logits`` of those rows and columns, in one reused buffer that holds exact zeros in
-    columns ``[v_count, cols)``. ``grads`` are the masked upstream gradients
-    ``(g_lp, g_ent, g_lse)``. ``b_real``: the fp32 bias of ``w_real``'s rows, or None;
+    columns ``[v_count, cols)``. ``targets``: the raw ids, ``first_id``: the vocabulary
+    id of ``w_real``'s first row; ``grads``: the upstream ``(g_lp, g_ent, g_lse)``
+    (:func:`upstream`). ``b_real``: the fp32 bias of ``w_real``'s rows, or None;
     ``grad_bias``: None, or fp32 ``[v_real]`` to which each block's fp32 column sums of d l
     are added before the block is yielded (row blocks in order, then token chunks).
     """
@@ -290,8 +312,6 @@ def dlogits_blocks(
     v_real = w_real.shape[0]
     if n == 0 or v_real == 0:
         return
-    g_lp, g_ent, g_lse = grads
-    c0 = lse_coefficient(g_lp, g_lse, n, hidden.device)
     rows = min(cfg.token_chunk, n)
     if pieces is None:
         spans = [
@@ -319,9 +339,9 @@ def dlogits_blocks(
             if db_buf is not None:  # contiguous [row blocks, cols]
                 db = db_buf.view(-1)[: triton.cdiv(r1 - r0, cfg.block_n) * cols].view(-1, cols)
             dlogits(
-                hidden[r0:r1], w_real, t_col[r0:r1], lse[r0:r1], cut(mean_z),
-                cut(g_lp), cut(g_ent), c0[r0:r1], dl_buf[: r1 - r0, :cols],
-                v_begin, v_count, p, cfg, b_real, db,
+                hidden[r0:r1], w_real, targets[r0:r1], first_id, lse[r0:r1], cut(mean_z),
+                tuple(cut(g) for g in grads), dl_buf[: r1 - r0, :cols], v_begin, v_count, p,
+                cfg, b_real, db,
             )  # fmt: skip
             if db is not None:
                 add_column_sums(grad_bias[v_begin : v_begin + v_count], db)

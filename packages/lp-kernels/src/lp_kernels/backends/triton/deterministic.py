@@ -44,7 +44,8 @@ tile needs (the halo) arrive by point-to-point sends (``distributed.halo.tile_ow
                   grad_h (int64) += round(2^e_n * F_t) + round(2^e_n * F_t+1) + ...
               the int64 sums are exact, so neither the tile order nor the TP all-reduce
               (int64) can change the bits; grad_h = acc * 2^-e_n, one rounding
-              (fixed_point.from_fixed_point; the scale from lp_kernels._fixed_point)
+              (fixed_point.from_fixed_point; the scales from fixed_point.row_scales,
+              lp_kernels._fixed_point's bound)
 
 Cost: each tile's partial statistics and each tile's rounding of an [N, H] product are
 the price of invariance, so wider tiles cost less: with the default tile the mode runs
@@ -68,9 +69,8 @@ import torch
 import triton
 
 from lp_kernels._compile import backend_backward
-from lp_kernels._fixed_point import row_exponents
 from lp_kernels._matmul import addmm_f32_, scratch
-from lp_kernels._stats import N_STATS, masked_upstream
+from lp_kernels._stats import N_STATS
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
@@ -78,6 +78,7 @@ from lp_kernels.backends.triton.backward import (
     grad_weight_buffer,
     grad_weight_slice,
     kernel_inputs,
+    upstream,
 )
 from lp_kernels.backends.triton.config import TileConfig, config_for, pad128
 from lp_kernels.backends.triton.fixed_point import (
@@ -85,6 +86,7 @@ from lp_kernels.backends.triton.fixed_point import (
     from_fixed_point,
     matmul_fixed,
     round_into,
+    row_scales,
 )
 from lp_kernels.backends.triton.forward import forward_stats, merge_outputs, tile_splits
 from lp_kernels.backends.triton.gemm import block_n_for, matmul_acc, narrow_block_n
@@ -212,14 +214,9 @@ def _weight_parts(w_real, halo, start: int, cross: int):
     return parts
 
 
-def _codes_in(t_all, c0: int, count: int):
-    """Target codes relative to columns ``[c0, c0 + count)``; other columns -> -1 (ignored
-    rows keep their code)."""
-    hit = (t_all >= c0) & (t_all < c0 + count)
-    return torch.where(hit, t_all - c0, t_all.clamp(max=-1))
-
-
-def _span_blocks(hidden, w_real, halo, t_all, lse, mean_z, grads, p, cfg, spans, width, bias=None):
+def _span_blocks(
+    hidden, w_real, halo, targets, lse, mean_z, grads, p, cfg, spans, width, bias=None
+):  # fmt: skip
     """:func:`dlogits_blocks` over the backward's spans (columns of the
     shard's real rows, then the halo), with each span's weight rows: ``(v_begin, v_count,
     blocks, w_span)``. Spans within the real rows read them in place; the spans from the
@@ -244,10 +241,10 @@ def _span_blocks(hidden, w_real, halo, t_all, lse, mean_z, grads, p, cfg, spans,
         if not sub:
             continue
         local = [(b - c0, c) for b, c in sub]
-        t = t_all if c0 == 0 else _codes_in(t_all, c0, w.shape[0])
         for v_begin, v_count, blocks in dlogits_blocks(
-            hidden, w, t, lse, mean_z, grads, p, cfg, (local, width), b, g_b
-        ):
+            hidden, w, targets, p.vocab_start + c0, lse, mean_z, grads, p, cfg, (local, width),
+            b, g_b,
+        ):  # fmt: skip
             yield c0 + v_begin, v_count, blocks, w[v_begin : v_begin + v_count]
 
 
@@ -260,9 +257,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         cfg, _ = deterministic_config(
             hidden.device, hidden.dtype, p.deterministic_tile, p.tile_config
         )
-        # target codes over the shard's real rows and the halo (the backward's columns)
-        halo_rows = p.tile_ownership().halo
-        hidden, w_real, t_all, ignored = kernel_inputs(hidden, weight, targets, p, halo_rows)
+        hidden, w_real, targets = kernel_inputs(hidden, weight, targets, p)
         own, halo = owned_halo(w_real, p)
         b_real, b_halo = bias_halo(bias, w_real.shape[0], p)
         # The owned tiles in one launch over the shard's rows, or, with a halo, two: the
@@ -282,36 +277,37 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             tiles = triton.cdiv(w.shape[0], tile)
             if i == len(launches) - 1:
                 tiles = own.max_tiles - (c0 - own.skip) // tile
-            t_w = _codes_in(t_all, c0, w.shape[0])  # target codes in the launch's columns
-            fwd.append((w, t_w, dataclasses.replace(p, max_v_local=tiles * tile), b))
+            # the launch's first row is vocabulary id vocab_start + c0 (the halo follows the
+            # shard's real rows)
+            fwd.append((w, p.vocab_start + c0, dataclasses.replace(p, max_v_local=tiles * tile), b))
         n = hidden.shape[0]
         parts = []
         step = _stats_rows(p, cfg, own.max_tiles)
         for r0 in range(0, max(n, 1), step):
             r1 = min(n, r0 + step)
             stats = [
-                forward_stats(hidden[r0:r1], w, t[r0:r1], pf, cfg, b, tile=tile)
-                for w, t, pf, b in fwd
+                forward_stats(hidden[r0:r1], w, targets[r0:r1], first, pf, cfg, b, tile=tile)
+                for w, first, pf, b in fwd
             ]
             stats = stats[0] if len(stats) == 1 else torch.cat(stats)  # [T_max * S, rows, 4]
             gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, T_max * S, rows, 4]
             lse, mean_z, outputs = merge_outputs(
-                gathered.flatten(0, 1), ignored[r0:r1], entropy=p.return_entropy,
-                return_lse=p.return_lse,
+                gathered.flatten(0, 1), targets[r0:r1], p.ignore_index,
+                entropy=p.return_entropy, return_lse=p.return_lse,
             )  # fmt: skip
             parts.append((lse, mean_z, *outputs))
         lse, mean_z, *outputs = (
             None if part[0] is None else torch.cat(part) if len(part) > 1 else part[0]
             for part in zip(*parts, strict=True)
         )
-        ctx.save_for_backward(hidden, weight, bias, t_all, ignored, lse, mean_z, halo, b_halo)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_z, halo, b_halo)
         ctx.params = p
         return tuple(outputs)
 
     @staticmethod
     @backend_backward
     def backward(ctx, g_lp, g_ent, g_lse):
-        hidden, weight, bias, t_all, ignored, lse, mean_z, halo, b_halo = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, mean_z, halo, b_halo = ctx.saved_tensors
         p: LogprobParams = ctx.params
         tile = p.deterministic_tile
         cfg, fixed = deterministic_config(hidden.device, hidden.dtype, tile, p.tile_config)
@@ -320,7 +316,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         v_real = p.local_real_columns(weight.shape[0])
         w_real = weight[:v_real]
         own = p.tile_ownership()
-        grads = masked_upstream(ignored, g_lp, g_ent, g_lse)
+        grads = upstream(g_lp, g_ent, g_lse)
         dev = hidden.device
         # the head fragment's span (several tiles per piece) serves grad_W and grad_bias
         spans, n_frag, width = backward_spans(own, p, cfg.vocab_chunk, need_w or need_b)
@@ -349,8 +345,8 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         )  # tiles rounded per pass (per_tile)
         pending = 0  # tiles whose products wait in leaf32 (per_tile)
         if need_h:
-            e, bad = row_exponents(hidden, w_real, lse, ignored, *grads, p, b_real=b_real)
-            scale = torch.exp2(e).float()
+            rows_s = row_scales(hidden, w_real, b_real, lse, targets, grads, p)
+            scale = rows_s.scale
             # the first rounding overwrites it (ACC=False), unless no tile is here
             alloc = torch.empty if own.ext > 0 else torch.zeros
             acc_h = alloc((n, h_dim), dtype=torch.int64, device=dev)
@@ -391,7 +387,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             grad_halo = halo_alloc((own.halo, h_dim), dtype=weight.dtype, device=dev)
         for j, (v_begin, v_count, blocks, w_chunk) in enumerate(
             _span_blocks(
-                hidden, w_real, halo, t_all, lse, mean_z, grads, p, cfg, spans, width, span_bias
+                hidden, w_real, halo, targets, lse, mean_z, grads, p, cfg, spans, width, span_bias
             )
         ):
             local = max(0, min(v_begin + v_count, v_real) - v_begin)  # its grad_W rows
@@ -448,7 +444,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         grad_h = None
         if need_h:
             sums.finish()
-            grad_h = from_fixed_point(acc_h, e, bad, hidden.dtype)
+            grad_h = from_fixed_point(acc_h, rows_s.inv, rows_s.bad, hidden.dtype)
         if back:  # after every all-reduce: the same order of collectives on every rank
             return_halo_grad(
                 grad_halo, grad_w, p.shard_starts, p.shard_sizes, p.vocab_size, tile,

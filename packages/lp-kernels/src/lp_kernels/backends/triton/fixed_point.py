@@ -11,17 +11,23 @@ scale's bound is ``lp_kernels._fixed_point``'s (shared with the torch backend).
 - ``round_into_kernel``: rounds the fp32 products of wider tiles, summed by lp's fp32
   GEMM, into the int64 sum (several tiles per pass).
 - ``from_fixed_kernel``: int64 -> float32, with NaN rows.
+- ``row_scales_kernel``: each row's ``2^e_n`` (``lp_kernels._fixed_point.row_exponents``'
+  bound, the same float64 operations in the same order) in one launch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import struct
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from lp_kernels._fixed_point import E_MAX, E_MIN, MARGIN
+from lp_kernels._types import LogprobParams
 from lp_kernels.backends.triton.config import (
     TileConfig,
     compile_opts,
@@ -31,6 +37,7 @@ from lp_kernels.backends.triton.config import (
 )
 from lp_kernels.backends.triton.gemm import gemm_sources
 from lp_kernels.backends.triton.tl_utils import gemm_step, grouped, operand_ptrs
+from lp_kernels.distributed.collectives import global_abs_max
 from lp_kernels.tiles import DETERMINISTIC_TILE as TILE
 
 # Every column tile is one global vocabulary tile. The fixed-point GEMM keeps an int64
@@ -183,9 +190,10 @@ def from_fixed_kernel(acc_ptr, s_ptr, bad_ptr, out_ptr, numel, H, BLOCK: tl.cons
     tl.store(out_ptr + offs, b_y.to(tl.float32), mask=m)
 
 
-def from_fixed_point(acc, e, bad, dtype):
-    """``acc [N, H]`` int64 in units of ``2^-e_n`` -> ``dtype`` (the triton backend's
-    :func:`lp_kernels._fixed_point.from_fixed_point`, without float64 temporaries).
+def from_fixed_point(acc, inv_scale, bad, dtype):
+    """``acc [N, H]`` int64 in units of ``2^-e_n`` -> ``dtype``, NaN on ``bad`` rows (the
+    triton backend's :func:`lp_kernels._fixed_point.from_fixed_point`, without float64
+    temporaries). ``inv_scale``: float64 ``2^-e_n``; ``bad``: int8 or bool ``[N]``.
 
     The kernel stops at float32 and torch rounds to the input dtype: Triton may fold the
     two conversions into one from float64 (another rounding than torch's), and its
@@ -194,11 +202,147 @@ def from_fixed_point(acc, e, bad, dtype):
     out = torch.empty(acc.shape, dtype=torch.float32, device=acc.device)
     if out.numel() == 0:
         return out.to(dtype)
+    bad = bad.to(torch.int8) if bad.dtype == torch.bool else bad
     from_fixed_kernel[(triton.cdiv(acc.numel(), ELEMENTWISE_BLOCK),)](
-        acc, torch.exp2(-e.to(torch.float64)), bad.to(torch.int8), out, acc.numel(),
-        acc.shape[1], BLOCK=ELEMENTWISE_BLOCK, **compile_opts(acc.device),
+        acc, inv_scale, bad, out, acc.numel(), acc.shape[1], BLOCK=ELEMENTWISE_BLOCK,
+        **compile_opts(acc.device),
     )  # fmt: skip
     return out.to(dtype)
+
+
+@triton.jit
+def _nonfinite(x):
+    """1 where ``x`` is NaN or infinite, else 0 (int32)."""
+    return tl.where(tl.abs(x) < float("inf"), 0, 1)
+
+
+@triton.jit(do_not_specialize=["N", "H", "ignore_index", "inv_t_bits", "cap_t_bits", "margin_bits"])
+def row_scales_kernel(
+    h_ptr, lse_ptr, t_ptr, glp_ptr, gent_ptr, glse_ptr, wabs_ptr, babs_ptr,
+    scale_ptr, inv_ptr, bad_ptr,
+    N, H, stride_hn, ignore_index, inv_t_bits, cap_t_bits, margin_bits,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, HAS_LP: tl.constexpr,
+    HAS_ENT: tl.constexpr, HAS_LSE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Per row: ``scale = 2^e`` (fp32), ``inv = 2^-e`` (fp64) and ``bad`` (int8) of
+    ``lp_kernels._fixed_point.row_exponents``, whose float64 operations this repeats one
+    by one in the same order (compiled without FMA contraction, as torch evaluates them;
+    ``log2`` and ``floor`` are libdevice's, as torch's on CUDA; numpy's under the
+    interpreter, which has no libdevice). The float64 constants
+    arrive as their int64 bit patterns (Triton passes a float argument as fp32).
+    Upstream gradients are read raw (fp32 ``[N]``) and zeroed on ignored rows, whose
+    targets (raw ids) equal ``ignore_index``."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    # max |h| of each row; NaN when the row holds one (as torch's aminmax)
+    b_max = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_nan = tl.zeros([BLOCK_N], dtype=tl.int32)
+    p_h = h_ptr + o_n[:, None].to(tl.int64) * stride_hn
+    for k0 in range(0, H, BLOCK_H):
+        o_h = k0 + tl.arange(0, BLOCK_H)
+        m = m_n[:, None] & (o_h < H)[None, :]
+        b_h = tl.load(p_h + o_h[None, :], mask=m, other=0.0).to(tl.float32)
+        b_max = tl.maximum(b_max, tl.max(tl.abs(b_h), axis=1))
+        b_nan = tl.maximum(b_nan, tl.max((b_h != b_h).to(tl.int32), axis=1))
+    h_abs = tl.where(b_nan > 0, float("nan"), b_max.to(tl.float64))
+    inv_t = inv_t_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    w_abs = tl.load(wabs_ptr)
+    head_bad = _nonfinite(w_abs)
+    zmax = H.to(tl.float64) * h_abs * w_abs
+    if HAS_BIAS:  # |l| <= H max|h| max|W| + max|b|
+        b_abs = tl.load(babs_ptr)
+        zmax = zmax + b_abs
+        head_bad = head_bad | _nonfinite(b_abs)
+    zmax = zmax * inv_t
+    if SOFTCAP:  # clamp(max=c / T); NaN stays NaN
+        cap_t = cap_t_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        zmax = tl.where(zmax > cap_t, cap_t, zmax)
+    b_t = tl.load(t_ptr + o_n, mask=m_n, other=0).to(tl.int64)
+    dead = b_t == ignore_index
+    g_lp = tl.zeros([BLOCK_N], dtype=tl.float64)
+    g_ent = tl.zeros([BLOCK_N], dtype=tl.float64)
+    g_lse = tl.zeros([BLOCK_N], dtype=tl.float64)
+    if HAS_LP:
+        g_lp = tl.where(dead, 0.0, tl.load(glp_ptr + o_n, mask=m_n, other=0.0).to(tl.float64))
+    if HAS_ENT:
+        g_ent = tl.where(dead, 0.0, tl.load(gent_ptr + o_n, mask=m_n, other=0.0).to(tl.float64))
+    if HAS_LSE:
+        g_lse = tl.where(dead, 0.0, tl.load(glse_ptr + o_n, mask=m_n, other=0.0).to(tl.float64))
+    ent_term = tl.where(g_ent != 0, 2.0 * tl.abs(g_ent) * zmax, 0.0)
+    bound = tl.abs(g_lse - g_lp) + tl.abs(g_lp) + ent_term
+    margin = margin_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    bound = tl.where(bound != 0, margin * bound * inv_t * w_abs, 0.0)
+    lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
+    live = tl.where(dead, 0, 1)
+    bad = _nonfinite(bound) | head_bad | (live & (_nonfinite(h_abs) | _nonfinite(lse)))
+    if INTERPRET:
+        e = tl.floor(60.0 - tl.log2(bound))
+    else:
+        e = libdevice.floor(60.0 - libdevice.log2(bound))
+    e = tl.where(bound > 0, e, 0.0)
+    e = tl.minimum(tl.maximum(e, E_LO), E_HI).to(tl.int32)  # -inf (bound inf) -> E_LO
+    # 2^e and 2^-e from their exponent bits: exact
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((1023 - e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+    tl.store(scale_ptr + o_n, scale, mask=m_n)
+    tl.store(inv_ptr + o_n, inv, mask=m_n)
+    tl.store(bad_ptr + o_n, bad.to(tl.int8), mask=m_n)  # fmt: skip
+
+
+class RowScales(NamedTuple):
+    """Each row's fixed-point scale: ``scale = 2^e_n`` (fp32, the roundings'), ``inv =
+    2^-e_n`` (fp64, the conversion's) and ``bad`` (int8: a NaN row)."""
+
+    scale: torch.Tensor
+    inv: torch.Tensor
+    bad: torch.Tensor
+
+
+def _bits(x: float) -> int:
+    """The int64 bit pattern of a float64 (how a float64 constant reaches a kernel)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def row_scales(
+    hidden: torch.Tensor,
+    w_real: torch.Tensor,
+    b_real: torch.Tensor | None,
+    lse: torch.Tensor,
+    targets: torch.Tensor,
+    grads: tuple,
+    p: LogprobParams,
+) -> RowScales:
+    """:func:`lp_kernels._fixed_point.row_exponents` as :class:`RowScales`, in one launch
+    after ``max |W|`` (and ``max |b|``) over the group: the same exponents and NaN rows.
+
+    ``targets``: the raw ids (contiguous); ``grads``: the upstream ``(g_lp, g_ent,
+    g_lse)``, fp32 ``[N]`` contiguous or None, read raw (zeroed on ignored rows here)."""
+    n, h_dim = hidden.shape
+    dev = hidden.device
+    w_abs = global_abs_max(w_real, p.tp_group, p.tp_size).reshape(1)
+    b_abs = None if b_real is None else global_abs_max(b_real, p.tp_group, p.tp_size)
+    scale = torch.empty(n, dtype=torch.float32, device=dev)
+    inv = torch.empty(n, dtype=torch.float64, device=dev)
+    bad = torch.empty(n, dtype=torch.int8, device=dev)
+    if n == 0:
+        return RowScales(scale, inv, bad)
+    g_lp, g_ent, g_lse = (lse if g is None else g for g in grads)
+    cap_t = 0.0 if p.softcap is None else p.softcap * p.inv_temperature
+    block_n, block_h = (16, 256) if dev.type != "cpu" else (16, 64)
+    opts = compile_opts(dev)
+    if opts:  # no FMA contraction: torch's float64 operations, one rounding each
+        opts = dict(opts, enable_fp_fusion=False)
+    row_scales_kernel[(triton.cdiv(n, block_n),)](
+        hidden, lse, targets, g_lp, g_ent, g_lse, w_abs, w_abs if b_abs is None else b_abs,
+        scale, inv, bad, n, h_dim, hidden.stride(0), p.ignore_index, _bits(p.inv_temperature),
+        _bits(cap_t), _bits(MARGIN),
+        BLOCK_N=block_n, BLOCK_H=block_h, HAS_LP=grads[0] is not None,
+        HAS_ENT=grads[1] is not None, HAS_LSE=grads[2] is not None,
+        HAS_BIAS=b_abs is not None, SOFTCAP=p.softcap is not None, E_LO=E_MIN, E_HI=E_MAX,
+        INTERPRET=dev.type == "cpu", **opts,
+    )  # fmt: skip
+    return RowScales(scale, inv, bad)
 
 
 def full_stages(a: torch.Tensor) -> bool:

@@ -28,7 +28,14 @@ from lp_kernels.backends.triton.config import (
     logit_flags,
     tma_ok,
 )
-from lp_kernels.backends.triton.tl_utils import cap_tanh, grouped, logits_tile, softcap
+from lp_kernels.backends.triton.tl_utils import (
+    IGNORED,
+    cap_tanh,
+    grouped,
+    logits_tile,
+    softcap,
+    target_codes,
+)
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -56,19 +63,21 @@ def stats_terms(z, m):
     return e, e * d
 
 
-@triton.jit(do_not_specialize=["N", "V_real", "splits", "group"])
+@triton.jit(do_not_specialize=["N", "V_real", "ignore_index", "col0", "splits", "group"])
 def fwd_stats_kernel(
     h_src, w_src, t_ptr, stats_ptr, b_ptr, l_ptr,
-    N, H, V_real, inv_t, cap, inv_cap, splits, group,
+    N, H, V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, group,
     stride_hn, stride_hh, stride_wv, stride_wh, stride_ln,
     V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
     TMA: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, STORE_L: tl.constexpr,
-    TILE_W: tl.constexpr = 0,
+    IGNORED: tl.constexpr, TILE_W: tl.constexpr = 0,
 ):  # fmt: skip
     """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target],
     with z = softcap(h W^T (+ b)) / T (``SOFTCAP``: c tanh(l / c); the target's z from
-    ``softcap``, the softmax terms' from ``cap_tanh``, see ``capped_z``). ``STORE_L``: also
+    ``softcap``, the softmax terms' from ``cap_tanh``, see ``capped_z``). ``t_ptr``: the raw
+    target ids, ``col0`` the id of the weight's first row (``tl_utils.target_codes``;
+    ``IGNORED``: an ignored row's code). ``STORE_L``: also
     store the raw logits l = h W^T (+ b) (fp32, the real columns) to ``l_ptr`` (row
     stride ``stride_ln``).
 
@@ -78,7 +87,8 @@ def fwd_stats_kernel(
     i_n, i_s = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
-    b_t = tl.load(t_ptr + o_n, mask=m_n, other=-1)  # target column in this shard, or -1
+    # the target's column in this weight, -1 if elsewhere, IGNORED if ignored
+    b_t = target_codes(t_ptr, o_n, m_n, ignore_index, col0, V_real, IGNORED)
     b_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_a = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -162,9 +172,9 @@ def fwd_stats_kernel(
     tl.store(p_out + 3, b_zt, mask=m_n)
 
 
-@triton.jit(do_not_specialize=["K", "N"])
+@triton.jit(do_not_specialize=["K", "N", "ignore_index"])
 def merge_kernel(
-    stats_ptr, lse_ptr, mean_ptr, zt_ptr, ent_ptr, ign_ptr, lseo_ptr, K, N,
+    stats_ptr, lse_ptr, mean_ptr, zt_ptr, ent_ptr, t_ptr, lseo_ptr, K, N, ignore_index,
     BLOCK_N: tl.constexpr, ENTROPY: tl.constexpr, LSE_OUT: tl.constexpr,
 ):  # fmt: skip
     """Merge K partials per row in order (see lp_kernels._stats for the algebra).
@@ -172,7 +182,8 @@ def merge_kernel(
     ``lse_ptr`` and ``mean_ptr`` receive the raw log-sum-exp and E (the backward's);
     ``zt_ptr``, ``ent_ptr`` and ``lseo_ptr`` (``LSE_OUT``) the op's logprob ``t - lse``,
     entropy and log-sum-exp as ``lp_kernels._stats.masked_outputs`` makes them: exact
-    zeros on the rows that ``ign_ptr`` marks, NaN where the log-sum-exp is not finite."""
+    zeros on the rows whose raw target id (``t_ptr``, int32 or int64) is ``ignore_index``,
+    NaN where the log-sum-exp is not finite."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     b_big_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
@@ -196,7 +207,7 @@ def merge_kernel(
     b_log_s = tl.log(b_big_s)
     b_lse = b_big_m + b_log_s
     tl.store(lse_ptr + o_n, b_lse, mask=m_n)
-    b_dead = tl.load(ign_ptr + o_n, mask=m_n, other=0) != 0
+    b_dead = tl.load(t_ptr + o_n, mask=m_n, other=0).to(tl.int64) == ignore_index
     b_bad = (tl.abs(b_lse) == float("inf")) | (b_lse != b_lse)
     tl.store(zt_ptr + o_n, _masked(b_zt - b_lse, b_dead, b_bad), mask=m_n)
     if LSE_OUT:
@@ -220,15 +231,18 @@ def _masked(x, dead, bad):
 def forward_stats(
     hidden: torch.Tensor,
     w_real: torch.Tensor,
-    t_col: torch.Tensor,
+    targets: torch.Tensor,
+    first_id: int,
     p: LogprobParams,
     cfg: TileConfig,
     b_real: torch.Tensor | None = None,
     l_out: torch.Tensor | None = None,
     tile: int = 0,
 ) -> torch.Tensor:
-    """``[S, N, 4]`` fp32 partial statistics of this shard's splits (``b_real``: the fp32
-    bias of ``w_real``'s rows, or None). ``l_out``: None, or an fp32 ``[N, >= V_real]``
+    """``[S, N, 4]`` fp32 partial statistics of this shard's splits. ``targets``: the raw
+    ``[N]`` ids (contiguous; ``p.ignore_index`` marks ignored rows), ``first_id``: the
+    vocabulary id of ``w_real``'s first row; ``b_real``: the fp32 bias of ``w_real``'s
+    rows, or None. ``l_out``: None, or an fp32 ``[N, >= V_real]``
     buffer (unit column stride) that receives the raw logits ``h W^T (+ b)`` of the real
     columns (before the cap and the temperature). ``tile``: 0 (splits of ``cfg.v_split``
     columns), or the width of the tiles that the splits cut from their first columns
@@ -249,14 +263,15 @@ def forward_stats(
     blocks_n = triton.cdiv(n, cfg.block_n)
     h_src, w_src, tma = logits_sources(hidden, w_real, cfg)
     fwd_stats_kernel[(blocks_n * splits,)](
-        h_src, w_src, t_col, stats, t_col if b_real is None else b_real,
+        h_src, w_src, targets, stats, stats if b_real is None else b_real,
         stats if l_out is None else logits_out(l_out, n, v_real, cfg, tma),
-        n, h_dim, v_real, p.inv_temperature, *cap_args(p), splits, group_size(cfg, blocks_n),
+        n, h_dim, v_real, p.ignore_index, first_id, p.inv_temperature, *cap_args(p), splits,
+        group_size(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1),
         0 if l_out is None else l_out.stride(0),
         V_SPLIT=cfg.v_split, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=p.return_entropy, TMA=tma, HAS_BIAS=b_real is not None,
-        SOFTCAP=p.softcap is not None, STORE_L=l_out is not None, TILE_W=tile,
+        SOFTCAP=p.softcap is not None, STORE_L=l_out is not None, IGNORED=IGNORED, TILE_W=tile,
         **logit_flags(hidden, cfg),
         **launch_opts(cfg, hidden.device),
     )  # fmt: skip
@@ -298,12 +313,19 @@ def logits_sources(hidden: torch.Tensor, w_real: torch.Tensor, cfg: TileConfig):
     return hidden, w_real, False
 
 
-def merge_outputs(stats: torch.Tensor, ignored: torch.Tensor, *, entropy: bool, return_lse: bool):
+def merge_outputs(
+    stats: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    *,
+    entropy: bool,
+    return_lse: bool,
+):
     """Merge ``[K, N, 4]`` partials per row in order, and make the op's outputs in the same
     launch: ``(lse, E or None, (logprob, entropy or None, lse or None))``. The first two
     are raw (what the backward reads); the outputs are exactly what
-    ``lp_kernels._stats.masked_outputs`` makes of the merged statistics (``ignored``: the
-    ``[N]`` bool mask of ignored rows)."""
+    ``lp_kernels._stats.masked_outputs`` makes of the merged statistics (ignored rows:
+    those of the raw ``[N]`` ids ``targets``, contiguous, that equal ``ignore_index``)."""
     k, n, _ = stats.shape
     dev = stats.device
 
@@ -318,7 +340,7 @@ def merge_outputs(stats: torch.Tensor, ignored: torch.Tensor, *, entropy: bool, 
     block = 128 if dev.type != "cpu" else 256
     merge_kernel[(triton.cdiv(n, block),)](
         stats.contiguous(), lse, mean if entropy else lse, zt, ent if entropy else lse,
-        ignored, lse if lse_out is None else lse_out, k, n,
+        targets, lse if lse_out is None else lse_out, k, n, ignore_index,
         BLOCK_N=block, ENTROPY=entropy, LSE_OUT=lse_out is not None, **compile_opts(dev),
     )  # fmt: skip
     return lse, mean, (zt, ent, lse_out)

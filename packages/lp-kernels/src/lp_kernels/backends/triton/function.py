@@ -65,7 +65,6 @@ from lp_kernels import _amp
 from lp_kernels._compile import backend_backward, eager_under_compile
 from lp_kernels._matmul import addmm_f32_, scratch
 from lp_kernels._prepare import prepare, shaped
-from lp_kernels._stats import masked_upstream
 from lp_kernels._types import LogProbOutput, LogprobParams
 from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
@@ -74,6 +73,7 @@ from lp_kernels.backends.triton.backward import (
     grad_weight_buffer,
     grad_weight_slice,
     kernel_inputs,
+    upstream,
 )
 from lp_kernels.backends.triton.config import TileConfig, config_for, pad128
 from lp_kernels.backends.triton.deterministic import LinearLogprobTritonDeterministic
@@ -91,21 +91,22 @@ class LinearLogprobTriton(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, p: LogprobParams):
         ctx.set_materialize_grads(False)
         cfg = p.tile_config or config_for(hidden.device, hidden.dtype)
-        hidden, w_real, t_col, ignored = kernel_inputs(hidden, weight, targets, p)
+        hidden, w_real, targets = kernel_inputs(hidden, weight, targets, p)
         b_real = None if bias is None else bias[: w_real.shape[0]].float()
-        stats = forward_stats(hidden, w_real, t_col, p, cfg, b_real)
+        stats = forward_stats(hidden, w_real, targets, p.vocab_start, p, cfg, b_real)
         gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, S, N, 4]
         lse, mean_z, outputs = merge_outputs(
-            gathered.flatten(0, 1), ignored, entropy=p.return_entropy, return_lse=p.return_lse
-        )
-        ctx.save_for_backward(hidden, weight, bias, t_col, ignored, lse, mean_z)
+            gathered.flatten(0, 1), targets, p.ignore_index, entropy=p.return_entropy,
+            return_lse=p.return_lse,
+        )  # fmt: skip
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_z)
         ctx.params = p
         return outputs
 
     @staticmethod
     @backend_backward
     def backward(ctx, g_lp, g_ent, g_lse):
-        hidden, weight, bias, t_col, ignored, lse, mean_z = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, mean_z = ctx.saved_tensors
         p: LogprobParams = ctx.params
         cfg = p.tile_config or config_for(hidden.device, hidden.dtype)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -114,7 +115,7 @@ class LinearLogprobTriton(torch.autograd.Function):
         w_real = weight[:v_real]
         b_real = None if bias is None else bias[:v_real].float()
         acc_b = torch.zeros(v_real, dtype=torch.float32, device=hidden.device) if need_b else None
-        grads = masked_upstream(ignored, g_lp, g_ent, g_lse)
+        grads = upstream(g_lp, g_ent, g_lse)
         grad_h32 = None
         if need_h:  # the first vocabulary chunk writes every element (accumulate=False)
             alloc = scratch.empty if v_real > 0 else torch.zeros
@@ -136,8 +137,9 @@ class LinearLogprobTriton(torch.autograd.Function):
             spans = [(b, min(span, v_real - b)) for b in range(0, v_real, span)]
             pieces = (spans, min(span, pad128(v_real)))
         for v_begin, v_count, blocks in dlogits_blocks(
-            hidden, w_real, t_col, lse, mean_z, grads, p, cfg, pieces, b_real, acc_b
-        ):
+            hidden, w_real, targets, p.vocab_start, lse, mean_z, grads, p, cfg, pieces, b_real,
+            acc_b,
+        ):  # fmt: skip
             w_chunk = w_real[v_begin : v_begin + v_count]
             gw_slice = grad_w[v_begin : v_begin + v_count] if need_w else None
             acc = None

@@ -42,11 +42,10 @@ from lp_kernels._loss import (
 )
 from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
 from lp_kernels._prepare import prepare
-from lp_kernels._stats import lse_coefficient
+from lp_kernels._stats import ignored_rows
 from lp_kernels._types import LogprobParams, LossOutput
 from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
-    IGNORED,
     add_column_sums,
     dlogits_tile,
     grad_weight_buffer,
@@ -64,23 +63,25 @@ from lp_kernels.backends.triton.config import (
     sm_count,
 )
 from lp_kernels.backends.triton.forward import cap_args, forward_stats, merge_outputs
+from lp_kernels.backends.triton.tl_utils import IGNORED, target_codes
 from lp_kernels.distributed.collectives import RowSums, gather_stats
 
 
-@triton.jit(do_not_specialize=["N", "V"])
+@triton.jit(do_not_specialize=["N", "V", "ignore_index", "first_id"])
 def dlogits_l_kernel(
-    l_ptr, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, c0_ptr, dl_ptr, db_ptr,
-    N, V, inv_t, cap, inv_cap, stride_ln, stride_dn,
+    l_ptr, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, glse_ptr, dl_ptr, db_ptr,
+    N, V, ignore_index, first_id, inv_t, cap, inv_cap, stride_ln, stride_dn,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, TILES: tl.constexpr, ENTROPY: tl.constexpr,
-    HAS_LP: tl.constexpr, IGNORED: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_LSE: tl.constexpr, IGNORED: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T from stored raw logits l
     (``h W^T + b``), z = softcap(l) / T: ``backward.dlogits_tile``, the arithmetic of the
     backward's ``dlogits_kernel`` on the same l, without the GEMM that recomputes it.
 
     Each program covers ``TILES`` consecutive ``[BLOCK_N, BLOCK_V]`` tiles of one row
-    block. Ignored rows (code ``IGNORED``) get exact zeros whatever l holds.
+    block. ``t_ptr``: the rows' raw target ids, ``first_id`` the id of column 0; ignored
+    rows (code ``IGNORED``) get exact zeros whatever l holds.
     ``BIAS_GRAD``: each program writes its tiles' fp32 column sums of d l to row ``i_n``
     of ``db_ptr`` (``[blocks, V]``).
     """
@@ -89,14 +90,15 @@ def dlogits_l_kernel(
     m_n = o_n < N
     p_l = l_ptr + o_n[:, None].to(tl.int64) * stride_ln
     p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn
+    b_t = target_codes(t_ptr, o_n, m_n, ignore_index, first_id, V, IGNORED)
     for j in tl.static_range(TILES):
         v0 = (tl.program_id(1) * TILES + j) * BLOCK_V
         o_v = v0 + tl.arange(0, BLOCK_V)
         m_2 = m_n[:, None] & (o_v < V)[None, :]
         b_l = tl.load(p_l + o_v[None, :], mask=m_2, other=0.0)
-        b_dz, b_t = dlogits_tile(
-            b_l, t_ptr, lse_ptr, c0_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, v0,
-            inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, SOFTCAP, INTERPRET,
+        b_dz = dlogits_tile(
+            b_l, b_t, lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, v0,
+            inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, HAS_LSE, SOFTCAP, INTERPRET,
         )  # fmt: skip
         b_dz = tl.where(m_2 & (b_t != IGNORED)[:, None], b_dz, 0.0)
         tl.store(p_d + o_v[None, :], b_dz.to(dl_ptr.dtype.element_ty), mask=m_2)
@@ -105,11 +107,13 @@ def dlogits_l_kernel(
 
 
 def dlogits_from_logits(
-    logits, t_col, lse, mean, g_lp, g_ent, c0, out, p: LogprobParams, cfg: TileConfig, db=None
+    logits, targets, lse, mean, grads, out, p: LogprobParams, cfg: TileConfig, db=None
 ) -> None:
     """d_logits of the rows of ``logits [k, >= V]`` (raw fp32 logits ``h W^T (+ b)`` of V
-    real columns, V = ``out.shape[1]``) into ``out [k, V]``; ``db``: None, or a contiguous
-    fp32 ``[cdiv(k, cfg.loss_bias_block[0]), V]`` buffer for the row blocks' column sums."""
+    real columns from vocabulary id ``p.vocab_start``, V = ``out.shape[1]``) into ``out [k,
+    V]``; ``targets``: the rows' raw ids, ``grads``: fp32 ``(g_lp, g_ent, g_lse)`` (contiguous,
+    or None); ``db``: None, or a contiguous fp32 ``[cdiv(k, cfg.loss_bias_block[0]), V]``
+    buffer for the row blocks' column sums."""
     k, v = out.shape
     if k == 0 or v == 0:
         return
@@ -117,14 +121,15 @@ def dlogits_from_logits(
     opts = launch_opts(
         dataclasses.replace(cfg, num_stages=1, num_warps=cfg.loss_warps), logits.device
     )
+    g_lp, g_ent, g_lse = (lse if g is None else g for g in grads)
     dlogits_l_kernel[(triton.cdiv(k, block_n), triton.cdiv(v, block_v * tiles))](
-        logits, t_col, lse, mean if mean is not None else lse,
-        g_lp if g_lp is not None else c0, g_ent if g_ent is not None else c0, c0, out,
-        c0 if db is None else db,
-        k, v, p.inv_temperature, *cap_args(p), logits.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_V=block_v, TILES=tiles, ENTROPY=g_ent is not None,
-        HAS_LP=g_lp is not None,
-        IGNORED=IGNORED, BIAS_GRAD=db is not None, SOFTCAP=p.softcap is not None,
+        logits, targets, lse, mean if mean is not None else lse, g_lp, g_ent, g_lse, out,
+        lse if db is None else db,
+        k, v, p.ignore_index, p.vocab_start, p.inv_temperature, *cap_args(p), logits.stride(0),
+        out.stride(0),
+        BLOCK_N=block_n, BLOCK_V=block_v, TILES=tiles, ENTROPY=grads[1] is not None,
+        HAS_LP=grads[0] is not None, HAS_LSE=grads[2] is not None, IGNORED=IGNORED,
+        BIAS_GRAD=db is not None, SOFTCAP=p.softcap is not None,
         INTERPRET=logits.device.type == "cpu", **opts,
     )  # fmt: skip
 
@@ -218,7 +223,8 @@ class LinearLogprobLossTriton(FinishedGradients):
     def forward(ctx, hidden, weight, bias, targets, p: LogprobParams, spec: LossSpec):
         ctx.set_materialize_grads(False)
         cfg = p.tile_config or config_for(hidden.device, hidden.dtype)
-        hidden, w_real, t_col, ignored = kernel_inputs(hidden, weight, targets, p)
+        hidden, w_real, targets = kernel_inputs(hidden, weight, targets, p)
+        ignored = ignored_rows(targets, p.ignore_index)  # the loss function's dead rows
         n, h_dim = hidden.shape
         dev = hidden.device
         v_real = w_real.shape[0]
@@ -254,12 +260,16 @@ class LinearLogprobLossTriton(FinishedGradients):
             r1 = g0
             for k in logits_blocks(g1 - g0, rows, cfg.block_n, splits, sms):
                 r0, r1 = r1, r1 + k
-                stats = forward_stats(hidden[r0:r1], w_real, t_col[r0:r1], p, cfg, b_real, lbuf[:k])
+                t_c = targets[r0:r1]
+                stats = forward_stats(
+                    hidden[r0:r1], w_real, t_c, p.vocab_start, p, cfg, b_real, lbuf[:k]
+                )
                 gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, S, k, 4]
                 dead = ignored[r0:r1]
                 lse_c, mean_c, (lp_c, e_c, ls_c) = merge_outputs(
-                    gathered.flatten(0, 1), dead, entropy=p.return_entropy, return_lse=True
-                )
+                    gathered.flatten(0, 1), t_c, p.ignore_index, entropy=p.return_entropy,
+                    return_lse=True,
+                )  # fmt: skip
                 values = block_values(spec.per_token, r0, r1, k)
                 loss_c, g = block_loss(spec, lp_c, e_c, ls_c, dead, values)
                 for out, x in zip(outs, (loss_c, lp_c, e_c, ls_c), strict=True):
@@ -267,13 +277,10 @@ class LinearLogprobLossTriton(FinishedGradients):
                         out[r0:r1] = x
                 if not grad:
                     continue
-                g_lp, g_ent, g_lse = g  # fp32, 0 on dead rows (block_loss)
-                c0 = lse_coefficient(g_lp, g_lse, k, dev)
                 part = None if db is None else db[: triton.cdiv(k, cfg.loss_bias_block[0]), :v_real]
                 dl = dl_buf[r0 - g0 : r1 - g0, :v_real]
-                dlogits_from_logits(
-                    lbuf[:k], t_col[r0:r1], lse_c, mean_c, g_lp, g_ent, c0, dl, p, cfg, part
-                )
+                # g: fp32 (g_lp, g_ent, g_lse), 0 on dead rows (block_loss)
+                dlogits_from_logits(lbuf[:k], t_c, lse_c, mean_c, g, dl, p, cfg, part)
                 if part is not None:
                     add_column_sums(acc_b, part)
             if not grad:

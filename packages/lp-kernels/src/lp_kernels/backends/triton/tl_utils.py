@@ -1,6 +1,7 @@
 """Shared ``@triton.jit`` helpers of the triton backend's kernels.
 
 - :func:`grouped`: the launch order (row blocks ``group`` at a time, rows fastest).
+- :func:`target_codes`: each row's target column in a weight operand, from the raw ids.
 - :func:`logits_tile`: one fp32 tile of ``h W^T`` (the forward and the d_logits kernel).
 - :func:`operand_ptrs` and :func:`gemm_step`: one K step of lp's GEMMs (fp32 and fixed point).
 - :func:`softcap`: final-logit softcapping of fp32 logits and its slope, with
@@ -15,6 +16,9 @@ broadcast-multiply-and-sum (see the ``function`` module's docstring).
 import triton
 import triton.language as tl
 
+IGNORED = -2
+"""The target code of an ignored row (:func:`target_codes`; kernels take it as a constexpr)."""
+
 
 @triton.jit
 def grouped(pid, blocks_m, blocks_n, group):
@@ -24,6 +28,23 @@ def grouped(pid, blocks_m, blocks_n, group):
     first_m = (pid // width) * group
     size_m = tl.minimum(blocks_m - first_m, group)
     return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@triton.jit
+def target_codes(t_ptr, o_n, m_n, ignore_index, col0, cols, IGNORED: tl.constexpr):
+    """Per row ``o_n``: the target's column in a weight operand whose first row is vocabulary
+    id ``col0`` and which has ``cols`` rows (``t - col0``), -1 where the target lies
+    elsewhere (or the row is past ``m_n``), ``IGNORED`` where the target equals
+    ``ignore_index`` (any int64, a real id included). ``t_ptr``: the raw int32 or int64
+    ids, compared in int64; the codes are int32 (``cols`` < 2^31; half the registers).
+
+    Computed in every kernel that needs it, per row block: the host makes no target codes
+    (a handful of elementwise ops before a call's first kernel)."""
+    b_t = tl.load(t_ptr + o_n, mask=m_n, other=0).to(tl.int64)
+    b_d = b_t - col0
+    b_code = tl.where((b_d >= 0) & (b_d < cols), b_d, -1)
+    b_code = tl.where(b_t == ignore_index, IGNORED, b_code)
+    return tl.where(m_n, b_code, -1).to(tl.int32)
 
 
 @triton.jit
