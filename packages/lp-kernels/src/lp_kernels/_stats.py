@@ -188,7 +188,7 @@ def masked_outputs(
 def ignored_rows(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """``[N]`` bool: the rows whose target equals ``ignore_index`` (compared in int64)."""
     info = torch.iinfo(targets.dtype)
-    if not info.min <= ignore_index <= info.max:  # torch would wrap it to the dtype
+    if not info.min <= ignore_index <= info.max:  # outside the targets' dtype: no row
         return torch.zeros(targets.shape, dtype=torch.bool, device=targets.device)
     return targets == ignore_index
 

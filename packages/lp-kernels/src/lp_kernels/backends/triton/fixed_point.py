@@ -287,7 +287,7 @@ def row_scales_kernel(
     inv = ((1023 - e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
     tl.store(scale_ptr + o_n, scale, mask=m_n)
     tl.store(inv_ptr + o_n, inv, mask=m_n)
-    tl.store(bad_ptr + o_n, bad.to(tl.int8), mask=m_n)  # fmt: skip
+    tl.store(bad_ptr + o_n, bad.to(tl.int8), mask=m_n)
 
 
 class RowScales(NamedTuple):
@@ -320,7 +320,7 @@ def row_scales(
     g_lse)``, fp32 ``[N]`` contiguous or None, read raw (zeroed on ignored rows here)."""
     n, h_dim = hidden.shape
     dev = hidden.device
-    w_abs = global_abs_max(w_real, p.tp_group, p.tp_size).reshape(1)
+    w_abs = global_abs_max(w_real, p.tp_group, p.tp_size)  # 0-d: the kernel loads it
     b_abs = None if b_real is None else global_abs_max(b_real, p.tp_group, p.tp_size)
     scale = torch.empty(n, dtype=torch.float32, device=dev)
     inv = torch.empty(n, dtype=torch.float64, device=dev)
