@@ -77,6 +77,11 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
     assert {"ACC=False", "ACC=True"} <= {
         m.group(0) for x in multi if (m := re.search(r"ACC=\w+", x))
     }
+    assert any("BLOCK_M=128" in line for line in multi), multi  # bf16 ("group2-multi")
+    # ... or its chunks side by side on the pinned tile, then their ordered sum
+    split = [line for line in lines if " matmul_acc_body[" in line and "SPLIT=True" in line]
+    assert split and all("BLOCK_N=256" in x and " 0 B stack" in x for x in split), split
+    assert any(" ordered_sum_kernel[" in line for line in lines)
     # No launch falls off a register cliff: ptxas giving up on too large a tile (e.g. 128 x
     # 256 FMA tiles for fp32 inputs) compiles to a few registers and a stack frame of
     # several KB; the pointer-load paths keep small frames.

@@ -264,6 +264,64 @@ def test_triton_gemm_c_tile_through_descriptor_or_pointers(dtype, device, monkey
     assert float((out[True].double() - ref).norm() / ref.norm()) < 1e-6
 
 
+@pytest.mark.parametrize("accumulate", [False, True], ids=["overwrite", "accumulate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_gemm_chunks_in_one_launch_or_one_per_chunk(dtype, accumulate, device, monkeypatch):
+    """grad_hidden's GEMM over K in chunks (``chunk_k``: the default backward's chunk
+    groups, ``deterministic=True``'s tile groups): one launch on the narrow output tile
+    (``MULTI``, with tensor descriptors), one launch per chunk on the tile the waves pick,
+    or the chunks side by side (``SPLIT``, then their ordered sum), each on both output
+    tile widths (forced), bitwise equal to explicit calls per chunk in order, and to
+    C + A @ B within fp32 accuracy. M and N are not multiples of the tiles."""
+    import lp_kernels.backends.triton.gemm as gemm
+    from lp_kernels.backends.triton.config import config_for
+
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if (device == "cpu") != interpreting:
+        pytest.skip("the triton kernels run under the interpreter on CPU, compiled on CUDA")
+    cfg = config_for(torch.device(device), dtype)
+    gen = torch.Generator().manual_seed(12)
+    m, n, chunk = 131, 200, 256
+    k = 3 * chunk + 128  # a last chunk cut short
+    a = torch.randn(m, k, generator=gen).to(device, dtype)
+    b = torch.randn(k, n, generator=gen).to(device, dtype)
+    c0 = torch.randn(m, n, generator=gen).to(device)
+
+    sums = []  # the ordered sums launched (SPLIT ran)
+    ordered_sum = gemm.ordered_sum_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            sums.append(grid)
+            return ordered_sum[grid]
+
+    monkeypatch.setattr(gemm, "ordered_sum_kernel", Spy())
+
+    def run(width, chunk_k, split):
+        monkeypatch.setattr(gemm, "mm_block_n", lambda *_: width)
+        monkeypatch.setattr(gemm, "split_chunks", lambda *_: split)
+        c = c0.clone()
+        launched = len(sums)
+        gemm.matmul_acc(c, a, b, cfg, k_a=k, accumulate=accumulate, chunk_k=chunk_k)
+        assert len(sums) - launched == int(split)
+        return c
+
+    per_call = c0.clone()
+    monkeypatch.setattr(gemm, "mm_block_n", lambda *_: cfg.mm_block_n)
+    for k0 in range(0, k, chunk):
+        kc = min(chunk, k - k0)
+        gemm.matmul_acc(
+            per_call, a[:, k0 : k0 + kc], b[k0 : k0 + kc], cfg, k_a=kc,
+            accumulate=accumulate or k0 > 0,
+        )  # fmt: skip
+    for width in sorted({gemm.narrow_block_n(cfg), cfg.mm_block_n}):
+        for split in (False, True):
+            got = run(width, chunk, split)
+            assert_bitwise_equal(got, per_call, f"output tile {width}, split {split}")
+    ref = a.double() @ b.double() + (c0.double() if accumulate else 0)
+    assert float((per_call.double() - ref).norm() / ref.norm()) < 1e-6
+
+
 def test_round_group_within_its_memory_budget(monkeypatch):
     """Groups of TileConfig.round_group tiles, fewer where the rank owns fewer tiles or
     the buffers past the first would pass ROUND_EXTRA_BYTES (4 bytes per element of [N, H])."""

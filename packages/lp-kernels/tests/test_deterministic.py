@@ -235,8 +235,8 @@ def test_tile_groups_keep_every_rows_bits(monkeypatch):
     # K steps of 64: a piece's sum (4 steps) differs from a running sum over the tile
     cfg = dataclasses.replace(tri.INTERPRET_CONFIG, vocab_chunk=256, v_split=256, mm_block_k=64)
     monkeypatch.setattr(tri, "INTERPRET_CONFIG", cfg)
-    assert tdet.tile_groups(3, 24, 384, 256, cfg) == 256
-    assert tdet.tile_groups(100, 24, 384, 256, cfg) is None
+    assert tdet.tile_groups(3, 384, 256, cfg) == 256
+    assert tdet.tile_groups(100, 384, 256, cfg) is None
     p = make_problem(
         100, 24, 1000, dtype=torch.float32, seed=11, ignore_frac=0.1, padded_vocab=1152,
         temperature=0.8,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -155,3 +157,34 @@ def test_triton_row_scales_match_row_exponents(case, dtype, device, backend):
     else:
         assert bool(bad[[1, 2, 4]].all()) and not bool(bad[[0, 3, 5, 10, 11]].any())
         assert bool((e[11] == _fixed_point.E_MIN) | (e[11] < 0))
+
+
+@pytest.mark.parametrize("case", ["finite", "nan"])
+def test_head_abs_max_sees_every_earlier_write(case, device, backend):
+    """``deterministic=True``'s ``max |W|`` on one GPU is read on a side stream
+    (``fixed_point.HeadAbsMax``) beside the backward's first launches: it must see every
+    write queued to W before it on the caller's stream (here a non-default one, held back
+    by a sleeping kernel, so that the write is still pending when the read is queued), and
+    the caller's stream must wait for it; NaN propagates. On CPU it is read at once."""
+    if backend != "triton":
+        pytest.skip("the triton backend's deterministic mode")
+    from lp_kernels.backends.triton.fixed_point import HeadAbsMax
+    from lp_kernels.distributed.collectives import global_abs_max
+
+    w = torch.zeros(4099, 257, dtype=torch.bfloat16, device=device)
+    value = float("nan") if case == "nan" else -5.0
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        if stream is not None:
+            torch.cuda._sleep(50_000_000)  # ~20-50 ms of GPU time before the write
+        w[4098, 256] = value
+        got = HeadAbsMax(w[:4099]).get()
+        out = got * 2  # queued on the caller's stream after the wait
+    if stream is not None:
+        torch.cuda.synchronize()
+    want = global_abs_max(w, None, 1)
+    assert got.shape == (1,) and got.dtype == torch.float64
+    if case == "nan":
+        assert bool(torch.isnan(got).all()) and bool(torch.isnan(want))
+    else:
+        assert float(got) == 5.0 == float(want) and float(out) == 10.0

@@ -288,6 +288,57 @@ def test_size_dependent_launches_keep_batch_invariance(deterministic, dtype, v, 
         assert [tri.chunk_group(m, h, v, cfg, dev) for m in (n, n // 8, 1)] == [1, 4, 4]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [2048, 4096])
+def test_deterministic_tile_groups_keep_batch_invariance(h, monkeypatch):
+    """deterministic=True with tiles wider than a vocabulary chunk (pieces of a tile): at
+    8,192 rows one span per piece; at 1,024 and 2,048 rows one span per tile
+    (triton.deterministic.tile_groups), whose grad_hidden GEMM keeps each piece's sum
+    (chunk_k): split side by side on the pinned tile at H = 2048 (gemm.split_chunks), one
+    launch per piece on the pinned tile at H = 4096. A row's outputs and grad_hidden row
+    are the same bits in all of them; grad_weight (cuBLAS, whose kernel follows the
+    merged shape) the same bits run to run."""
+    import lp_kernels.backends.triton.deterministic as tdet
+    import lp_kernels.backends.triton.gemm as gemm
+    from lp_kernels.backends.triton.config import config_for
+
+    n, v, tile = 8192, 40000, 20096
+    cfg = config_for(torch.device("cuda"), torch.bfloat16)
+    assert tdet.tile_groups(n, tile, cfg.vocab_chunk, cfg) is None
+    assert tdet.tile_groups(1024, tile, cfg.vocab_chunk, cfg) is not None
+    splits = []
+    by_rule = gemm.split_chunks
+
+    def spy(*args):
+        splits.append(by_rule(*args))
+        return splits[-1]
+
+    monkeypatch.setattr(gemm, "split_chunks", spy)
+    p = make_problem(n, h, v, dtype=torch.bfloat16, device="cuda", seed=6, ignore_frac=0.05)
+    up = torch.randn(n, generator=torch.Generator().manual_seed(2)).to("cuda")
+
+    def run(rows):
+        hid = p.hidden[rows].detach().clone().requires_grad_()
+        w = p.weight.detach().clone().requires_grad_()
+        out = linear_logprob(
+            hid, w, p.targets[rows], return_entropy=True, backend="triton",
+            deterministic=True, deterministic_tile=tile,
+        )  # fmt: skip
+        (out.logprob * up[rows] + out.entropy * up[rows].abs()).sum().backward()
+        return out.logprob, out.entropy, hid.grad, w.grad
+
+    full = run(torch.arange(n, device="cuda"))
+    for m in (1024, 2048):
+        splits.clear()
+        rows = torch.arange(5, n, n // m, device="cuda")[:m]
+        got = run(rows)
+        for name, a, b in zip(("logprob", "entropy", "grad_hidden"), full, got, strict=False):
+            assert_bitwise_equal(b, a[rows], f"{name}, {m} rows")
+        assert splits and any(splits) == (h == 2048 and m == 1024), (m, splits)
+        ref = run(rows)  # the same rows again: grad_weight reproducible
+        assert_bitwise_equal(got[3], ref[3], f"grad_weight, {m} rows, run to run")
+
+
 # deterministic=True over NCCL: shard bounds on multiples of 128 of V_pad = 20480
 DET_VOCAB, DET_PADDED = 20011, 20480
 DET_LAYOUTS = {

@@ -76,6 +76,13 @@ SMS = 132
 EXPERIMENTS = {
     "wide": {"config": {"narrow_cost": float("inf")}},
     "group2": {"patch": [("chunk_group", lambda old: lambda *args: 2)]},
+    # the grouped GEMM in one program per output tile (MULTI) where it would split the chunks
+    "group2-multi": {
+        "patch": [
+            ("chunk_group", lambda old: lambda *args: 2),
+            ("split_chunks", lambda old: lambda *args: False),
+        ]
+    },
 }
 
 

@@ -75,13 +75,17 @@ class RowSums:
         self.works = []
 
 
-def global_abs_max(w_real: torch.Tensor, group: Any, world: int) -> torch.Tensor:
-    """``max |W|`` over every rank's real rows (float64 scalar; exact in any order)."""
+def local_abs_max(w_real: torch.Tensor) -> torch.Tensor:
+    """``max |W|`` of this rank's real rows (float64 ``[1]``; NaN if one is NaN; 0 for none)."""
     if w_real.numel() > 0:  # one read of W (abs() would write a copy of it first)
         lo, hi = torch.aminmax(w_real)
-        local = torch.maximum(-lo.double(), hi.double()).reshape(1)
-    else:
-        local = torch.zeros(1, dtype=torch.float64, device=w_real.device)
+        return torch.maximum(-lo.double(), hi.double()).reshape(1)
+    return torch.zeros(1, dtype=torch.float64, device=w_real.device)
+
+
+def global_abs_max(w_real: torch.Tensor, group: Any, world: int) -> torch.Tensor:
+    """``max |W|`` over every rank's real rows (float64 scalar; exact in any order)."""
+    local = local_abs_max(w_real)
     if world > 1:
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
     return local[0]

@@ -82,6 +82,8 @@ from lp_kernels.backends.triton.backward import (
 )
 from lp_kernels.backends.triton.config import TileConfig, config_for, pad128
 from lp_kernels.backends.triton.fixed_point import (
+    HeadAbsMax,
+    RowScales,
     fixed_tiles_for,
     from_fixed_point,
     matmul_fixed,
@@ -89,7 +91,7 @@ from lp_kernels.backends.triton.fixed_point import (
     row_scales,
 )
 from lp_kernels.backends.triton.forward import forward_stats, merge_outputs, tile_splits
-from lp_kernels.backends.triton.gemm import block_n_for, matmul_acc, narrow_block_n
+from lp_kernels.backends.triton.gemm import matmul_acc
 from lp_kernels.distributed.collectives import RowSums, gather_stats
 from lp_kernels.distributed.halo import bias_halo, owned_halo, return_halo_grad, with_halo
 from lp_kernels.tiles import DETERMINISTIC_TILE as TILE
@@ -100,9 +102,6 @@ from lp_kernels.tiles import DETERMINISTIC_TILE as TILE
 # element) once for the group instead of once per tile.
 ROUND_EXTRA_BYTES = 512 << 20
 _STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
-# The SM count that deterministic=True's launch groups plan for (:func:`tile_groups`): a
-# constant (an H100 SXM's or H200's), so that no rank's choice follows its own device.
-PLAN_SMS = 132
 
 
 def deterministic_config(
@@ -144,23 +143,22 @@ def vocab_pieces(v_real: int, tile: int, chunk: int) -> tuple[list[tuple[int, in
     return pieces, width
 
 
-def tile_groups(n: int, h_dim: int, tile: int, chunk: int, cfg: TileConfig) -> int | None:
+def tile_groups(n: int, tile: int, chunk: int, cfg: TileConfig) -> int | None:
     """The width of the pieces (:func:`vocab_pieces`) that the backward merges into one span
     per tile, or None (one span per piece).
 
-    Tiles wider than half a chunk, at small N (as ``backward.chunk_group``): when the N rows
-    fill at most half a token chunk, a whole tile's d_logits fits the chunk's scratch bound,
-    and grad_hidden's GEMM would take the narrow output tile anyway on :data:`PLAN_SMS` SMs.
-    Then a tile takes one d_logits launch, one grad_W GEMM and one grad_hidden GEMM whose
-    ``chunk_k`` (the piece width) keeps each piece's sum and the order of the additions:
-    grad_hidden's bits are those of one launch per piece, whatever N. The choice follows N,
-    the tile and the config, never the shard or the rank's device, so every layout makes
-    the same calls (grad_W's cuBLAS GEMM takes the merged shape)."""
+    Tiles wider than half a chunk, at small N: when the N rows fill at most half a token
+    chunk and a whole tile's d_logits fits the chunk's scratch bound, a tile takes one
+    d_logits launch (a few row blocks of a piece leave most of the GPU idle in their last
+    wave), one grad_W GEMM and grad_hidden's GEMM with ``chunk_k`` (the piece width), which
+    keeps each piece's sum and the order of the additions (``gemm.matmul_acc``: one launch
+    on the narrow output tile, or one per piece on the wide one): grad_hidden's bits are
+    those of one launch per piece, whatever N. The choice follows N, the tile and the
+    config, never the shard or the rank's device, so every layout makes the same calls
+    (grad_W's cuBLAS GEMM takes the merged shape)."""
     if 2 * tile <= chunk or n == 0 or 2 * n > cfg.token_chunk:
         return None
     if n * pad128(tile) > cfg.token_chunk * cfg.vocab_chunk:
-        return None
-    if block_n_for(cfg, n, h_dim, PLAN_SMS) != narrow_block_n(cfg):
         return None
     pieces, width = vocab_pieces(tile, tile, chunk)
     return width if len(pieces) > 1 else None
@@ -320,7 +318,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         dev = hidden.device
         # the head fragment's span (several tiles per piece) serves grad_W and grad_bias
         spans, n_frag, width = backward_spans(own, p, cfg.vocab_chunk, need_w or need_b)
-        chunk_k = tile_groups(n, h_dim, tile, cfg.vocab_chunk, cfg)
+        chunk_k = tile_groups(n, tile, cfg.vocab_chunk, cfg)
         if chunk_k is not None:  # one span per tile (the pieces' sums kept: chunk_k)
             spans = [(own.skip + t0, min(tile, own.ext - t0)) for t0 in range(0, own.ext, tile)]
             width = pad128(tile)
@@ -344,9 +342,15 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             own.tiles, n, h_dim, cfg.round_group
         )  # tiles rounded per pass (per_tile)
         pending = 0  # tiles whose products wait in leaf32 (per_tile)
+        rows_s = head = None
         if need_h:
-            rows_s = row_scales(hidden, w_real, b_real, lse, targets, grads, p)
-            scale = rows_s.scale
+            # The row scales wait for max |W| until the first rounding: on one GPU it is
+            # read on a side stream meanwhile (HeadAbsMax); under TP at once, where every
+            # rank makes the MAX all-reduce in the same order.
+            if p.tp_size > 1:
+                rows_s = row_scales(hidden, w_real, b_real, lse, targets, grads, p)
+            else:
+                head = HeadAbsMax(w_real)
             # the first rounding overwrites it (ACC=False), unless no tile is here
             alloc = torch.empty if own.ext > 0 else torch.zeros
             acc_h = alloc((n, h_dim), dtype=torch.int64, device=dev)
@@ -361,6 +365,13 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
             acc_w = scratch.empty((width, h_dim), dtype=torch.float32, device=dev)
         sums = RowSums(acc_h if need_h else None, p.tp_group, p.tp_size, rows, p.reduce_grad_hidden)
 
+        def scales() -> RowScales:
+            nonlocal rows_s
+            if rows_s is None:
+                w_abs = head.get()
+                rows_s = row_scales(hidden, w_real, b_real, lse, targets, grads, p, w_abs)
+            return rows_s
+
         def grad_h_rows(r0, r1, dl, cols, w_chunk):
             """The current span's grad_h for token rows [r0, r1) (one block of ``dl``);
             reads the span loop's state (frag, first, flush, pending, written)."""
@@ -371,10 +382,10 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                 matmul_acc(f, dl, w_chunk, cfg, k_a=cols, accumulate=not first, chunk_k=chunk_k)
                 if flush:
                     f = leaf32[: pending + 1, r0:r1]
-                    round_into(acc_h[r0:r1], f, scale[r0:r1], accumulate=written)
+                    round_into(acc_h[r0:r1], f, scales().scale[r0:r1], accumulate=written)
             else:
                 matmul_fixed(
-                    acc_h[r0:r1], dl, w_chunk, scale[r0:r1], cols, fixed, cfg, leaf=tile,
+                    acc_h[r0:r1], dl, w_chunk, scales().scale[r0:r1], cols, fixed, cfg, leaf=tile,
                     accumulate=written,
                 )  # fmt: skip
 
@@ -444,6 +455,7 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         grad_h = None
         if need_h:
             sums.finish()
+            rows_s = scales()
             grad_h = from_fixed_point(acc_h, rows_s.inv, rows_s.bad, hidden.dtype)
         if back:  # after every all-reduce: the same order of collectives on every rank
             return_halo_grad(

@@ -13,8 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from lp_kernels._matmul import scratch
 from lp_kernels.backends.triton.config import (
     TileConfig,
+    compile_opts,
     descriptor,
     group_size,
     launch_opts,
@@ -31,7 +33,7 @@ def matmul_acc_body(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
-    ACC: tl.constexpr, C_TMA: tl.constexpr, MULTI: tl.constexpr,
+    ACC: tl.constexpr, C_TMA: tl.constexpr, MULTI: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     """C[:M] (fp32) = C + A @ B (``ACC``; else C = A @ B, without reading C). One program
     per C tile: A @ B summed over K in a fixed order from +0.0, then C added once. No
@@ -41,6 +43,11 @@ def matmul_acc_body(
     to C in order: exactly the arithmetic of one call per chunk, in one launch (the
     backward's vocabulary chunks at small N; see ``chunk_group``). The running C tile then
     sits in registers beside the chunk's sum, which the narrow tile affords.
+
+    ``SPLIT`` (without ACC): program axis 1 is a chunk of ``chunk_k`` columns of K, summed
+    from +0.0 into that chunk's ``[M, N]`` slab of a contiguous ``[chunks, M, N]`` C; the
+    slabs are then added in order by :func:`ordered_sum_kernel`: the same arithmetic as
+    ``MULTI`` on any output tile, with the chunks' programs side by side.
 
     A's rows are bounded by M_A and its columns by K_A, B's rows by K_B; the loop runs to
     K, which may pass K_B over columns where A holds exact zeros. The bound of A's
@@ -60,10 +67,15 @@ def matmul_acc_body(
     p_a, p_b = operand_ptrs(
         a_src, b_src, o_m, o_n, o_k, stride_am, stride_ak, stride_bk, stride_bn, TMA
     )
+    k_lo = 0
     k_end = K
-    if MULTI:
+    if SPLIT:  # this program's chunk, into its slab of C
+        k_lo = tl.program_id(1) * chunk_k
+        k_end = tl.minimum(k_lo + chunk_k, K)
+        c_ptr += tl.program_id(1).to(tl.int64) * M * stride_cm
+    elif MULTI:
         k_end = tl.minimum(chunk_k, K)  # the first chunk
-    for k0 in range(0, k_end, BLOCK_K):
+    for k0 in range(k_lo, k_end, BLOCK_K):
         b_acc = gemm_step(
             b_acc, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B,
             stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, A_T,
@@ -92,6 +104,23 @@ def matmul_acc_body(
     else:
         p_c = c_ptr + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :] * stride_cn
         tl.store(p_c, b_acc, mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def ordered_sum_kernel(c_ptr, p_ptr, numel, parts, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    """``C = ((P_0 [+ C]) + P_1) + ..`` over the ``parts`` slabs of ``P [parts, numel]``
+    (fp32, contiguous, as ``C``): ``MULTI``'s additions in ``MULTI``'s order (``ACC``: C
+    is added to the first chunk's sum, as there)."""
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < numel
+    p_p = p_ptr + o
+    b_c = tl.load(p_p, mask=m, other=0.0)
+    if ACC:
+        b_c += tl.load(c_ptr + o, mask=m, other=0.0)
+    for _ in range(1, parts):
+        p_p += numel
+        b_c += tl.load(p_p, mask=m, other=0.0)
+    tl.store(c_ptr + o, b_c, mask=m)
 
 
 # One body, two specializations. Sizes that vary with N or with the shard are not
@@ -128,13 +157,8 @@ def mm_block_n(cfg: TileConfig, m: int, n: int, device: torch.device) -> int:
     a 256-wide tile (checked bitwise on H200, both modes, and tested: test_gpu.py). So a
     row's grad_hidden stays the same whatever N, and batch invariance holds.
     """
-    return block_n_for(cfg, m, n, sm_count(device))
-
-
-def block_n_for(cfg: TileConfig, m: int, n: int, sms: int | None) -> int:
-    """:func:`mm_block_n` for ``sms`` SMs (None: no waves, the pinned width); also for a
-    choice that must not follow a rank's own device (``deterministic.tile_groups``)."""
     wide, narrow = cfg.mm_block_n, narrow_block_n(cfg)
+    sms = sm_count(device)
     if sms is None or narrow == wide:
         return wide
     rows = triton.cdiv(m, cfg.mm_block_m)
@@ -160,10 +184,12 @@ def matmul_acc(
     them; ``m_a`` means ``a`` is a transposed d_logits buffer).
 
     ``chunk_k``: K is consecutive chunks of that many columns, and the result is bitwise
-    that of one call per chunk in order (``c += a_0 @ b_0``, then ``c += a_1 @ b_1``, ..),
-    in one launch, on the narrow output tile (the same bits: :func:`mm_block_n`). Where
-    tensor descriptors do not apply it makes those calls one by one instead: the pointer
-    path with two fp32 tiles live would spill registers (``lp_testing.aot`` shows it)."""
+    that of one call per chunk in order (``c += a_0 @ b_0``, then ``c += a_1 @ b_1``, ..).
+    Where the output's waves take the narrow tile (:func:`mm_block_n`) and tensor
+    descriptors apply, that is one launch (``MULTI``, which holds two fp32 tiles: the
+    narrow one); else it makes those calls one by one, each on the tile the waves pick (the
+    pointer path with two fp32 tiles live would spill registers: ``lp_testing.aot`` shows
+    it). ``chunk_k`` applies only without ``m_a`` (grad_hidden's GEMM)."""
     m, k = a.shape
     n = b.shape[1]
     a_t = m_a is not None
@@ -172,10 +198,27 @@ def matmul_acc(
     k_a = k if k_a is None else k_a
     blocks_m = triton.cdiv(m, cfg.mm_block_m)
     multi = chunk_k is not None and max(k, k_a) > chunk_k
-    # MULTI holds two fp32 tiles (C's and the chunk's): the narrow one
-    block_n = narrow_block_n(cfg) if multi else mm_block_n(cfg, m, n, a.device)
+    block_n = mm_block_n(cfg, m, n, a.device)
+    chunks = triton.cdiv(max(k, k_a), chunk_k) if multi else 1
+    split = multi and split_chunks(cfg, c, m, n, chunks, block_n) and not a_t
+    if split:
+        block_n = cfg.mm_block_n
     a_src, b_src, tma = gemm_sources(a, b, m_a, k_a, a_t, cfg, cfg.mm_block_m, block_n)
-    if multi and not tma:
+    if split:
+        parts = scratch.empty((chunks, m, n), dtype=torch.float32, device=c.device)
+        kernel[(blocks_m * triton.cdiv(n, block_n), chunks)](
+            a_src, b_src, parts, m, m_a, n, max(k, k_a), k_a, k, group_size(cfg, blocks_m),
+            chunk_k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), n, 1,
+            BLOCK_M=cfg.mm_block_m, BLOCK_N=block_n, BLOCK_K=cfg.mm_block_k,
+            INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, A_T=False,
+            ACC=False, C_TMA=False, MULTI=False, SPLIT=True,
+            **launch_opts(cfg, a.device),
+        )  # fmt: skip
+        ordered_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+            c, parts, m * n, chunks, ACC=accumulate, BLOCK=SUM_BLOCK, **compile_opts(c.device)
+        )
+        return
+    if multi and not (tma and block_n == narrow_block_n(cfg)):
         for k0 in range(0, max(k, k_a), chunk_k):
             matmul_acc(
                 c, a[:, k0 : k0 + chunk_k], b[k0 : k0 + chunk_k], cfg,
@@ -190,9 +233,29 @@ def matmul_acc(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         BLOCK_M=cfg.mm_block_m, BLOCK_N=block_n, BLOCK_K=cfg.mm_block_k,
         INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, A_T=a_t, ACC=accumulate,
-        C_TMA=c_tma, MULTI=multi,
+        C_TMA=c_tma, MULTI=multi, SPLIT=False,
         **launch_opts(cfg, a.device),
     )  # fmt: skip
+
+
+SUM_BLOCK = 1024  # elements per program of ordered_sum_kernel
+SPLIT_BYTES = 256 << 20
+"""The most memory that :func:`matmul_acc`'s split chunks (fp32 ``[chunks, M, N]``) take."""
+
+
+def split_chunks(cfg: TileConfig, c: torch.Tensor, m: int, n: int, chunks: int, block_n: int):
+    """Whether :func:`matmul_acc` computes its ``chunks`` K chunks side by side (``SPLIT``,
+    on the wide output tile, then :func:`ordered_sum_kernel`) rather than in one program
+    per output tile (``MULTI``): where the waves pick the narrow tile (the wide grid alone
+    leaves SMs idle), the chunks' wide programs fill the GPU instead, within
+    :data:`SPLIT_BYTES` of scratch, into a contiguous C. Either way, the same bits."""
+    narrow = narrow_block_n(cfg)
+    return (
+        chunks > 1
+        and block_n == narrow != cfg.mm_block_n
+        and c.is_contiguous()
+        and chunks * m * n * 4 <= SPLIT_BYTES
+    )
 
 
 def gemm_sources(a, b, m_a: int, k_a: int, a_t: bool, cfg: TileConfig, block_m, block_n):
