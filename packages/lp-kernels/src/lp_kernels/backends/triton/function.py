@@ -18,7 +18,8 @@ Data flow for one rank (V_r = real columns of this shard, S = V_r / V_SPLIT spli
                     chunk, else fp32 accumulation over token chunks ([VOCAB_CHUNK, H])
                 grad_h (fp32) += d l @ W[chunk]    matmul_acc_kernel, each program owns its tile
               (small N: a group of chunks per launch, each chunk still summed apart and
-              added in order: chunk_group, MULTI)
+              added in order: chunk_group; the chunks side by side, SPLIT, or in one
+              program per output tile, MULTI)
               grad_h all-reduced over tp_group (fp32) unless reduce_grad_hidden=False
 
 Launch and loads (``TileConfig.group`` / ``.tma``; neither changes a result). Every kernel
