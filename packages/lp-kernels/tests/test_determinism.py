@@ -229,6 +229,21 @@ def test_triton_vocabulary_chunk_groups_do_not_change_bits(dtype, h, device, mon
         assert float((a - b).norm() / a.norm()) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+def _gemm_problem(device: str, dtype, seed: int, m: int, k: int, n: int):
+    """``(cfg, A [m, k], B [k, n], C [m, n] fp32)`` for lp's GEMM on ``device``; skips
+    where the triton kernels do not run there (the interpreter on CPU, compiled on CUDA)."""
+    from lp_kernels.backends.triton.config import config_for
+
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if (device == "cpu") != interpreting:
+        pytest.skip("the triton kernels run under the interpreter on CPU, compiled on CUDA")
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=gen).to(device, dtype)
+    b = torch.randn(k, n, generator=gen).to(device, dtype)
+    c = torch.randn(m, n, generator=gen).to(device)
+    return config_for(torch.device(device), dtype), a, b, c
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_gemm_c_tile_through_descriptor_or_pointers(dtype, device, monkeypatch):
     """The grad_hidden GEMM's accumulating form (every vocabulary chunk after the first)
@@ -236,18 +251,11 @@ def test_triton_gemm_c_tile_through_descriptor_or_pointers(dtype, device, monkey
     tensor descriptor (``C_TMA``: C allows one) or through pointers (C's base not 16-byte
     aligned): the same bits either way, and C + A @ B to fp32 accuracy. M and N are not
     multiples of the tiles (clipped stores)."""
-    from lp_kernels.backends.triton.config import config_for, tma_ok
+    from lp_kernels.backends.triton.config import tma_ok
     from lp_kernels.backends.triton.gemm import matmul_acc
 
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if (device == "cpu") != interpreting:
-        pytest.skip("the triton kernels run under the interpreter on CPU, compiled on CUDA")
-    cfg = config_for(torch.device(device), dtype)
-    gen = torch.Generator().manual_seed(11)
     m, k, n = 131, 256, 200
-    a = torch.randn(m, k, generator=gen).to(device, dtype)
-    b = torch.randn(k, n, generator=gen).to(device, dtype)
-    c0 = torch.randn(m, n, generator=gen).to(device)
+    cfg, a, b, c0 = _gemm_problem(device, dtype, 11, m, k, n)
     out = {}
     for c_tma in (True, False):
         # an element's offset from a 16-byte boundary rules out a descriptor over C
@@ -274,18 +282,10 @@ def test_triton_gemm_chunks_in_one_launch_or_one_per_chunk(dtype, accumulate, de
     tile widths (forced), bitwise equal to explicit calls per chunk in order, and to
     C + A @ B within fp32 accuracy. M and N are not multiples of the tiles."""
     import lp_kernels.backends.triton.gemm as gemm
-    from lp_kernels.backends.triton.config import config_for
 
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if (device == "cpu") != interpreting:
-        pytest.skip("the triton kernels run under the interpreter on CPU, compiled on CUDA")
-    cfg = config_for(torch.device(device), dtype)
-    gen = torch.Generator().manual_seed(12)
     m, n, chunk = 131, 200, 256
     k = 3 * chunk + 128  # a last chunk cut short
-    a = torch.randn(m, k, generator=gen).to(device, dtype)
-    b = torch.randn(k, n, generator=gen).to(device, dtype)
-    c0 = torch.randn(m, n, generator=gen).to(device)
+    cfg, a, b, c0 = _gemm_problem(device, dtype, 12, m, k, n)
 
     sums = []  # the ordered sums launched (SPLIT ran)
     ordered_sum = gemm.ordered_sum_kernel
