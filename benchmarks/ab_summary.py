@@ -1,4 +1,5 @@
-"""Summary of ``gpu_suite.sh ab``: the ``lp bench`` records under ``OUT/ab-{new,old}-{i}``.
+"""Summary of ``gpu_suite.sh ab``: the ``lp bench`` records ``OUT/ab-{new,old}-{i}.json``
+(or, as older runs of the stage left them, ``OUT/ab-{new,old}-{i}/bench.json``).
 
 Prints one line per run and row (milliseconds, x floor), then per row the median
 milliseconds of each tree and new / old. Milliseconds compare the trees directly; the
@@ -24,12 +25,12 @@ def rows_of(path: pathlib.Path) -> list[dict]:
 
 
 def key(row: dict) -> str:
-    """What makes two rows comparable: mode, entropy, provider, shape and options."""
+    """What makes two rows comparable: mode, entropy, provider, shape, dtype and options."""
     opts = [f"softcap {row['softcap']:g}"] if row.get("softcap") else []
     opts += ["bias"] if row.get("bias") else []
     ent = "+entropy" if row.get("entropy") else ""
     extra = f" ({', '.join(opts)})" if opts else ""
-    return f"{row['mode']}{ent}{extra} {row['provider']} {row['shape']}"
+    return f"{row['mode']}{ent}{extra} {row['provider']} {row['shape']} {row['dtype']}"
 
 
 def summarize(out: pathlib.Path) -> int:
@@ -37,11 +38,14 @@ def summarize(out: pathlib.Path) -> int:
     ms: dict[str, dict[str, list[float]]] = {"new": collections.defaultdict(list),
                                              "old": collections.defaultdict(list)}  # fmt: skip
     for tag in ("new", "old"):
-        for run in sorted(out.glob(f"ab-{tag}-*/bench.json")):
+        runs = sorted(out.glob(f"ab-{tag}-*.json")) + sorted(out.glob(f"ab-{tag}-*/bench.json"))
+        for run in runs:
+            name = run.parent.name if run.name == "bench.json" else run.stem
             for row in rows_of(run):
                 ms[tag][key(row)].append(row["ms"])
-                print(f"{run.parent.name:10} {key(row):48} {row['ms']:9.3f} ms "
-                      f"{row['x_floor']:6.3f} x floor")  # fmt: skip
+                x = row.get("x_floor")  # None on CPU (no floor)
+                x = "     -" if x is None else f"{x:6.3f}"
+                print(f"{name:10} {key(row):48} {row['ms']:9.3f} ms {x} x floor")
     if not ms["new"] or not ms["old"]:
         print("ab_summary: no records of one tree under", out, file=sys.stderr)
         return 1

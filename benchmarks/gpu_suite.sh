@@ -123,16 +123,19 @@ for stage in $stages; do
           echo "$tag $i: $(grep -E '^ *[^ ]+ +[^ ]+ +[^ ]+ +lp-' "$OUT/ab-$tag-$i.log" | tr -s ' ' | tr '\n' ';')"
         done
       done ;;
-    ab)  # single-GPU A/B of lp bench against an older tree (AB_OLD), runs alternating
+    ab)  # single-GPU A/B of lp bench against an older tree (AB_OLD), runs alternating;
+      # few files (the device tool brings back at most 8): one record per run
+      # (ab-TAG-I.json), the runs' logs appended to one ab.log
       for i in $(seq "${AB_RUNS:-2}"); do
         for tag in new old; do
           src=$pk/lp-kernels/src
           [ "$tag" = old ] && src=$PWD/${AB_OLD:?AB_OLD: the older tree\'s lp-kernels src}
+          echo "=== ab-$tag-$i: $src" >> "$OUT/ab.log"
           PYTHONPATH=$src:$pk/lp-testing/src:$pk/lp-megatron/src:$pk/lp-bench/src${PYTHONPATH:+:$PYTHONPATH} \
             python3 -m lp_bench.cli bench --shapes "${AB_SHAPES:-S1,S2,S3,S4}" \
             --backends "${AB_BACKENDS:-lp-triton}" --reps 3 --no-check ${AB_ARGS:-} \
-            --out "$OUT/ab-$tag-$i" > "$OUT/ab-$tag-$i.log" 2>&1 || status=1
-          rm -f "$OUT/ab-$tag-$i/bench.png"
+            --out "$OUT/ab-$tag-$i" >> "$OUT/ab.log" 2>&1 || status=1
+          mv "$OUT/ab-$tag-$i/bench.json" "$OUT/ab-$tag-$i.json" && rm -rf "${OUT:?}/ab-$tag-$i"
         done
       done
       python3 benchmarks/ab_summary.py "$OUT" || status=1 ;;
