@@ -185,11 +185,12 @@ def matmul_acc(
 
     ``chunk_k``: K is consecutive chunks of that many columns, and the result is bitwise
     that of one call per chunk in order (``c += a_0 @ b_0``, then ``c += a_1 @ b_1``, ..).
-    Where the output's waves take the narrow tile (:func:`mm_block_n`) and tensor
-    descriptors apply, that is one launch (``MULTI``, which holds two fp32 tiles: the
-    narrow one); else it makes those calls one by one, each on the tile the waves pick (the
-    pointer path with two fp32 tiles live would spill registers: ``lp_testing.aot`` shows
-    it). ``chunk_k`` applies only without ``m_a`` (grad_hidden's GEMM)."""
+    Where the output's waves take the narrow tile (:func:`mm_block_n`): the chunks side by
+    side on the pinned tile, then their ordered sum (``SPLIT``, where :func:`split_chunks`
+    allows), else one launch that holds C's tile and the chunk's sum (``MULTI``, on the
+    narrow tile, with tensor descriptors); otherwise the calls one by one, each on the tile
+    the waves pick (the pointer path with two fp32 tiles live would spill registers:
+    ``lp_testing.aot`` shows it). ``chunk_k`` is for grad_hidden's GEMM (no ``m_a``)."""
     m, k = a.shape
     n = b.shape[1]
     a_t = m_a is not None
