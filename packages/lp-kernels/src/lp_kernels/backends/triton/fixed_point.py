@@ -367,10 +367,9 @@ class HeadAbsMax:
             self._value = local_abs_max(w_real)
             return
         current = torch.cuda.current_stream(w_real.device)
-        index = w_real.device.index if w_real.device.index is not None else current.device_index
-        side = _SIDE_STREAMS.get(index)
+        side = _SIDE_STREAMS.get(current.device_index)
         if side is None:
-            side = _SIDE_STREAMS[index] = torch.cuda.Stream(w_real.device)
+            side = _SIDE_STREAMS[current.device_index] = torch.cuda.Stream(w_real.device)
         side.wait_stream(current)  # W and every write to it so far
         with torch.cuda.stream(side):
             self._value = local_abs_max(w_real)

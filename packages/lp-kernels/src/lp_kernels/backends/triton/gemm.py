@@ -191,6 +191,8 @@ def matmul_acc(
     narrow tile, with tensor descriptors); otherwise the calls one by one, each on the tile
     the waves pick (the pointer path with two fp32 tiles live would spill registers:
     ``lp_testing.aot`` shows it). ``chunk_k`` is for grad_hidden's GEMM (no ``m_a``)."""
+    if chunk_k is not None and m_a is not None:
+        raise ValueError("matmul_acc: chunk_k is for grad_hidden's GEMM (no m_a)")
     m, k = a.shape
     n = b.shape[1]
     a_t = m_a is not None
@@ -201,7 +203,7 @@ def matmul_acc(
     multi = chunk_k is not None and max(k, k_a) > chunk_k
     block_n = mm_block_n(cfg, m, n, a.device)
     chunks = triton.cdiv(max(k, k_a), chunk_k) if multi else 1
-    split = multi and split_chunks(cfg, c, m, n, chunks, block_n) and not a_t
+    split = multi and split_chunks(cfg, c, m, n, chunks, block_n)
     if split:
         block_n = cfg.mm_block_n
     a_src, b_src, tma = gemm_sources(a, b, m_a, k_a, a_t, cfg, cfg.mm_block_m, block_n)
