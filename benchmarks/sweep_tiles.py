@@ -49,6 +49,8 @@ VARIANTS = {
     "fx64x128": {"fixed_tiles": (64, 128, 64)},
     "vs4k": {"v_split": 4096},
     "vs2k": {"v_split": 2048},
+    "vs1k": {"v_split": 1024},
+    "vs512": {"v_split": 512},
     "mm64": {"mm_block_m": 64},
     "bn64": {"block_n": 64},
     # the GEMM's output tile never narrowed by the grid (triton.gemm.mm_block_n)

@@ -66,6 +66,14 @@ class TileConfig:
     of column sums per ``BLOCK_N`` rows, so ``BLOCK_N`` bounds that buffer."""
     loss_warps: int = 8
     """Warps of that kernel's programs (a launch choice, as ``loss_block``)."""
+    narrow_split: int = 512
+    """Columns per forward split (instead of ``v_split``) of a shard or ``deterministic=True``
+    tile narrower than ``min_splits`` splits of ``v_split`` (:func:`split_width`); <= 0:
+    never. Part of the numerics, as ``v_split``; it follows the vocabulary's width, never
+    N."""
+    min_splits: int = 32
+    """See ``narrow_split``: at small N a row block's splits are the launch's programs, and
+    a narrow shard (tensor parallel) with few wide splits leaves SMs idle."""
     fixed_tiles: tuple[int, int, int] | None = None
     """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of ``deterministic=True``'s fixed-point GEMM; None:
     the pinned ones for the device and dtype (``fixed_point.fixed_tiles_for``)."""
@@ -73,7 +81,7 @@ class TileConfig:
 
 # Chosen by benchmarks/sweep_tiles.py on H200 (docs/benchmarks.md).
 GPU_CONFIG = TileConfig(
-    block_n=128, block_v=256, block_h=64, v_split=4096, vocab_chunk=8192, token_chunk=8192,
+    block_n=128, block_v=256, block_h=64, v_split=1024, vocab_chunk=8192, token_chunk=8192,
     mm_block_m=128, mm_block_n=256, mm_block_k=64, num_warps=8, num_stages=3,
     group=8, tma=True,
 )  # fmt: skip
@@ -82,7 +90,7 @@ INTERPRET_CONFIG = TileConfig(
     block_n=64, block_v=256, block_h=64, v_split=1024, vocab_chunk=2048, token_chunk=128,
     mm_block_m=64, mm_block_n=64, mm_block_k=256, num_warps=4, num_stages=1,
     group=2, tma=True, loss_rows=64, loss_grad_rows=128, loss_block=(64, 256, 2),
-    loss_bias_block=(64, 256, 2),
+    loss_bias_block=(64, 256, 2), narrow_split=0,
 )  # fmt: skip
 LOSS_LOGITS_BYTES = 2 << 30
 """Budget of ``linear_logprob_loss``'s fp32 logits block (see ``TileConfig.loss_rows``)."""
@@ -153,6 +161,17 @@ FP32_TILES = {
     "block_n": 64, "block_v": 128, "block_h": 16,
     "mm_block_m": 64, "mm_block_n": 128, "mm_block_k": 16,
 }  # fmt: skip
+
+
+def split_width(cols: int, cfg: TileConfig) -> int:
+    """Columns per forward split of a ``cols``-wide vocabulary (the widest shard of the
+    group, or a ``deterministic=True`` tile): ``cfg.v_split``, or ``cfg.narrow_split``
+    where that would leave fewer than ``cfg.min_splits`` splits. A function of the
+    vocabulary's width and the config only: every N, and every rank of a group, splits
+    alike."""
+    if cfg.narrow_split <= 0 or triton.cdiv(cols, cfg.v_split) >= cfg.min_splits:
+        return cfg.v_split
+    return cfg.narrow_split
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:

@@ -15,8 +15,9 @@ tile needs (the halo) arrive by point-to-point sends (``distributed.halo.tile_ow
                 fwd_stats_kernel over the owned tiles of W_all, S = cdiv(w, v_split)
                     splits per tile, cut from the tile's first column (TILE_W = w): one
                     partial (m, s, a, t) per row, owned tile and split  [T_max * S, rows, 4]
-                all-gather -> [P, T_max * S, rows, 4]; merge_kernel visits the partials in
-                    (rank, tile, split) order = the global order, with empty partials
+                group_merge_kernel: each tile's S partials in order -> one per tile
+                all-gather -> [P, T_max, rows, 4]; merge_kernel visits the partials in
+                    (rank, tile) order = the global order, with empty partials
                     (m = -inf, s = a = t = 0) after each rank's owned tiles; adding an
                     exact zero leaves an fp32 sum unchanged, so every layout merges alike
     backward  per vocabulary span of W_all (backward_spans; from the first span that runs into the
@@ -80,7 +81,7 @@ from lp_kernels.backends.triton.backward import (
     kernel_inputs,
     upstream,
 )
-from lp_kernels.backends.triton.config import TileConfig, config_for, pad128
+from lp_kernels.backends.triton.config import TileConfig, config_for, pad128, split_width
 from lp_kernels.backends.triton.fixed_point import (
     HeadAbsMax,
     RowScales,
@@ -90,9 +91,14 @@ from lp_kernels.backends.triton.fixed_point import (
     round_into,
     row_scales,
 )
-from lp_kernels.backends.triton.forward import forward_stats, merge_outputs, tile_splits
+from lp_kernels.backends.triton.forward import (
+    forward_stats,
+    gather_partials,
+    merge_outputs,
+    tile_splits,
+)
 from lp_kernels.backends.triton.gemm import matmul_acc
-from lp_kernels.distributed.collectives import RowSums, gather_stats
+from lp_kernels.distributed.collectives import RowSums
 from lp_kernels.distributed.halo import bias_halo, owned_halo, return_halo_grad, with_halo
 from lp_kernels.tiles import DETERMINISTIC_TILE as TILE
 
@@ -111,13 +117,13 @@ def deterministic_config(
     base: TileConfig | None = None,
 ) -> tuple[TileConfig, tuple[int, int, int]]:
     """``base`` (default: the default path's pinned ``config_for(device, dtype)``) with
-    forward splits of at most ``base.v_split`` columns cut from each ``tile``-column tile's
-    first column (``forward.tile_splits`` per tile; 128-column logit tiles for 128, else
-    the base's), and the fixed-point GEMM's tiles (``base.fixed_tiles``, else the pinned
-    ones)."""
+    forward splits of ``split_width(tile, base)`` columns (at most the tile) cut from each
+    ``tile``-column tile's first column (``forward.tile_splits`` per tile; 128-column logit
+    tiles for 128, else the base's), and the fixed-point GEMM's tiles
+    (``base.fixed_tiles``, else the pinned ones)."""
     base = config_for(device, dtype) if base is None else base
     block_v = TILE if tile < base.block_v else base.block_v
-    cfg = dataclasses.replace(base, block_v=block_v, v_split=min(tile, base.v_split))
+    cfg = dataclasses.replace(base, block_v=block_v, v_split=min(tile, split_width(tile, base)))
     return cfg, base.fixed_tiles or fixed_tiles_for(device, dtype)
 
 
@@ -173,8 +179,10 @@ def round_slots(tiles: int, n: int, h_dim: int, group: int) -> int:
 
 
 def _stats_rows(p: LogprobParams, cfg: TileConfig, max_tiles: int) -> int:
-    """Token rows per forward chunk: the gathered partials stay within _STATS_BYTES."""
-    tiles = max(max_tiles, 1) * max(p.tp_size, 1) * tile_splits(p.deterministic_tile, cfg)
+    """Token rows per forward chunk: this rank's partials (every split of its tiles) and the
+    gathered ones (one per tile and rank) stay within _STATS_BYTES."""
+    splits, ranks = tile_splits(p.deterministic_tile, cfg), max(p.tp_size, 1)
+    tiles = max(max_tiles, 1) * max(splits, ranks)
     rows = _STATS_BYTES // (tiles * N_STATS * 4)
     return max(cfg.block_n, rows // cfg.block_n * cfg.block_n)
 
@@ -288,9 +296,10 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
                 for w, first, pf, b in fwd
             ]
             stats = stats[0] if len(stats) == 1 else torch.cat(stats)  # [T_max * S, rows, 4]
-            gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, T_max * S, rows, 4]
+            # each tile's splits merged into one partial, then gathered: [P * T_max, rows, 4]
+            gathered = gather_partials(stats, p, tile_splits(tile, cfg))
             lse, mean_z, outputs = merge_outputs(
-                gathered.flatten(0, 1), targets[r0:r1], p.ignore_index,
+                gathered, targets[r0:r1], p.ignore_index,
                 entropy=p.return_entropy, return_lse=p.return_lse,
             )  # fmt: skip
             parts.append((lse, mean_z, *outputs))

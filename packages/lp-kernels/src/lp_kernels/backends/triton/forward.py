@@ -26,6 +26,7 @@ from lp_kernels.backends.triton.config import (
     group_size,
     launch_opts,
     logit_flags,
+    split_width,
     tma_ok,
 )
 from lp_kernels.backends.triton.tl_utils import (
@@ -36,6 +37,7 @@ from lp_kernels.backends.triton.tl_utils import (
     softcap,
     target_codes,
 )
+from lp_kernels.distributed.collectives import gather_stats
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -172,10 +174,84 @@ def fwd_stats_kernel(
     tl.store(p_out + 3, b_zt, mask=m_n)
 
 
+@triton.jit
+def _partials_max(p_n, step, k_begin, k_end, m_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """max m over partials ``[k_begin, k_end)`` of a block of rows (``p_n``: the rows' first
+    partial; ``step``: one partial to the next), ``BLOCK_K`` loads in flight at a time."""
+    b_big_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        for j in tl.static_range(BLOCK_K):
+            ok = m_n & (tl.full([BLOCK_N], k0 + j, tl.int32) < k_end)
+            b_mk = tl.load(p_n + (k0 + j) * step, mask=ok, other=float("-inf"))
+            b_big_m = tl.maximum(b_big_m, b_mk)
+    return b_big_m
+
+
+@triton.jit
+def _partials_sum(
+    p_n, step, k_begin, k_end, m_n, b_big_m,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ENTROPY: tl.constexpr, EMPTY: tl.constexpr,
+):  # fmt: skip
+    """``(S, B, T)``: the partials ``[k_begin, k_end)`` of a block of rows rescaled to their
+    maximum ``b_big_m`` and added in order (``lp_kernels._stats``' algebra; B only with
+    ``ENTROPY``). ``BLOCK_K`` partials' loads are in flight together, each still added in
+    its turn; the slots past ``k_end`` add exact zeros. ``EMPTY``: where the maximum is
+    -inf (no column of the range has mass) the weights are 0, not e^(-inf + inf) = NaN, so
+    S = B = 0 unless a partial carries a NaN."""
+    b_big_s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_big_b = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_zt = tl.zeros([BLOCK_N], dtype=tl.float32)
+    live = m_n
+    if EMPTY:
+        live = live & (b_big_m > float("-inf"))
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        for j in tl.static_range(BLOCK_K):
+            in_range = m_n & (tl.full([BLOCK_N], k0 + j, tl.int32) < k_end)
+            p = p_n + (k0 + j) * step
+            b_mk = tl.load(p + 0, mask=in_range, other=0.0)
+            b_sk = tl.load(p + 1, mask=in_range, other=0.0)
+            b_w = tl.where(in_range & live, tl.exp(b_mk - b_big_m), 0.0)
+            b_big_s += b_w * b_sk
+            if ENTROPY:
+                b_ak = tl.load(p + 2, mask=in_range, other=0.0)
+                b_shift = tl.where(b_w > 0, b_mk - b_big_m, 0.0)
+                b_big_b += b_w * (b_ak + b_shift * b_sk)
+            b_zt += tl.load(p + 3, mask=in_range, other=0.0)
+    return b_big_s, b_big_b, b_zt
+
+
+@triton.jit(do_not_specialize=["K", "N", "G"])
+def group_merge_kernel(
+    stats_ptr, out_ptr, K, N, G,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ENTROPY: tl.constexpr,
+):  # fmt: skip
+    """Merge each group of ``G`` consecutive partials (of K) into one partial: program
+    (row block, group) -> ``out[group, rows] = (M, S, B, T)``, the group's maximum, its sums
+    rescaled to it (B: its a relative to M; without ``ENTROPY``, 0) and its target terms.
+    A group with no mass (M = -inf) gives ``(-inf, 0, 0, T)``, as an empty split does."""
+    i_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
+    i_g = tl.program_id(0) // tl.cdiv(N, BLOCK_N)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    p_n = stats_ptr + o_n.to(tl.int64) * 4
+    step = N.to(tl.int64) * 4
+    k_begin = i_g * G
+    k_end = tl.minimum(k_begin + G, K)
+    b_big_m = _partials_max(p_n, step, k_begin, k_end, m_n, BLOCK_N, BLOCK_K)
+    b_big_s, b_big_b, b_zt = _partials_sum(
+        p_n, step, k_begin, k_end, m_n, b_big_m, BLOCK_N, BLOCK_K, ENTROPY, True
+    )
+    p_out = out_ptr + (i_g.to(tl.int64) * N + o_n) * 4
+    tl.store(p_out + 0, b_big_m, mask=m_n)
+    tl.store(p_out + 1, b_big_s, mask=m_n)
+    tl.store(p_out + 2, b_big_b, mask=m_n)
+    tl.store(p_out + 3, b_zt, mask=m_n)
+
+
 @triton.jit(do_not_specialize=["K", "N", "ignore_index"])
 def merge_kernel(
     stats_ptr, lse_ptr, mean_ptr, zt_ptr, ent_ptr, t_ptr, lseo_ptr, K, N, ignore_index,
-    BLOCK_N: tl.constexpr, ENTROPY: tl.constexpr, LSE_OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr, ENTROPY: tl.constexpr, LSE_OUT: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Merge K partials per row in order (see lp_kernels._stats for the algebra).
 
@@ -186,24 +262,12 @@ def merge_kernel(
     NaN where the log-sum-exp is not finite."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
-    b_big_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    for k in range(0, K):
-        b_mk = tl.load(stats_ptr + (k * N + o_n).to(tl.int64) * 4, mask=m_n, other=0.0)
-        b_big_m = tl.maximum(b_big_m, b_mk)
-    b_big_s = tl.zeros([BLOCK_N], dtype=tl.float32)
-    b_big_b = tl.zeros([BLOCK_N], dtype=tl.float32)
-    b_zt = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k in range(0, K):
-        p = stats_ptr + (k * N + o_n).to(tl.int64) * 4
-        b_mk = tl.load(p + 0, mask=m_n, other=0.0)
-        b_sk = tl.load(p + 1, mask=m_n, other=1.0)
-        b_w = tl.exp(b_mk - b_big_m)
-        b_big_s += b_w * b_sk
-        if ENTROPY:
-            b_ak = tl.load(p + 2, mask=m_n, other=0.0)
-            b_shift = tl.where(b_w > 0, b_mk - b_big_m, 0.0)
-            b_big_b += b_w * (b_ak + b_shift * b_sk)
-        b_zt += tl.load(p + 3, mask=m_n, other=0.0)
+    p_n = stats_ptr + o_n.to(tl.int64) * 4
+    step = N.to(tl.int64) * 4  # one partial to the next
+    b_big_m = _partials_max(p_n, step, 0, K, m_n, BLOCK_N, BLOCK_K)
+    b_big_s, b_big_b, b_zt = _partials_sum(
+        p_n, step, 0, K, m_n, b_big_m, BLOCK_N, BLOCK_K, ENTROPY, False
+    )
     b_log_s = tl.log(b_big_s)
     b_lse = b_big_m + b_log_s
     tl.store(lse_ptr + o_n, b_lse, mask=m_n)
@@ -244,19 +308,22 @@ def forward_stats(
     vocabulary id of ``w_real``'s first row; ``b_real``: the fp32 bias of ``w_real``'s
     rows, or None. ``l_out``: None, or an fp32 ``[N, >= V_real]``
     buffer (unit column stride) that receives the raw logits ``h W^T (+ b)`` of the real
-    columns (before the cap and the temperature). ``tile``: 0 (splits of ``cfg.v_split``
-    columns), or the width of the tiles that the splits cut from their first columns
-    (:func:`tile_splits` per tile; ``deterministic=True``).
+    columns (before the cap and the temperature). ``tile``: 0 (splits of
+    :func:`~lp_kernels.backends.triton.config.split_width` columns of the group's widest
+    shard), or the width of the tiles that the splits cut from their first columns
+    (``cfg.v_split`` each, :func:`tile_splits` per tile; ``deterministic=True``).
 
-    S is set by the largest shard of the group, so that every rank exchanges the same
-    number of bytes; splits past this shard's end report ``m = -inf, s = a = t = 0``.
+    S is set by the largest shard of the group, so that every rank makes the same
+    partials; splits past this shard's end report ``m = -inf, s = a = t = 0``.
     """
     n, h_dim = hidden.shape
     v_real = w_real.shape[0]
     if tile:
+        width = cfg.v_split  # deterministic_config's, from the tile's width
         splits = triton.cdiv(max(p.max_v_local, v_real), tile) * tile_splits(tile, cfg)
     else:
-        splits = triton.cdiv(max(p.max_v_local, v_real), cfg.v_split)
+        width = split_width(max(p.max_v_local, v_real), cfg)
+        splits = triton.cdiv(max(p.max_v_local, v_real), width)
     stats = scratch.empty((splits, n, N_STATS), dtype=torch.float32, device=hidden.device)
     if n == 0 or splits == 0:
         return stats
@@ -269,7 +336,7 @@ def forward_stats(
         group_size(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1),
         0 if l_out is None else l_out.stride(0),
-        V_SPLIT=cfg.v_split, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
+        V_SPLIT=width, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=p.return_entropy, TMA=tma, HAS_BIAS=b_real is not None,
         SOFTCAP=p.softcap is not None, STORE_L=l_out is not None, IGNORED=IGNORED, TILE_W=tile,
         **logit_flags(hidden, cfg),
@@ -341,6 +408,47 @@ def merge_outputs(
     merge_kernel[(triton.cdiv(n, block),)](
         stats.contiguous(), lse, mean if entropy else lse, zt, ent if entropy else lse,
         targets, lse if lse_out is None else lse_out, k, n, ignore_index,
-        BLOCK_N=block, ENTROPY=entropy, LSE_OUT=lse_out is not None, **compile_opts(dev),
+        BLOCK_N=block, ENTROPY=entropy, LSE_OUT=lse_out is not None,
+        BLOCK_K=merge_block_k(entropy, dev), **compile_opts(dev),
     )  # fmt: skip
     return lse, mean, (zt, ent, lse_out)
+
+
+def merge_block_k(entropy: bool, device: torch.device) -> int:
+    """Partials whose loads the merges keep in flight at a time (a launch choice: each
+    partial is still added in its turn). On H200 16 without entropy and 4 with it (four
+    loads per partial) timed best (docs/benchmarks.md)."""
+    if device.type == "cpu":
+        return 4
+    return 4 if entropy else 16
+
+
+def gather_partials(stats: torch.Tensor, p: LogprobParams, group: int) -> torch.Tensor:
+    """This rank's ``[K, N, 4]`` partials merged in runs of ``group`` (:func:`merge_groups`;
+    1: as they are), all-gathered over the tensor-parallel group: ``[P * K', N, 4]`` in
+    (rank, partial) order, the final merge's input."""
+    if group > 1 and stats.shape[0] > 1:
+        stats = merge_groups(stats, group, p.return_entropy)
+    return gather_stats(stats, p.tp_group, p.tp_size).flatten(0, 1)
+
+
+def merge_groups(stats: torch.Tensor, group: int, entropy: bool) -> torch.Tensor:
+    """``[K, N, 4]`` partials -> ``[cdiv(K, group), N, 4]``: each run of ``group``
+    consecutive partials merged into one (``group_merge_kernel``), in order. A rank's
+    splits become one partial per rank (tensor parallel) or per tile
+    (``deterministic=True``) before the all-gather, so the bytes exchanged do not grow
+    with the number of splits; the final merge then visits the groups' partials in order.
+    Without ``entropy`` the B column is 0."""
+    k, n, _ = stats.shape
+    groups = triton.cdiv(k, group) if k else 0
+    out = scratch.empty((groups, n, N_STATS), dtype=torch.float32, device=stats.device)
+    if n == 0 or groups == 0:
+        return out
+    dev = stats.device
+    block = 128 if dev.type != "cpu" else 256
+    group_merge_kernel[(triton.cdiv(n, block) * groups,)](
+        stats.contiguous(), out, k, n, group,
+        BLOCK_N=block, BLOCK_K=merge_block_k(entropy, dev), ENTROPY=entropy,
+        **compile_opts(dev),
+    )  # fmt: skip
+    return out

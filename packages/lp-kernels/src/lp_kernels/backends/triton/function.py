@@ -78,9 +78,9 @@ from lp_kernels.backends.triton.backward import (
 )
 from lp_kernels.backends.triton.config import TileConfig, config_for, pad128
 from lp_kernels.backends.triton.deterministic import LinearLogprobTritonDeterministic
-from lp_kernels.backends.triton.forward import forward_stats, merge_outputs
+from lp_kernels.backends.triton.forward import forward_stats, gather_partials, merge_outputs
 from lp_kernels.backends.triton.gemm import matmul_acc
-from lp_kernels.distributed.collectives import RowSums, gather_stats
+from lp_kernels.distributed.collectives import RowSums
 
 # ----------------------------------------------------------------------------- autograd
 
@@ -95,9 +95,10 @@ class LinearLogprobTriton(torch.autograd.Function):
         hidden, w_real, targets = kernel_inputs(hidden, weight, targets, p)
         b_real = None if bias is None else bias[: w_real.shape[0]].float()
         stats = forward_stats(hidden, w_real, targets, p.vocab_start, p, cfg, b_real)
-        gathered = gather_stats(stats, p.tp_group, p.tp_size)  # [P, S, N, 4]
+        # tensor parallel: one partial per rank (its splits merged first), then gathered
+        gathered = gather_partials(stats, p, stats.shape[0] if p.tp_size > 1 else 1)
         lse, mean_z, outputs = merge_outputs(
-            gathered.flatten(0, 1), targets, p.ignore_index, entropy=p.return_entropy,
+            gathered, targets, p.ignore_index, entropy=p.return_entropy,
             return_lse=p.return_lse,
         )  # fmt: skip
         ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_z)
