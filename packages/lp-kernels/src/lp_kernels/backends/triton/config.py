@@ -2,7 +2,8 @@
 
 A tile config is part of the numerics: another tile is another summation order. So
 configs are pinned per device class and input dtype (:func:`config_for`), never chosen
-from a size. The tile sweep (``benchmarks/sweep_tiles.py``) times other configs by
+from N; the one width that follows a size is the forward's split, from the vocabulary's
+width (:func:`split_width`). The tile sweep (``benchmarks/sweep_tiles.py``) times other configs by
 passing one (``lp_kernels.backends.triton.function.linear_logprob_with_config``).
 """
 

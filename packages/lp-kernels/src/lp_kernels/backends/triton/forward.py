@@ -3,11 +3,14 @@ and their merge in order.
 
 ``fwd_stats_kernel``, one program per (row block, split): for each ``BLOCK_V`` tile of the
 split, ``z = (h W^T) / T`` on chip (fp32 accumulation), online ``(m, s, a, t)`` per row
--> ``stats [S, N, 4]`` (the logits are never stored). ``merge_kernel`` visits the
-``P * S`` partials of each row in (rank, split) order -> lse and E (the backward's), and
-the op's logprob, entropy and lse, masked as ``lp_kernels._stats.masked_outputs`` masks
-them (one launch instead of a handful of elementwise torch ops, each of which costs host
-time before a forward-only call's first kernel). The algebra is ``lp_kernels._stats``'.
+-> ``stats [S, N, 4]`` (the logits are never stored). Under tensor parallel a rank's S
+partials, and with ``deterministic=True`` each tile's, are merged into one first
+(``group_merge_kernel``, :func:`gather_partials`), then all-gathered. ``merge_kernel``
+visits the partials of each row in (rank, partial) order -> lse and E (the backward's),
+and the op's logprob, entropy and lse, masked as ``lp_kernels._stats.masked_outputs``
+masks them (one launch instead of a handful of elementwise torch ops, each of which
+costs host time before a forward-only call's first kernel). The algebra is
+``lp_kernels._stats``'.
 """
 
 from __future__ import annotations
@@ -203,7 +206,7 @@ def _partials_sum(
     b_zt = tl.zeros([BLOCK_N], dtype=tl.float32)
     live = m_n
     if EMPTY:
-        live = live & (b_big_m > float("-inf"))
+        live = live & (b_big_m != float("-inf"))  # a NaN maximum stays live
     for k0 in range(k_begin, k_end, BLOCK_K):
         for j in tl.static_range(BLOCK_K):
             in_range = m_n & (tl.full([BLOCK_N], k0 + j, tl.int32) < k_end)

@@ -2,13 +2,15 @@
 
 The logits never reach memory in the forward; the backward's scratch is one chunk.
 
-Data flow for one rank (V_r = real columns of this shard, S = V_r / V_SPLIT splits)::
+Data flow for one rank (V_r = real columns of this shard, S = cdiv(V_r, split_width)
+splits, the width set by the group's widest shard)::
 
     forward   fwd_stats_kernel, one program per (row block, split):
                 for each BLOCK_V tile of the split:  z = (h W^T) / T  on chip (fp32 acc)
                 online (m, s, a, t) per row  ->  stats [S, N, 4]   (logits never stored)
-              all-gather over tp_group -> [P * S, N, 4]
-              merge_kernel: merge the P * S partials of each row in order -> lse, E, and the
+              P > 1: group_merge_kernel: the S partials in order -> one  [1, N, 4]
+                  all-gather over tp_group -> [P, N, 4]
+              merge_kernel: merge the partials of each row in order -> lse, E, and the
                   outputs (logprob, entropy, lse; ignored rows 0, non-finite rows NaN)
     backward  for each vocabulary chunk of VOCAB_CHUNK columns, for each token chunk of
               TOKEN_CHUNK rows (both fixed):
@@ -32,7 +34,7 @@ same ``tl.dot`` sequence, and tests check the bits are equal.
 Numerics. Every dot accumulates in fp32 (``input_precision="ieee"`` for fp32 inputs,
 never TF32). The partial statistics follow ``lp_kernels._stats``: exponents relative
 to a running maximum seeded with -inf, entropy assembled from ``z - m``. The merge
-visits partials in (rank, split) order in one program per row block.
+visits partials in (rank, partial) order in one program per row block.
 
 Determinism. No atomics: every output element is written by exactly one program.
 Triton compiles a separate variant of a kernel for integer arguments that are multiples
