@@ -325,8 +325,7 @@ def forward_stats(
         width = cfg.v_split  # deterministic_config's, from the tile's width
         splits = triton.cdiv(max(p.max_v_local, v_real), tile) * tile_splits(tile, cfg)
     else:
-        width = split_width(max(p.max_v_local, v_real), cfg)
-        splits = triton.cdiv(max(p.max_v_local, v_real), width)
+        width, splits = shard_splits(v_real, p, cfg)
     stats = scratch.empty((splits, n, N_STATS), dtype=torch.float32, device=hidden.device)
     if n == 0 or splits == 0:
         return stats
@@ -346,6 +345,15 @@ def forward_stats(
         **launch_opts(cfg, hidden.device),
     )  # fmt: skip
     return stats
+
+
+def shard_splits(v_real: int, p: LogprobParams, cfg: TileConfig) -> tuple[int, int]:
+    """``(width, count)`` of a shard's forward splits outside ``deterministic=True``: the
+    width from the group's widest shard (:func:`split_width`), so every rank cuts alike,
+    and as many splits as that shard needs."""
+    cols = max(p.max_v_local, v_real)
+    width = split_width(cols, cfg)
+    return width, triton.cdiv(cols, width)
 
 
 def tile_splits(tile: int, cfg: TileConfig) -> int:
@@ -426,10 +434,15 @@ def merge_block_k(entropy: bool, device: torch.device) -> int:
     return 4 if entropy else 16
 
 
-def gather_partials(stats: torch.Tensor, p: LogprobParams, group: int) -> torch.Tensor:
+def gather_partials(
+    stats: torch.Tensor, p: LogprobParams, group: int | None = None
+) -> torch.Tensor:
     """This rank's ``[K, N, 4]`` partials merged in runs of ``group`` (:func:`merge_groups`;
-    1: as they are), all-gathered over the tensor-parallel group: ``[P * K', N, 4]`` in
-    (rank, partial) order, the final merge's input."""
+    1: as they are; None: all K into one under tensor parallel, none on one GPU, where the
+    final merge takes them as they are), all-gathered over the tensor-parallel group:
+    ``[P * K', N, 4]`` in (rank, partial) order, the final merge's input."""
+    if group is None:
+        group = stats.shape[0] if p.tp_size > 1 else 1
     if group > 1 and stats.shape[0] > 1:
         stats = merge_groups(stats, group, p.return_entropy)
     return gather_stats(stats, p.tp_group, p.tp_size).flatten(0, 1)

@@ -97,8 +97,7 @@ class LinearLogprobTriton(torch.autograd.Function):
         hidden, w_real, targets = kernel_inputs(hidden, weight, targets, p)
         b_real = None if bias is None else bias[: w_real.shape[0]].float()
         stats = forward_stats(hidden, w_real, targets, p.vocab_start, p, cfg, b_real)
-        # tensor parallel: one partial per rank (its splits merged first), then gathered
-        gathered = gather_partials(stats, p, stats.shape[0] if p.tp_size > 1 else 1)
+        gathered = gather_partials(stats, p)  # TP: one partial per rank, then gathered
         lse, mean_z, outputs = merge_outputs(
             gathered, targets, p.ignore_index, entropy=p.return_entropy,
             return_lse=p.return_lse,

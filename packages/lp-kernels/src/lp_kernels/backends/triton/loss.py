@@ -61,13 +61,13 @@ from lp_kernels.backends.triton.config import (
     launch_opts,
     pad128,
     sm_count,
-    split_width,
 )
 from lp_kernels.backends.triton.forward import (
     cap_args,
     forward_stats,
     gather_partials,
     merge_outputs,
+    shard_splits,
 )
 from lp_kernels.backends.triton.tl_utils import IGNORED, target_codes
 from lp_kernels.distributed.collectives import RowSums
@@ -259,8 +259,7 @@ class LinearLogprobLossTriton(FinishedGradients):
             blocks = triton.cdiv(rows, cfg.loss_bias_block[0])  # [blocks, v_real] column sums
             db = scratch.empty((blocks, max(v_real, 1)), dtype=torch.float32, device=dev)
         sums = RowSums(grad_h, p.tp_group, p.tp_size, enabled=need_h and reduce_h)
-        v_widest = max(p.max_v_local, v_real)
-        splits = triton.cdiv(v_widest, split_width(v_widest, cfg))
+        _, splits = shard_splits(v_real, p, cfg)
         sms = sm_count(dev) if p.tp_size == 1 and spec.block_rows is None else None
         for g0 in range(0, n, g_rows):
             g1 = min(n, g0 + g_rows)
@@ -271,8 +270,7 @@ class LinearLogprobLossTriton(FinishedGradients):
                 stats = forward_stats(
                     hidden[r0:r1], w_real, t_c, p.vocab_start, p, cfg, b_real, lbuf[:k]
                 )
-                # tensor parallel: one partial per rank, then gathered
-                gathered = gather_partials(stats, p, splits if p.tp_size > 1 else 1)
+                gathered = gather_partials(stats, p)  # TP: one partial per rank
                 dead = ignored[r0:r1]
                 lse_c, mean_c, (lp_c, e_c, ls_c) = merge_outputs(
                     gathered, t_c, p.ignore_index, entropy=p.return_entropy,
