@@ -75,6 +75,11 @@ class TileConfig:
     min_splits: int = 32
     """See ``narrow_split``: at small N a row block's splits are the launch's programs, and
     a narrow shard (tensor parallel) with few wide splits leaves SMs idle."""
+    pingpong_max_h: int = 0
+    """The forward statistics of a default-mode call without entropy, cap or bias take the
+    ping-pong kernel (``pingpong.pingpong_stats``) on Hopper where ``H`` is at most this;
+    0: never. A launch choice: both kernels give the same bits (docs/benchmarks.md has the
+    measurements that set it)."""
     fixed_tiles: tuple[int, int, int] | None = None
     """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of ``deterministic=True``'s fixed-point GEMM; None:
     the pinned ones for the device and dtype (``fixed_point.fixed_tiles_for``)."""
@@ -84,7 +89,7 @@ class TileConfig:
 GPU_CONFIG = TileConfig(
     block_n=128, block_v=256, block_h=64, v_split=1024, vocab_chunk=8192, token_chunk=8192,
     mm_block_m=128, mm_block_n=256, mm_block_k=64, num_warps=8, num_stages=3,
-    group=8, tma=True,
+    group=8, tma=True, pingpong_max_h=2048,
 )  # fmt: skip
 # Large blocks under the interpreter: its cost scales with the number of block operations.
 INTERPRET_CONFIG = TileConfig(

@@ -32,6 +32,7 @@ from lp_kernels.backends.triton.config import (
     split_width,
     tma_ok,
 )
+from lp_kernels.backends.triton.pingpong import pingpong_ok, pingpong_stats
 from lp_kernels.backends.triton.tl_utils import (
     IGNORED,
     cap_tanh,
@@ -329,6 +330,15 @@ def forward_stats(
     stats = scratch.empty((splits, n, N_STATS), dtype=torch.float32, device=hidden.device)
     if n == 0 or splits == 0:
         return stats
+    if (
+        not tile
+        and l_out is None
+        and b_real is None
+        and p.softcap is None
+        and not p.return_entropy
+        and pingpong_ok(hidden, w_real, p, cfg)
+    ):
+        return pingpong_stats(hidden, w_real, targets, first_id, p, cfg, stats, width)
     blocks_n = triton.cdiv(n, cfg.block_n)
     h_src, w_src, tma = logits_sources(hidden, w_real, cfg)
     fwd_stats_kernel[(blocks_n * splits,)](

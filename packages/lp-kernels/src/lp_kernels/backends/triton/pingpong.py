@@ -1,0 +1,303 @@
+"""The forward statistics on Hopper with the softmax epilogue off the tensor cores' path:
+two consumer warpgroups in ping-pong (Gluon).
+
+``forward.fwd_stats_kernel`` computes each 128 x 256 logits tile with 8 warps, two
+warpgroups that issue their MMAs and then run the online-softmax epilogue together, while
+the tensor cores wait. :func:`pingpong_stats_kernel` is persistent (one program per SM) and
+splits that work by warpgroup: each owns the 64 rows of a tile that the same warpgroup owns
+in the Triton kernel, with its own operand stream. A one-warp TMA producer fills one ring
+of stages in the order (tile j of warpgroup 0, tile j of warpgroup 1, tile j + 1 of
+warpgroup 0, ...); the warpgroups take their mainloops in turn (an mbarrier each), so that
+one's MMAs run while the other is in its epilogue.
+
+Every product, its K order and the epilogue's arithmetic are the Triton kernel's, and the
+row reductions run on the same accumulator layout (``instr_shape [16, 256, 16]``, each
+warp 16 rows): the partials are bitwise those of ``fwd_stats_kernel`` (GPU tests check it
+with ``torch.equal``). So the choice between the two kernels (:func:`pingpong_ok`) is a
+launch choice only, like a tile order.
+
+Where it runs (measured on H200, docs/benchmarks.md "Ping-pong forward"): the Triton
+kernel's epilogue costs most at H <= 2048, where each tile's mainloop is short; there
+this kernel is faster. At H = 4096 the per-warpgroup operand streams (each 64-row MMA
+step loads a whole weight tile) cost more than the epilogue it hides, and with entropy
+the epilogue does not fit the consumers' registers: those stay on the Triton kernel
+(:attr:`TileConfig.pingpong_max_h`).
+
+Gluon is Triton's explicit-layout dialect for Hopper and newer; it has no interpreter,
+so the CPU suite compiles this kernel for sm_90 instead of running it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:  # Gluon ships with Triton >= 3.5; these names are those of 3.6 to 3.9
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    HAVE_GLUON = hasattr(gl, "warp_specialize")
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+from lp_kernels._types import LogprobParams
+from lp_kernels.backends.triton.config import (
+    TileConfig,
+    compile_opts,
+    group_size,
+    sm_count,
+    tma_ok,
+)
+
+HALF = 64
+"""Rows of a warpgroup's tile (half of the Triton kernel's ``block_n``)."""
+STAGES = 4
+"""Operand stages in the ring (64 x 64 hidden + 256 x 64 weight, 40 KiB each)."""
+CONSUMER_REGS = 240
+"""Registers per thread of the second consumer warpgroup (the first gets as many; the
+producer warp 24): 128 accumulator registers and the epilogue's, without spilling."""
+
+if HAVE_GLUON:
+    # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+    @gluon.jit
+    def _grouped(pid, blocks_m, blocks_n, group):
+        """``tl_utils.grouped``: tile (i_m, i_n) of item ``pid`` (order only)."""
+        width = group * blocks_n
+        first_m = (pid // width) * group
+        size_m = gl.minimum(blocks_m - first_m, group)
+        return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+    @gluon.jit
+    def _producer(
+        h_desc, w_desc, h_bufs, w_bufs, ready, empty, N, H, V_real, splits, group,
+        V_SPLIT: gl.constexpr,
+    ):  # fmt: skip
+        """One warp: for each (row block, split) item of this program, each tile of the
+        split, each warpgroup, each K block: that warpgroup's hidden rows and the tile's
+        weight rows into the next stage, once its previous reader released it."""
+        HALF: gl.constexpr = h_desc.block_type.shape[0]
+        BLOCK_H: gl.constexpr = h_desc.block_type.shape[1]
+        BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
+        NSTAGES: gl.constexpr = h_bufs.type.shape[0]
+        nbytes: gl.constexpr = h_desc.block_type.nbytes + w_desc.block_type.nbytes
+        blocks_n = gl.cdiv(N, 2 * HALF)
+        k_steps = gl.cdiv(H, BLOCK_H)
+        pos = 0
+        for item in range(gl.program_id(0), blocks_n * splits, gl.num_programs(0)):
+            i_n, i_s = _grouped(item, blocks_n, splits, group)
+            v_begin = i_s * V_SPLIT
+            v_end = gl.minimum(v_begin + V_SPLIT, V_real)
+            for v0 in range(v_begin, v_end, BLOCK_V):
+                for wg in gl.static_range(2):
+                    for kk in range(k_steps):
+                        stage = pos % NSTAGES
+                        mbarrier.wait(empty.index(stage), ((pos // NSTAGES) & 1) ^ 1)
+                        bar = ready.index(stage)
+                        mbarrier.expect(bar, nbytes)
+                        row0 = i_n * (2 * HALF) + wg * HALF
+                        _tma_load(h_desc, [row0, kk * BLOCK_H], bar, h_bufs.index(stage))
+                        _tma_load(w_desc, [v0, kk * BLOCK_H], bar, w_bufs.index(stage))
+                        pos += 1
+
+    @gluon.jit
+    def _consumer(
+        h_bufs, w_bufs, ready, empty, order, t_ptr, stats_ptr,
+        N, H, V_real, ignore_index, col0, inv_t, splits, group,
+        WG: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_H: gl.constexpr, V_SPLIT: gl.constexpr,
+        IGNORED: gl.constexpr,
+    ):  # fmt: skip
+        """Warpgroup ``WG``: rows ``[WG * HALF, +HALF)`` of each row block, the Triton
+        kernel's MMAs and online ``(m, s, a = 0, t)`` per row, then its partials."""
+        NSTAGES: gl.constexpr = h_bufs.type.shape[0]
+        HALF: gl.constexpr = h_bufs.type.shape[1]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_V, 16]
+        )
+        rows_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        cols_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
+        blocks_n = gl.cdiv(N, 2 * HALF)
+        k_steps = gl.cdiv(H, BLOCK_H)
+        pos = 0
+        n_tile = 0  # this warpgroup's tiles so far
+        for item in range(gl.program_id(0), blocks_n * splits, gl.num_programs(0)):
+            i_n, i_s = _grouped(item, blocks_n, splits, group)
+            o_n = i_n * (2 * HALF) + WG * HALF + gl.arange(0, HALF, layout=rows_l)
+            m_n = o_n < N
+            # tl_utils.target_codes
+            b_id = gl.load(t_ptr + o_n, mask=m_n, other=0).to(gl.int64)
+            b_rel = b_id - col0
+            b_t = gl.where((b_rel >= 0) & (b_rel < V_real), b_rel, -1)
+            b_t = gl.where(b_id == ignore_index, IGNORED, b_t)
+            b_t = gl.where(m_n, b_t, -1).to(gl.int32)
+            b_m = gl.full([HALF], float("-inf"), gl.float32, layout=rows_l)
+            b_s = gl.zeros([HALF], gl.float32, layout=rows_l)
+            b_zt = gl.zeros([HALF], gl.float32, layout=rows_l)
+            v_begin = i_s * V_SPLIT
+            v_end = gl.minimum(v_begin + V_SPLIT, V_real)
+            for v0 in range(v_begin, v_end, BLOCK_V):
+                first = pos + WG * k_steps
+                # Mainloops in turn: warpgroup 0's n-th after warpgroup 1 issued its
+                # (n-1)-th, warpgroup 1's n-th after warpgroup 0 issued its n-th. So no
+                # ready barrier is waited on a phase ahead of the one that fills it, and one
+                # warpgroup's MMAs run while the other is in its epilogue.
+                if WG == 0:
+                    mbarrier.wait(order.index(0), (n_tile + 1) & 1, pred=n_tile > 0)
+                else:
+                    mbarrier.wait(order.index(1), n_tile & 1)
+                acc = gl.zeros([HALF, BLOCK_V], gl.float32, acc_layout)
+                for kk in range(k_steps):
+                    p = first + kk
+                    stage = p % NSTAGES
+                    mbarrier.wait(ready.index(stage), (p // NSTAGES) & 1)
+                    acc = warpgroup_mma(
+                        h_bufs.index(stage), w_bufs.index(stage).permute((1, 0)), acc,
+                        is_async=True,
+                    )  # fmt: skip
+                    # one MMA in flight: the previous K block's stage is free
+                    acc = warpgroup_mma_wait(1, deps=[acc])
+                    prev = (p + NSTAGES - 1) % NSTAGES
+                    mbarrier.arrive(empty.index(prev), count=1, pred=kk > 0)
+                mbarrier.arrive(order.index(1 - WG), count=1)
+                n_tile += 1
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(empty.index((first + k_steps - 1) % NSTAGES), count=1)
+                pos += 2 * k_steps
+
+                # fwd_stats_kernel's epilogue (no cap, bias or entropy), op for op
+                b_trel = gl.where(b_t < v_end, b_t - v0, -1).to(gl.int32)
+                m_t = gl.arange(0, BLOCK_V, layout=cols_l)[None, :] == b_trel[:, None]
+                b_zt += gl.sum(gl.where(m_t, acc, 0.0), axis=1)
+                b_z = acc * inv_t
+                if v0 + BLOCK_V > v_end:
+                    m_v = (v0 + gl.arange(0, BLOCK_V, layout=cols_l)) < v_end
+                    b_z = gl.where(m_v[None, :], b_z, float("-inf"))
+                b_mn = gl.maximum(b_m, gl.max(b_z, axis=1))
+                b_alpha = gl.exp(b_m - b_mn)
+                b_e = gl.exp(b_z - b_mn[:, None])
+                b_s = b_s * b_alpha + gl.sum(b_e, axis=1)
+                b_m = b_mn
+            b_zt = b_zt * inv_t
+            p_out = stats_ptr + (i_s.to(gl.int64) * N + o_n) * 4
+            gl.store(p_out + 0, b_m, mask=m_n)
+            gl.store(p_out + 1, b_s, mask=m_n)
+            gl.store(p_out + 2, gl.zeros([HALF], gl.float32, layout=rows_l), mask=m_n)
+            gl.store(p_out + 3, b_zt, mask=m_n)
+
+    @gluon.jit
+    def pingpong_stats_kernel(
+        h_desc, w_desc, t_ptr, stats_ptr, N, H, V_real, ignore_index, col0, inv_t, splits, group,
+        V_SPLIT: gl.constexpr, NSTAGES: gl.constexpr, IGNORED: gl.constexpr,
+        REGS: gl.constexpr,
+    ):  # fmt: skip
+        """``fwd_stats_kernel``'s ``[S, N, 4]`` partials (``ENTROPY``, ``SOFTCAP``,
+        ``HAS_BIAS``, ``STORE_L`` off, ``TILE_W = 0``), persistent: the default partition
+        is warpgroup 0, a 4-warp worker warpgroup 1, a 1-warp worker the producer."""
+        HALF: gl.constexpr = h_desc.block_type.shape[0]
+        BLOCK_H: gl.constexpr = h_desc.block_type.shape[1]
+        BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
+        dtype: gl.constexpr = h_desc.dtype
+        h_bufs = gl.allocate_shared_memory(dtype, [NSTAGES, HALF, BLOCK_H], h_desc.layout)
+        w_bufs = gl.allocate_shared_memory(dtype, [NSTAGES, BLOCK_V, BLOCK_H], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
+        order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NSTAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        for s in gl.static_range(2):
+            mbarrier.init(order.index(s), count=1)
+        fence_async_shared()
+        # fmt: off
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (h_bufs, w_bufs, ready, empty, order, t_ptr, stats_ptr, N, H, V_real,
+                     ignore_index, col0, inv_t, splits, group, 0, BLOCK_V, BLOCK_H, V_SPLIT,
+                     IGNORED),
+                ),
+                (
+                    _consumer,
+                    (h_bufs, w_bufs, ready, empty, order, t_ptr, stats_ptr, N, H, V_real,
+                     ignore_index, col0, inv_t, splits, group, 1, BLOCK_V, BLOCK_H, V_SPLIT,
+                     IGNORED),
+                ),
+                (
+                    _producer,
+                    (h_desc, w_desc, h_bufs, w_bufs, ready, empty, N, H, V_real, splits,
+                     group, V_SPLIT),
+                ),
+            ],
+            [4, 1],
+            [REGS, 24],
+        )
+        # fmt: on
+
+
+def pingpong_ok(
+    hidden: torch.Tensor, w_real: torch.Tensor, p: LogprobParams, cfg: TileConfig
+) -> bool:
+    """Whether the forward statistics of a default-mode call without entropy, cap or bias
+    take :func:`pingpong_stats` (the caller checks those options): a Hopper GPU (compute
+    capability 9.x), Gluon, 2-byte inputs that back tensor descriptors, the config's tile
+    (``block_n`` 128, ``block_v`` 256) and ``H <= cfg.pingpong_max_h``. H, the dtype and
+    the device decide it, never N or the shard's width; both kernels give the same bits."""
+    return (
+        HAVE_GLUON
+        and cfg.pingpong_max_h > 0
+        and hidden.device.type == "cuda"
+        and hidden.shape[1] <= cfg.pingpong_max_h
+        and hidden.dtype in (torch.bfloat16, torch.float16)
+        and w_real.dtype == hidden.dtype
+        and cfg.block_n == 2 * HALF
+        and cfg.block_v == 256
+        and torch.cuda.get_device_capability(hidden.device)[0] == 9
+        and tma_ok(hidden, w_real)
+    )
+
+
+def pingpong_stats(
+    hidden: torch.Tensor,
+    w_real: torch.Tensor,
+    targets: torch.Tensor,
+    first_id: int,
+    p: LogprobParams,
+    cfg: TileConfig,
+    stats: torch.Tensor,
+    width: int,
+) -> torch.Tensor:
+    """Fill ``stats [S, N, 4]`` with the partials of splits of ``width`` columns, as
+    ``forward.fwd_stats_kernel`` would (:func:`pingpong_ok` holds)."""
+    from lp_kernels.backends.triton.tl_utils import IGNORED
+
+    n, h_dim = hidden.shape
+    v_real = w_real.shape[0]
+    splits = stats.shape[0]
+    dt = gl.bfloat16 if hidden.dtype == torch.bfloat16 else gl.float16
+    h_block, w_block = [HALF, cfg.block_h], [cfg.block_v, cfg.block_h]
+    h_desc = GluonDescriptor(
+        hidden, [n, h_dim], [hidden.stride(0), 1], h_block,
+        gl.NVMMASharedLayout.get_default_for(h_block, dt),
+    )  # fmt: skip
+    w_desc = GluonDescriptor(
+        w_real, [v_real, h_dim], [w_real.stride(0), 1], w_block,
+        gl.NVMMASharedLayout.get_default_for(w_block, dt),
+    )  # fmt: skip
+    blocks_n = triton.cdiv(n, 2 * HALF)
+    pingpong_stats_kernel[(min(sm_count(hidden.device), blocks_n * splits),)](
+        h_desc, w_desc, targets, stats, n, h_dim, v_real, p.ignore_index, first_id,
+        p.inv_temperature, splits, group_size(cfg, blocks_n),
+        V_SPLIT=width, NSTAGES=STAGES, IGNORED=IGNORED, REGS=CONSUMER_REGS, num_warps=4,
+        **compile_opts(hidden.device),
+    )  # fmt: skip
+    return stats

@@ -1,0 +1,159 @@
+"""The ping-pong forward kernel (Gluon, Hopper): the same bits as the Triton kernel.
+
+``forward_stats`` takes ``pingpong.pingpong_stats`` on Hopper for default-mode calls
+without entropy, cap or bias at ``H <= TileConfig.pingpong_max_h`` (a launch choice). The
+GPU tests compare its partials, and whole calls with their gradients, with the Triton
+kernel's under ``torch.equal`` on awkward shapes; the CPU test compiles it for sm_90 with
+the installed Triton (Gluon has no interpreter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lp_kernels._types import LogprobParams
+
+pytest.importorskip("triton")
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)")
+
+
+def _configs(dtype):
+    from lp_kernels.backends.triton.config import config_for
+
+    on = config_for(torch.device("cuda"), dtype)
+    return on, dataclasses.replace(on, pingpong_max_h=0)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "n, h, v, first, max_v",
+    [
+        (1, 64, 1000, 0, 0),
+        (300, 200, 5003, 0, 0),  # H not a multiple of the K block, V of the tile
+        (4099, 520, 70001, 0, 0),
+        (1024, 2048, 33000, 0, 0),
+        (257, 2048, 7000, 7000, 7040),  # a TP shard: ids from 7000, the widest shard 7040
+        (129, 136, 600, 0, 40000),  # splits past this shard's end
+    ],
+)
+def test_pingpong_partials_are_the_triton_kernels(dtype, n, h, v, first, max_v):
+    from lp_kernels.backends.triton import forward
+    from lp_kernels.backends.triton.pingpong import pingpong_ok
+
+    gen = torch.Generator(device="cuda").manual_seed(n + h + v)
+    hidden = torch.randn(n, h, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(v, h, device="cuda", generator=gen) * 0.05).to(dtype)
+    targets = torch.randint(first - 50, first + v + 50, (n,), device="cuda", generator=gen)
+    targets[::5] = -100
+    if n > 3:
+        targets[3] = first + v - 1  # the shard's last column
+    on, off = _configs(dtype)
+    for ignore_index, temperature in ((-100, 1.0), (first + 17, 0.7)):
+        p = LogprobParams(
+            temperature=temperature, ignore_index=ignore_index, return_entropy=False,
+            return_lse=True, vocab_start=first, vocab_size=first + v + 100, chunk_size=0,
+            max_v_local=max_v,
+        )  # fmt: skip
+        assert pingpong_ok(hidden, weight, p, on) and not pingpong_ok(hidden, weight, p, off)
+        got = forward.forward_stats(hidden, weight, targets, first, p, on).clone()
+        want = forward.forward_stats(hidden, weight, targets, first, p, off).clone()
+        assert got.shape == want.shape
+        assert torch.equal(got, want), (got - want).abs().nan_to_num().max()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("n", [1, 515])
+def test_pingpong_calls_match_the_triton_kernel_with_gradients(n):
+    """Whole calls (forward through the ping-pong kernel, backward as ever): every output
+    and gradient as with the Triton forward, bit for bit; rows alone as in the batch."""
+    from lp_kernels.backends.triton.function import linear_logprob_with_config
+
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    hidden = torch.randn(n, 1536, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(32003, 1536, device="cuda", generator=gen) * 0.03).to(torch.bfloat16)
+    targets = torch.randint(0, 32003, (n,), device="cuda", generator=gen)
+    targets[::7] = -100
+    on, off = _configs(torch.bfloat16)
+    results = []
+    for cfg in (on, off):
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        out = linear_logprob_with_config(h, w, targets, cfg, temperature=0.8, return_lse=True)
+        (out.logprob * torch.linspace(-1, 1, n, device="cuda")).sum().backward()
+        results.append((out.logprob, out.lse, h.grad, w.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    first = linear_logprob_with_config(hidden[:1], weight, targets[:1], on, temperature=0.8)
+    assert torch.equal(first.logprob, results[0][0][:1])
+
+
+_COMPILE = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from lp_kernels.backends.triton import pingpong
+from lp_kernels.backends.triton.config import GPU_CONFIG
+from lp_testing.aot import resources
+
+cfg = GPU_CONFIG
+h_block, w_block = [pingpong.HALF, cfg.block_h], [cfg.block_v, cfg.block_h]
+lay_h = gl.NVMMASharedLayout.get_default_for(h_block, gl.bfloat16)
+lay_w = gl.NVMMASharedLayout.get_default_for(w_block, gl.bfloat16)
+sig = {
+    "h_desc": f"tensordesc<bf16{h_block},{lay_h}>",
+    "w_desc": f"tensordesc<bf16{w_block},{lay_w}>",
+    "t_ptr": "*i64", "stats_ptr": "*fp32", "N": "i32", "H": "i32", "V_real": "i32",
+    "ignore_index": "i32", "col0": "i32", "inv_t": "fp32", "splits": "i32", "group": "i32",
+    "V_SPLIT": "constexpr", "NSTAGES": "constexpr", "IGNORED": "constexpr", "REGS": "constexpr",
+}
+names = list(sig)
+consts = {"V_SPLIT": cfg.v_split, "NSTAGES": pingpong.STAGES, "IGNORED": -2,
+          "REGS": pingpong.CONSUMER_REGS}
+src = GluonASTSource(pingpong.pingpong_stats_kernel, sig,
+                     {(names.index(k),): v for k, v in consts.items()})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4, "enable_fp_fusion": True})
+print(json.dumps({"shared": k.metadata.shared, "res": resources(k.asm["cubin"]),
+                  "ptx": [l.strip() for l in k.asm["ptx"].splitlines() if "setmaxnreg" in l]}))
+"""
+
+
+def test_pingpong_kernel_compiles_for_sm90(tmp_path):
+    """The installed Triton compiles the Gluon kernel for sm_90 (no GPU needed): its shared
+    memory fits Hopper's 227 KiB, no register spills, and the warpgroups' registers are
+    reassigned (setmaxnreg) as the kernel asks."""
+    from lp_kernels.backends.triton import pingpong
+
+    if not pingpong.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import json
+
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["shared"] <= 227 << 10
+    if out["res"] is not None:
+        _, stack = out["res"]
+        assert stack <= 16, out  # 0 with Triton 3.6, 16 B with 3.9
+    assert any(f"setmaxnreg.inc.sync.aligned.u32 \t{pingpong.CONSUMER_REGS};" in x
+               for x in out["ptx"]), out["ptx"]  # fmt: skip
