@@ -62,6 +62,8 @@ COMPAT_TESTS = [
     f"{KERNEL_TESTS}/test_vocab_parallel_logprob.py",
     f"{KERNEL_TESTS}/test_amp.py",
     f"{KERNEL_TESTS}/test_compile.py",
+    # the Gluon kernel compiles for sm_90 with each Triton (its API moves between releases)
+    f"{KERNEL_TESTS}/test_pingpong.py::test_pingpong_kernel_compiles_for_sm90",
     f"{KERNEL_TESTS}/test_losses.py",
     f"{KERNEL_TESTS}/test_linear_logprob_loss.py::test_matches_linear_logprob_composed",
     f"{KERNEL_TESTS}/test_linear_logprob_loss.py::test_errors",

@@ -29,6 +29,8 @@ so the CPU suite compiles this kernel for sm_90 instead of running it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -56,6 +58,7 @@ from lp_kernels.backends.triton.config import (
     sm_count,
     tma_ok,
 )
+from lp_kernels.backends.triton.tl_utils import IGNORED
 
 HALF = 64
 """Rows of a warpgroup's tile (half of the Triton kernel's ``block_n``)."""
@@ -244,6 +247,28 @@ if HAVE_GLUON:
         # fmt: on
 
 
+_MAJOR: dict[int, int] = {}
+
+
+def _major(device: torch.device) -> int:
+    """Compute capability major of a CUDA device (cached per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MAJOR:
+        _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return _MAJOR[index]
+
+
+@functools.cache
+def _layouts(block_h: int, block_v: int, dtype: torch.dtype):
+    """The shared-memory layouts of the hidden and weight blocks (computed once: building
+    one costs a host call tens of microseconds)."""
+    dt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (
+        gl.NVMMASharedLayout.get_default_for([HALF, block_h], dt),
+        gl.NVMMASharedLayout.get_default_for([block_v, block_h], dt),
+    )
+
+
 def pingpong_ok(
     hidden: torch.Tensor, w_real: torch.Tensor, p: LogprobParams, cfg: TileConfig
 ) -> bool:
@@ -261,7 +286,7 @@ def pingpong_ok(
         and w_real.dtype == hidden.dtype
         and cfg.block_n == 2 * HALF
         and cfg.block_v == 256
-        and torch.cuda.get_device_capability(hidden.device)[0] == 9
+        and _major(hidden.device) == 9
         and tma_ok(hidden, w_real)
     )
 
@@ -278,21 +303,16 @@ def pingpong_stats(
 ) -> torch.Tensor:
     """Fill ``stats [S, N, 4]`` with the partials of splits of ``width`` columns, as
     ``forward.fwd_stats_kernel`` would (:func:`pingpong_ok` holds)."""
-    from lp_kernels.backends.triton.tl_utils import IGNORED
-
     n, h_dim = hidden.shape
     v_real = w_real.shape[0]
     splits = stats.shape[0]
-    dt = gl.bfloat16 if hidden.dtype == torch.bfloat16 else gl.float16
-    h_block, w_block = [HALF, cfg.block_h], [cfg.block_v, cfg.block_h]
+    h_layout, w_layout = _layouts(cfg.block_h, cfg.block_v, hidden.dtype)
     h_desc = GluonDescriptor(
-        hidden, [n, h_dim], [hidden.stride(0), 1], h_block,
-        gl.NVMMASharedLayout.get_default_for(h_block, dt),
-    )  # fmt: skip
+        hidden, [n, h_dim], [hidden.stride(0), 1], [HALF, cfg.block_h], h_layout
+    )
     w_desc = GluonDescriptor(
-        w_real, [v_real, h_dim], [w_real.stride(0), 1], w_block,
-        gl.NVMMASharedLayout.get_default_for(w_block, dt),
-    )  # fmt: skip
+        w_real, [v_real, h_dim], [w_real.stride(0), 1], [cfg.block_v, cfg.block_h], w_layout
+    )
     blocks_n = triton.cdiv(n, 2 * HALF)
     pingpong_stats_kernel[(min(sm_count(hidden.device), blocks_n * splits),)](
         h_desc, w_desc, targets, stats, n, h_dim, v_real, p.ignore_index, first_id,
