@@ -46,7 +46,7 @@ def chunk_problem(shape: str, device: str = "cuda") -> types.SimpleNamespace:
         h_dim=h_dim, h_c=h_c, w_c=w_c, lse=lse, g_lp=g_lp, t_c=targets[:rows],
         p=types.SimpleNamespace(
             inv_temperature=1.0, max_v_local=v, return_entropy=False, ignore_index=-100,
-            softcap=None,
+            softcap=None, deterministic=False,
         ),
     )  # fmt: skip
 

@@ -56,7 +56,7 @@ def run(name: str, reps: int) -> dict:
     off = dataclasses.replace(pinned, pingpong_max_h=0)
     p = types.SimpleNamespace(  # forward_stats's parameters of a default-mode call
         inv_temperature=1 / 0.7, max_v_local=v, return_entropy=False, ignore_index=-100,
-        softcap=None,
+        softcap=None, deterministic=False,
     )  # fmt: skip
     assert pingpong_ok(hidden, weight, p, on)
     got = forward.forward_stats(hidden, weight, targets, 0, p, on).clone()
@@ -89,7 +89,7 @@ def host_us(reps: int = 300) -> dict:
     pinned = config_for(hidden.device, hidden.dtype)
     p = types.SimpleNamespace(
         inv_temperature=1.0, max_v_local=32000, return_entropy=False, ignore_index=-100,
-        softcap=None,
+        softcap=None, deterministic=False,
     )  # fmt: skip
     out = {}
     for name, cfg in (("pingpong", pinned), ("triton", replace_off(pinned))):

@@ -3,8 +3,11 @@ and their merge in order.
 
 ``fwd_stats_kernel``, one program per (row block, split): for each ``BLOCK_V`` tile of the
 split, ``z = (h W^T) / T`` on chip (fp32 accumulation), online ``(m, s, a, t)`` per row
--> ``stats [S, N, 4]`` (the logits are never stored). Under tensor parallel a rank's S
-partials, and with ``deterministic=True`` each tile's, are merged into one first
+-> ``stats [S, N, 4]`` (the logits are never stored). On Hopper, calls without entropy,
+cap or bias at ``H <= TileConfig.pingpong_max_h`` launch ``pingpong.pingpong_stats_kernel``
+instead: the same partials, bit for bit, with the epilogue beside the other warpgroup's
+MMAs. Under tensor parallel a rank's S partials, and with ``deterministic=True`` each
+tile's, are merged into one first
 (``group_merge_kernel``, :func:`gather_partials`), then all-gathered. ``merge_kernel``
 visits the partials of each row in (rank, partial) order -> lse and E (the backward's),
 and the op's logprob, entropy and lse, masked as ``lp_kernels._stats.masked_outputs``
@@ -330,14 +333,7 @@ def forward_stats(
     stats = scratch.empty((splits, n, N_STATS), dtype=torch.float32, device=hidden.device)
     if n == 0 or splits == 0:
         return stats
-    if (
-        not tile
-        and l_out is None
-        and b_real is None
-        and p.softcap is None
-        and not p.return_entropy
-        and pingpong_ok(hidden, w_real, p, cfg)
-    ):
+    if not tile and l_out is None and b_real is None and pingpong_ok(hidden, w_real, p, cfg):
         return pingpong_stats(hidden, w_real, targets, first_id, p, cfg, stats, width)
     blocks_n = triton.cdiv(n, cfg.block_n)
     h_src, w_src, tma = logits_sources(hidden, w_real, cfg)

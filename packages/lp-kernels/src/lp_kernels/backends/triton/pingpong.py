@@ -251,7 +251,10 @@ _MAJOR: dict[int, int] = {}
 
 
 def _major(device: torch.device) -> int:
-    """Compute capability major of a CUDA device (cached per device)."""
+    """Compute capability major of an NVIDIA device (cached per device); 0 under ROCm,
+    whose devices report their own numbering (an MI300 reads 9.4)."""
+    if torch.version.hip is not None:
+        return 0
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _MAJOR:
         _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
@@ -272,14 +275,18 @@ def _layouts(block_h: int, block_v: int, dtype: torch.dtype):
 def pingpong_ok(
     hidden: torch.Tensor, w_real: torch.Tensor, p: LogprobParams, cfg: TileConfig
 ) -> bool:
-    """Whether the forward statistics of a default-mode call without entropy, cap or bias
-    take :func:`pingpong_stats` (the caller checks those options): a Hopper GPU (compute
-    capability 9.x), Gluon, 2-byte inputs that back tensor descriptors, the config's tile
-    (``block_n`` 128, ``block_v`` 256) and ``H <= cfg.pingpong_max_h``. H, the dtype and
-    the device decide it, never N or the shard's width; both kernels give the same bits."""
+    """Whether a call's forward statistics take :func:`pingpong_stats`: no entropy, cap or
+    ``deterministic=True`` in ``p`` (the caller checks its own bias, stored logits and
+    tiles), a Hopper GPU (compute capability 9.x), Gluon, 2-byte inputs that back tensor
+    descriptors, the config's tile (``block_n`` 128, ``block_v`` 256) and ``H <=
+    cfg.pingpong_max_h``. Options, H, the dtype and the device decide it, never N or the
+    shard's width; both kernels give the same bits."""
     return (
         HAVE_GLUON
         and cfg.pingpong_max_h > 0
+        and not p.return_entropy
+        and p.softcap is None
+        and not p.deterministic
         and hidden.device.type == "cuda"
         and hidden.shape[1] <= cfg.pingpong_max_h
         and hidden.dtype in (torch.bfloat16, torch.float16)
