@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
-#   bash benchmarks/gpu_suite.sh [tests|tests-core] [megatron] [hf] [bench] [loss] [sweep]
+#   bash benchmarks/gpu_suite.sh [tests|tests-core|tests-rest] [megatron] [hf] [bench] [loss] [sweep]
 #       [profile-step] [ncu] [tp] [ab-tp] [ab] [ab-bits]
 #   (default: tests megatron bench sweep)
 # SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help);
@@ -77,6 +77,11 @@ for stage in $stages; do
       run_pytest kernels-core packages/lp-kernels/tests/test_gpu.py \
         packages/lp-kernels/tests/test_determinism.py \
         packages/lp-kernels/tests/test_deterministic.py || status=1 ;;
+    tests-rest)  # with tests-core, the kernels part of tests in two calls of the device tool
+      run_pytest kernels-rest packages/lp-kernels/tests \
+        --ignore=packages/lp-kernels/tests/test_gpu.py \
+        --ignore=packages/lp-kernels/tests/test_determinism.py \
+        --ignore=packages/lp-kernels/tests/test_deterministic.py || status=1 ;;
     megatron)
       run_pytest megatron packages/lp-megatron/tests || status=1 ;;
     bench)  # the grid into one bench.json, then its markdown tables (docs/benchmarks.md)

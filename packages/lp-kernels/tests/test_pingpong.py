@@ -102,6 +102,51 @@ def test_pingpong_calls_match_the_triton_kernel_with_gradients(n):
     assert torch.equal(first.logprob, results[0][0][:1])
 
 
+def test_pingpong_rule(monkeypatch):
+    """Which calls the rule admits (no GPU needed: a stand-in CUDA tensor and device): the
+    pinned Hopper config's bf16 / fp16 calls without entropy, cap or deterministic mode at
+    H <= 2048, and nothing else."""
+    import types
+
+    from lp_kernels.backends.triton import pingpong
+    from lp_kernels.backends.triton.config import GPU_CONFIG, config_for
+
+    if not pingpong.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    major = {"value": 9}
+    monkeypatch.setattr(pingpong, "_major", lambda device: major["value"])
+    monkeypatch.setattr(pingpong, "tma_ok", lambda *tensors: True)
+
+    def tensor(h, dtype=torch.bfloat16):
+        return types.SimpleNamespace(device=torch.device("cuda", 0), shape=(512, h), dtype=dtype)
+
+    def params(**kw):
+        base = dict(
+            temperature=1.0, ignore_index=-100, return_entropy=False, return_lse=False,
+            vocab_start=0, vocab_size=1000, chunk_size=0,
+        )  # fmt: skip
+        return LogprobParams(**{**base, **kw})
+
+    ok = pingpong.pingpong_ok
+    w = tensor(2048)
+    assert ok(tensor(2048), w, params(), GPU_CONFIG)
+    assert ok(tensor(64, torch.float16), tensor(64, torch.float16), params(), GPU_CONFIG)
+    assert not ok(tensor(2056), w, params(), GPU_CONFIG)  # H over pingpong_max_h
+    assert not ok(tensor(2048), w, params(return_entropy=True), GPU_CONFIG)
+    assert not ok(tensor(2048), w, params(softcap=30.0), GPU_CONFIG)
+    assert not ok(tensor(2048), w, params(deterministic=True), GPU_CONFIG)
+    assert not ok(tensor(2048, torch.float32), tensor(2048, torch.float32), params(), GPU_CONFIG)
+    assert not ok(tensor(2048), tensor(2048, torch.float16), params(), GPU_CONFIG)
+    assert not ok(tensor(2048), w, params(), dataclasses.replace(GPU_CONFIG, pingpong_max_h=0))
+    assert not ok(tensor(2048), w, params(), dataclasses.replace(GPU_CONFIG, block_v=128))
+    cpu = types.SimpleNamespace(device=torch.device("cpu"), shape=(512, 64), dtype=torch.bfloat16)
+    assert not ok(cpu, w, params(), GPU_CONFIG)
+    assert not ok(tensor(2048), w, params(), config_for(torch.device("cpu")))  # interpreter
+    for other in (8, 10, 12):  # Ampere, Blackwell (and ROCm, which reads 0)
+        major["value"] = other
+        assert not ok(tensor(2048), w, params(), GPU_CONFIG)
+
+
 _COMPILE = r"""
 import json, triton
 from triton.backends.compiler import GPUTarget
