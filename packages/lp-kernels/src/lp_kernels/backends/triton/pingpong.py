@@ -18,7 +18,7 @@ launch choice only, like a tile order.
 
 Where it runs (measured on H200, docs/benchmarks.md "Ping-pong forward"): the Triton
 kernel's epilogue costs most at H <= 2048, where each tile's mainloop is short; there
-this kernel is faster. At H = 4096 the per-warpgroup operand streams (each 64-row MMA
+this kernel is faster. At H >= 3072 the per-warpgroup operand streams (each 64-row MMA
 step loads a whole weight tile) cost more than the epilogue it hides, and with entropy
 the epilogue does not fit the consumers' registers: those stay on the Triton kernel
 (:attr:`TileConfig.pingpong_max_h`).
@@ -63,7 +63,8 @@ from lp_kernels.backends.triton.tl_utils import IGNORED
 HALF = 64
 """Rows of a warpgroup's tile (half of the Triton kernel's ``block_n``)."""
 STAGES = 4
-"""Operand stages in the ring (64 x 64 hidden + 256 x 64 weight, 40 KiB each)."""
+"""Operand stages in the ring (64 x 64 hidden + 256 x 64 weight, 40 KiB each; five were
+slower on H200)."""
 CONSUMER_REGS = 240
 """Registers per thread of the second consumer warpgroup (the first gets as many; the
 producer warp 24): 128 accumulator registers and the epilogue's, without spilling."""
