@@ -5,9 +5,11 @@
 Triton kernel everywhere), and ``torch.mm(hidden, weight.T)`` of the shape (the floor), in
 rounds of queued calls (CUDA events; the median of three rounds' means). Every shape runs
 both kernels whatever H, to show where each is faster. Prints one line per shape, a table,
-and writes JSON.
+and writes JSON. ``--softcap C`` and ``--bias`` time those options (an fp32 bias, as the
+op passes it to the kernels).
 
-    python benchmarks/pingpong_fwd.py [--shapes S1,...,S6,H1536] [--reps 10] [--out f.json]
+    python benchmarks/pingpong_fwd.py [--shapes S1,...,S6,H1536] [--reps 10] [--softcap C]
+        [--bias] [--out f.json]
 """
 
 from __future__ import annotations
@@ -44,35 +46,37 @@ def timed(fn, reps: int) -> float:
     return sorted(rounds)[1]
 
 
-def run(name: str, reps: int) -> dict:
+def run(name: str, reps: int, softcap: float | None = None, bias: bool = False) -> dict:
     n, h, v = {**SHAPES, **EXTRA}[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16)
     weight = (torch.randn(v, h, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
     targets[::7] = -100
+    b = torch.randn(v, device="cuda", generator=gen) if bias else None
     pinned = config_for(hidden.device, hidden.dtype)
     on = dataclasses.replace(pinned, pingpong_max_h=max(h, 1))
     off = dataclasses.replace(pinned, pingpong_max_h=0)
     p = types.SimpleNamespace(  # forward_stats's parameters of a default-mode call
         inv_temperature=1 / 0.7, max_v_local=v, return_entropy=False, ignore_index=-100,
-        softcap=None, deterministic=False,
+        softcap=softcap, deterministic=False,
     )  # fmt: skip
     assert pingpong_ok(hidden, weight, p, on)
-    got = forward.forward_stats(hidden, weight, targets, 0, p, on).clone()
-    want = forward.forward_stats(hidden, weight, targets, 0, p, off).clone()
+    got = forward.forward_stats(hidden, weight, targets, 0, p, on, b).clone()
+    want = forward.forward_stats(hidden, weight, targets, 0, p, off, b).clone()
     width, splits = forward.shard_splits(v, p, pinned)
     fwd = forward.forward_stats
     row = {
         "shape": name, "n": n, "h": h, "v": v, "bitwise": bool(torch.equal(got, want)),
         "pinned_takes_pingpong": pingpong_ok(hidden, weight, p, pinned),
         "mm_ms": timed(lambda: torch.mm(hidden, weight.T), reps),
-        "triton_ms": timed(lambda: fwd(hidden, weight, targets, 0, p, off), reps),
-        "pingpong_ms": timed(lambda: fwd(hidden, weight, targets, 0, p, on), reps),
+        "softcap": softcap, "bias": bias,
+        "triton_ms": timed(lambda: fwd(hidden, weight, targets, 0, p, off, b), reps),
+        "pingpong_ms": timed(lambda: fwd(hidden, weight, targets, 0, p, on, b), reps),
     }  # fmt: skip
     stats = torch.empty((splits, n, 4), device="cuda")
     row["pingpong_kernel_ms"] = timed(
-        lambda: pingpong_stats(hidden, weight, targets, 0, p, on, stats, width), reps
+        lambda: pingpong_stats(hidden, weight, targets, 0, p, on, stats, width, b), reps
     )
     return row
 
@@ -112,13 +116,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="S1,S2,S3,S4,S5,S6")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--softcap", type=float, default=None)
+    ap.add_argument("--bias", action="store_true")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     host = host_us()
     print("host us per call (8 x 2048 x 32000):", json.dumps(host), flush=True)
     rows = []
     for name in a.shapes.split(","):
-        rows.append(run(name, a.reps))
+        rows.append(run(name, a.reps, a.softcap, a.bias))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     print(f"\n{'shape':6} {'H':>5} {'mm ms':>8} {'triton':>8} {'pingpong':>9} bits pinned")

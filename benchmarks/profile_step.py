@@ -1,7 +1,8 @@
 """Where does one forward + backward step of the triton backend spend its time, kernel by
 kernel? (GPU; the issue 3 gap between the sum of the phases and the whole step.)
 
-    python benchmarks/profile_step.py --shapes S1,S4 [--det] [--out step.json]
+    python benchmarks/profile_step.py --shapes S1,S4 [--det] [--softcap C] [--bias]
+        [--out step.json]
 
 For each shape: the step's wall time (CUDA events, median of 3) started on an idle GPU
 and queued behind ~20 ms of GPU work (the host's work before the first kernel hidden, as
@@ -41,6 +42,7 @@ from lp_kernels import linear_logprob
 
 DET_TILE = {"tile": "128"}  # --det-tile: an int, or tpN (bench.tile_arg, per shape)
 TP: dict = {}  # --tp: linear_logprob's tp_group / vocab_start / vocab_size
+LOGITS: dict = {}  # --softcap / --bias: linear_logprob's softcap and bias
 
 
 def _det_kw(det: bool, vocab: int) -> dict:
@@ -51,9 +53,11 @@ def _det_kw(det: bool, vocab: int) -> dict:
 
 def _step(hidden, weight, targets, grad_out, det: bool):
     hidden.grad = weight.grad = None
+    if LOGITS.get("bias") is not None:
+        LOGITS["bias"].grad = None
     out = linear_logprob(
         hidden, weight, targets, backend="triton", validate=False,
-        **_det_kw(det, TP.get("vocab_size", weight.shape[0])), **TP,
+        **_det_kw(det, TP.get("vocab_size", weight.shape[0])), **TP, **LOGITS,
     )  # fmt: skip
     out.logprob.backward(grad_out)
 
@@ -148,6 +152,10 @@ def profile_shape(
         TP.update(tp_group=dist.group.WORLD, vocab_start=start, vocab_size=v)
     hidden.requires_grad_()
     weight.requires_grad_()
+    if "bias" in LOGITS:  # --bias: a bias of the shard's rows, in the weight's dtype
+        gen = torch.Generator(device=device).manual_seed(1)
+        b = torch.randn(weight.shape[0], device=device, generator=gen)
+        LOGITS["bias"] = b.to(weight.dtype).requires_grad_()
 
     def fn():
         _step(hidden, weight, targets, grad_out, det)
@@ -159,7 +167,7 @@ def profile_shape(
     def fwd():
         linear_logprob(
             hidden, weight, targets, backend="triton", validate=False,
-            **_det_kw(det, TP.get("vocab_size", weight.shape[0])), **TP,
+            **_det_kw(det, TP.get("vocab_size", weight.shape[0])), **TP, **LOGITS,
         )  # fmt: skip
 
     fwd_wall, fwd_queued, fwd_host = (
@@ -223,7 +231,13 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="folder for chrome traces (GPU)")
     ap.add_argument("--tp", type=int, default=1, help="under torchrun: the head split P ways")
     ap.add_argument("--host", action="store_true", help="also cProfile the host's calls")
+    ap.add_argument("--softcap", type=float, default=None, help="final-logit softcapping C")
+    ap.add_argument("--bias", action="store_true", help="with an LM-head bias (and its grad)")
     args = ap.parse_args()
+    if args.softcap is not None:
+        LOGITS["softcap"] = args.softcap
+    if args.bias:
+        LOGITS["bias"] = None  # made per shape
     DET_TILE["tile"] = args.det_tile
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tp > 1:

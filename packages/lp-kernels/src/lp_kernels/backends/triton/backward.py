@@ -18,13 +18,14 @@ from lp_kernels._matmul import mm_f32, scratch
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends.triton.config import (
     TileConfig,
+    cap_args,
     compile_opts,
     group_size,
     launch_opts,
     logit_flags,
     pad128,
 )
-from lp_kernels.backends.triton.forward import cap_args, logits_sources
+from lp_kernels.backends.triton.forward import logits_sources
 from lp_kernels.backends.triton.gemm import mm_block_n, narrow_block_n
 from lp_kernels.backends.triton.tl_utils import (
     IGNORED,

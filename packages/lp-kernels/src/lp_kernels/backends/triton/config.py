@@ -16,6 +16,8 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from lp_kernels._types import LogprobParams
+
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -232,3 +234,8 @@ def launch_opts(cfg: TileConfig, device: torch.device) -> dict:
 def pad128(x: int) -> int:
     """``x`` rounded up to a multiple of 128 (a bound that specializes alike everywhere)."""
     return triton.cdiv(x, 128) * 128
+
+
+def cap_args(p: LogprobParams) -> tuple[float, float]:
+    """``(cap, 1 / cap)`` of the kernels' ``SOFTCAP`` path (unused without a cap)."""
+    return (p.softcap, 1.0 / p.softcap) if p.softcap is not None else (1.0, 1.0)

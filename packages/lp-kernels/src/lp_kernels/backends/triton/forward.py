@@ -3,17 +3,16 @@ and their merge in order.
 
 ``fwd_stats_kernel``, one program per (row block, split): for each ``BLOCK_V`` tile of the
 split, ``z = (h W^T) / T`` on chip (fp32 accumulation), online ``(m, s, a, t)`` per row
--> ``stats [S, N, 4]`` (the logits are never stored). On Hopper, calls without entropy,
-cap or bias at ``H <= TileConfig.pingpong_max_h`` launch ``pingpong.pingpong_stats_kernel``
-instead: the same partials, bit for bit, with the epilogue beside the other warpgroup's
-MMAs. Under tensor parallel a rank's S partials, and with ``deterministic=True`` each
-tile's, are merged into one first
-(``group_merge_kernel``, :func:`gather_partials`), then all-gathered. ``merge_kernel``
-visits the partials of each row in (rank, partial) order -> lse and E (the backward's),
-and the op's logprob, entropy and lse, masked as ``lp_kernels._stats.masked_outputs``
-masks them (one launch instead of a handful of elementwise torch ops, each of which
-costs host time before a forward-only call's first kernel). The algebra is
-``lp_kernels._stats``'.
+-> ``stats [S, N, 4]`` (the logits are never stored). On Hopper, calls without entropy
+at ``H <= TileConfig.pingpong_max_h`` launch ``pingpong.pingpong_stats_kernel`` instead:
+the same partials, bit for bit, with the epilogue beside the other warpgroup's MMAs.
+Under tensor parallel a rank's S partials, and with ``deterministic=True`` each tile's,
+are merged into one first (``group_merge_kernel``, :func:`gather_partials`), then
+all-gathered. ``merge_kernel`` visits the partials of each row in (rank, partial) order
+-> lse and E (the backward's), and the op's logprob, entropy and lse, masked as
+``lp_kernels._stats.masked_outputs`` masks them (one launch instead of a handful of
+elementwise torch ops, each of which costs host time before a forward-only call's first
+kernel). The algebra is ``lp_kernels._stats``'.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from lp_kernels._stats import N_STATS
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends.triton.config import (
     TileConfig,
+    cap_args,
     compile_opts,
     descriptor,
     group_size,
@@ -38,7 +38,7 @@ from lp_kernels.backends.triton.config import (
 from lp_kernels.backends.triton.pingpong import pingpong_ok, pingpong_stats
 from lp_kernels.backends.triton.tl_utils import (
     IGNORED,
-    cap_tanh,
+    capped_z,
     grouped,
     logits_tile,
     softcap,
@@ -50,23 +50,9 @@ from lp_kernels.distributed.collectives import gather_stats
 
 
 @triton.jit
-def capped_z(l, k_e, k_z, inv_t, INTERPRET: tl.constexpr = False):
-    """``z = c tanh(l / c) / T`` of a logit for the softmax terms (the tanh of
-    :func:`cap_tanh`, ``k_z = c / T``); non-finite logits pass through (``-inf`` stays a
-    mask). Elementwise: a block, or one element under ``tl.map_elementwise``.
-
-    The capped forward runs element by element on the GPU (this, and :func:`stats_terms`
-    with entropy, under ``tl.map_elementwise``), as d_logits does: op by op, the cap's
-    blocks beside the tile made ptxas spill (``python -m lp_testing.aot`` prints the stack
-    frames; docs/history.md the figures)."""
-    t, _ = cap_tanh(l, k_e, INTERPRET)
-    return tl.where(tl.abs(l) < float("inf"), t * k_z, l * inv_t)
-
-
-@triton.jit
 def stats_terms(z, m):
     """``(e^(z - m), e^(z - m) (z - m))`` of a block or one element: the capped path's
-    online-softmax terms with entropy (see :func:`capped_z`)."""
+    online-softmax terms with entropy (see ``tl_utils.capped_z``)."""
     d = z - m
     e = tl.exp(d)
     return e, e * d
@@ -84,9 +70,9 @@ def fwd_stats_kernel(
 ):  # fmt: skip
     """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target],
     with z = softcap(h W^T (+ b)) / T (``SOFTCAP``: c tanh(l / c); the target's z from
-    ``softcap``, the softmax terms' from ``cap_tanh``, see ``capped_z``). ``t_ptr``: the raw
-    target ids, ``col0`` the id of the weight's first row (``tl_utils.target_codes``;
-    ``IGNORED``: an ignored row's code). ``STORE_L``: also
+    ``softcap``, the softmax terms' from ``cap_tanh``, see ``tl_utils.capped_z``).
+    ``t_ptr``: the raw target ids, ``col0`` the id of the weight's first row
+    (``tl_utils.target_codes``; ``IGNORED``: an ignored row's code). ``STORE_L``: also
     store the raw logits l = h W^T (+ b) (fp32, the real columns) to ``l_ptr`` (row
     stride ``stride_ln``).
 
@@ -141,7 +127,7 @@ def fwd_stats_kernel(
             b_trel = tl.where(b_t < v_end, b_t - v0, -1).to(tl.int32)
             m_t = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
         b_zt += tl.sum(tl.where(m_t, b_z, 0.0), axis=1)  # raw: scaled after the loop
-        if SOFTCAP:  # element by element on the GPU (see capped_z)
+        if SOFTCAP:  # element by element on the GPU (see tl_utils.capped_z)
             if INTERPRET:
                 b_z = capped_z(b_z, k_e, k_z, inv_t, INTERPRET)
             else:
@@ -154,7 +140,7 @@ def fwd_stats_kernel(
         # online update; the first tile turns m from -inf into a finite maximum
         b_mn = tl.maximum(b_m, tl.max(b_z, axis=1))
         b_alpha = tl.exp(b_m - b_mn)
-        if SOFTCAP and ENTROPY:  # element by element on the GPU (see capped_z)
+        if SOFTCAP and ENTROPY:  # element by element on the GPU (see tl_utils.capped_z)
             if INTERPRET:
                 b_e, b_ed = stats_terms(b_z, b_mn[:, None])
             else:
@@ -333,8 +319,8 @@ def forward_stats(
     stats = scratch.empty((splits, n, N_STATS), dtype=torch.float32, device=hidden.device)
     if n == 0 or splits == 0:
         return stats
-    if not tile and l_out is None and b_real is None and pingpong_ok(hidden, w_real, p, cfg):
-        return pingpong_stats(hidden, w_real, targets, first_id, p, cfg, stats, width)
+    if not tile and l_out is None and pingpong_ok(hidden, w_real, p, cfg):
+        return pingpong_stats(hidden, w_real, targets, first_id, p, cfg, stats, width, b_real)
     blocks_n = triton.cdiv(n, cfg.block_n)
     h_src, w_src, tma = logits_sources(hidden, w_real, cfg)
     fwd_stats_kernel[(blocks_n * splits,)](
@@ -373,11 +359,6 @@ def logits_out(l_out: torch.Tensor, n: int, v_real: int, cfg: TileConfig, tma: b
     the kernel runs on descriptors (the store needs no pointer block beside the tile's
     registers), else the tensor."""
     return descriptor(l_out, n, v_real, (cfg.block_n, cfg.block_v // 2)) if tma else l_out
-
-
-def cap_args(p: LogprobParams) -> tuple[float, float]:
-    """``(cap, 1 / cap)`` of the kernels' ``SOFTCAP`` path (unused without a cap)."""
-    return (p.softcap, 1.0 / p.softcap) if p.softcap is not None else (1.0, 1.0)
 
 
 def logits_sources(hidden: torch.Tensor, w_real: torch.Tensor, cfg: TileConfig):

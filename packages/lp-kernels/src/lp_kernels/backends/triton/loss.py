@@ -56,6 +56,7 @@ from lp_kernels.backends.triton.config import (
     LOSS_GRAD_BYTES,
     LOSS_LOGITS_BYTES,
     TileConfig,
+    cap_args,
     compile_opts,
     config_for,
     launch_opts,
@@ -63,7 +64,6 @@ from lp_kernels.backends.triton.config import (
     sm_count,
 )
 from lp_kernels.backends.triton.forward import (
-    cap_args,
     forward_stats,
     gather_partials,
     merge_outputs,

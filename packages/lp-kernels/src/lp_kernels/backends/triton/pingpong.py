@@ -12,9 +12,11 @@ one's MMAs run while the other is in its epilogue.
 
 Every product, its K order and the epilogue's arithmetic are the Triton kernel's, and the
 row reductions run on the same accumulator layout (``instr_shape [16, 256, 16]``, each
-warp 16 rows): the partials are bitwise those of ``fwd_stats_kernel`` (GPU tests check it
-with ``torch.equal``). So the choice between the two kernels (:func:`pingpong_ok`) is a
-launch choice only, like a tile order.
+warp 16 rows), with a softcap (``tl_utils.capped_z`` element by element, the target's
+``tl_utils.softcap``) and a bias (added to the finished sums) as there: the partials are
+bitwise those of ``fwd_stats_kernel`` (GPU tests check it with ``torch.equal``). So the
+choice between the two kernels (:func:`pingpong_ok`) is a launch choice only, like a tile
+order.
 
 Where it runs (measured on H200, docs/benchmarks.md "Ping-pong forward"): the Triton
 kernel's epilogue costs most at H <= 2048, where each tile's mainloop is short; there
@@ -53,12 +55,13 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 from lp_kernels._types import LogprobParams
 from lp_kernels.backends.triton.config import (
     TileConfig,
+    cap_args,
     compile_opts,
     group_size,
     sm_count,
     tma_ok,
 )
-from lp_kernels.backends.triton.tl_utils import IGNORED
+from lp_kernels.backends.triton.tl_utils import IGNORED, capped_z, softcap
 
 HALF = 64
 """Rows of a warpgroup's tile (half of the Triton kernel's ``block_n``)."""
@@ -115,13 +118,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consumer(
-        h_bufs, w_bufs, ready, empty, order, t_ptr, stats_ptr,
-        N, H, V_real, ignore_index, col0, inv_t, splits, group,
+        h_bufs, w_bufs, ready, empty, order, t_ptr, stats_ptr, b_ptr,
+        N, H, V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, group,
         WG: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_H: gl.constexpr, V_SPLIT: gl.constexpr,
-        IGNORED: gl.constexpr,
+        IGNORED: gl.constexpr, HAS_BIAS: gl.constexpr, SOFTCAP: gl.constexpr,
     ):  # fmt: skip
         """Warpgroup ``WG``: rows ``[WG * HALF, +HALF)`` of each row block, the Triton
-        kernel's MMAs and online ``(m, s, a = 0, t)`` per row, then its partials."""
+        kernel's MMAs (``HAS_BIAS``: and the bias) and online ``(m, s, a = 0, t)`` per row
+        (``SOFTCAP``: of the capped logits), then its partials."""
         NSTAGES: gl.constexpr = h_bufs.type.shape[0]
         HALF: gl.constexpr = h_bufs.type.shape[1]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -131,6 +135,8 @@ if HAVE_GLUON:
         cols_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
         blocks_n = gl.cdiv(N, 2 * HALF)
         k_steps = gl.cdiv(H, BLOCK_H)
+        k_e = inv_cap * -2.8853900817779268  # -2 log2(e) / c
+        k_z = cap * inv_t
         pos = 0
         n_tile = 0  # this warpgroup's tiles so far
         for item in range(gl.program_id(0), blocks_n * splits, gl.num_programs(0)):
@@ -177,11 +183,17 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index((first + k_steps - 1) % NSTAGES), count=1)
                 pos += 2 * k_steps
 
-                # fwd_stats_kernel's epilogue (no cap, bias or entropy), op for op
+                if HAS_BIAS:  # tl_utils.logits_tile: the bias added to the finished sums
+                    o_v = v0 + gl.arange(0, BLOCK_V, layout=cols_l)
+                    acc = acc + gl.load(b_ptr + o_v, mask=o_v < v_end, other=0.0)[None, :]
+                # fwd_stats_kernel's epilogue (no entropy), op for op
                 b_trel = gl.where(b_t < v_end, b_t - v0, -1).to(gl.int32)
                 m_t = gl.arange(0, BLOCK_V, layout=cols_l)[None, :] == b_trel[:, None]
                 b_zt += gl.sum(gl.where(m_t, acc, 0.0), axis=1)
-                b_z = acc * inv_t
+                if SOFTCAP:  # noqa: SIM108  (a constexpr branch)
+                    b_z = gl.map_elementwise(capped_z, acc, k_e, k_z, inv_t)
+                else:
+                    b_z = acc * inv_t
                 if v0 + BLOCK_V > v_end:
                     m_v = (v0 + gl.arange(0, BLOCK_V, layout=cols_l)) < v_end
                     b_z = gl.where(m_v[None, :], b_z, float("-inf"))
@@ -190,6 +202,8 @@ if HAVE_GLUON:
                 b_e = gl.exp(b_z - b_mn[:, None])
                 b_s = b_s * b_alpha + gl.sum(b_e, axis=1)
                 b_m = b_mn
+            if SOFTCAP:  # the target's z with the series (0 where the target is elsewhere)
+                b_zt = softcap(b_zt, cap, inv_cap)[0]
             b_zt = b_zt * inv_t
             p_out = stats_ptr + (i_s.to(gl.int64) * N + o_n) * 4
             gl.store(p_out + 0, b_m, mask=m_n)
@@ -199,13 +213,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def pingpong_stats_kernel(
-        h_desc, w_desc, t_ptr, stats_ptr, N, H, V_real, ignore_index, col0, inv_t, splits, group,
+        h_desc, w_desc, t_ptr, stats_ptr, b_ptr,
+        N, H, V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, group,
         V_SPLIT: gl.constexpr, NSTAGES: gl.constexpr, IGNORED: gl.constexpr,
-        REGS: gl.constexpr,
+        HAS_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, REGS: gl.constexpr,
     ):  # fmt: skip
-        """``fwd_stats_kernel``'s ``[S, N, 4]`` partials (``ENTROPY``, ``SOFTCAP``,
-        ``HAS_BIAS``, ``STORE_L`` off, ``TILE_W = 0``), persistent: the default partition
-        is warpgroup 0, a 4-warp worker warpgroup 1, a 1-warp worker the producer."""
+        """``fwd_stats_kernel``'s ``[S, N, 4]`` partials (``ENTROPY`` and ``STORE_L`` off,
+        ``TILE_W = 0``), persistent: the default partition is warpgroup 0, a 4-warp worker
+        warpgroup 1, a 1-warp worker the producer."""
         HALF: gl.constexpr = h_desc.block_type.shape[0]
         BLOCK_H: gl.constexpr = h_desc.block_type.shape[1]
         BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
@@ -226,15 +241,15 @@ if HAVE_GLUON:
             [
                 (
                     _consumer,
-                    (h_bufs, w_bufs, ready, empty, order, t_ptr, stats_ptr, N, H, V_real,
-                     ignore_index, col0, inv_t, splits, group, 0, BLOCK_V, BLOCK_H, V_SPLIT,
-                     IGNORED),
+                    (h_bufs, w_bufs, ready, empty, order, t_ptr, stats_ptr, b_ptr, N, H,
+                     V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, group, 0,
+                     BLOCK_V, BLOCK_H, V_SPLIT, IGNORED, HAS_BIAS, SOFTCAP),
                 ),
                 (
                     _consumer,
-                    (h_bufs, w_bufs, ready, empty, order, t_ptr, stats_ptr, N, H, V_real,
-                     ignore_index, col0, inv_t, splits, group, 1, BLOCK_V, BLOCK_H, V_SPLIT,
-                     IGNORED),
+                    (h_bufs, w_bufs, ready, empty, order, t_ptr, stats_ptr, b_ptr, N, H,
+                     V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, group, 1,
+                     BLOCK_V, BLOCK_H, V_SPLIT, IGNORED, HAS_BIAS, SOFTCAP),
                 ),
                 (
                     _producer,
@@ -276,9 +291,9 @@ def _layouts(block_h: int, block_v: int, dtype: torch.dtype):
 def pingpong_ok(
     hidden: torch.Tensor, w_real: torch.Tensor, p: LogprobParams, cfg: TileConfig
 ) -> bool:
-    """Whether a call's forward statistics take :func:`pingpong_stats`: no entropy, cap or
-    ``deterministic=True`` in ``p`` (the caller checks its own bias, stored logits and
-    tiles), a Hopper GPU (compute capability 9.x), Gluon, 2-byte inputs that back tensor
+    """Whether a call's forward statistics take :func:`pingpong_stats`: no entropy or
+    ``deterministic=True`` in ``p`` (the caller checks its stored logits and tiles), a
+    Hopper GPU (compute capability 9.x), Gluon, 2-byte inputs that back tensor
     descriptors, the config's tile (``block_n`` 128, ``block_v`` 256) and ``H <=
     cfg.pingpong_max_h``. Options, H, the dtype and the device decide it, never N or the
     shard's width; both kernels give the same bits."""
@@ -286,7 +301,6 @@ def pingpong_ok(
         HAVE_GLUON
         and cfg.pingpong_max_h > 0
         and not p.return_entropy
-        and p.softcap is None
         and not p.deterministic
         and hidden.device.type == "cuda"
         and hidden.shape[1] <= cfg.pingpong_max_h
@@ -308,9 +322,11 @@ def pingpong_stats(
     cfg: TileConfig,
     stats: torch.Tensor,
     width: int,
+    b_real: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fill ``stats [S, N, 4]`` with the partials of splits of ``width`` columns, as
-    ``forward.fwd_stats_kernel`` would (:func:`pingpong_ok` holds)."""
+    ``forward.fwd_stats_kernel`` would (:func:`pingpong_ok` holds; ``b_real``: the fp32
+    bias of ``w_real``'s rows, or None)."""
     n, h_dim = hidden.shape
     v_real = w_real.shape[0]
     splits = stats.shape[0]
@@ -323,9 +339,11 @@ def pingpong_stats(
     )
     blocks_n = triton.cdiv(n, 2 * HALF)
     pingpong_stats_kernel[(min(sm_count(hidden.device), blocks_n * splits),)](
-        h_desc, w_desc, targets, stats, n, h_dim, v_real, p.ignore_index, first_id,
-        p.inv_temperature, splits, group_size(cfg, blocks_n),
-        V_SPLIT=width, NSTAGES=STAGES, IGNORED=IGNORED, REGS=CONSUMER_REGS, num_warps=4,
+        h_desc, w_desc, targets, stats, stats if b_real is None else b_real,
+        n, h_dim, v_real, p.ignore_index, first_id, p.inv_temperature, *cap_args(p), splits,
+        group_size(cfg, blocks_n),
+        V_SPLIT=width, NSTAGES=STAGES, IGNORED=IGNORED, HAS_BIAS=b_real is not None,
+        SOFTCAP=p.softcap is not None, REGS=CONSUMER_REGS, num_warps=4,
         **compile_opts(hidden.device),
     )  # fmt: skip
     return stats

@@ -6,7 +6,8 @@
 - :func:`operand_ptrs` and :func:`gemm_step`: one K step of lp's GEMMs (fp32 and fixed point).
 - :func:`softcap`: final-logit softcapping of fp32 logits and its slope, with
   :func:`reciprocal` (one ``MUFU`` on the GPU);
-  :func:`cap_tanh`: the cap's tanh for the softmax terms of a tile (no series).
+  :func:`cap_tanh`: the cap's tanh for the softmax terms of a tile (no series), and
+  :func:`capped_z`: a capped logit's ``z`` for those terms.
 
 Operands come through tensor descriptors (``TMA``) or masked pointer loads; both feed the
 same ``tl.dot`` sequence. Under the interpreter (``INTERPRET``) dots are an fp32
@@ -59,15 +60,11 @@ def logits_tile(
 
     ``h_src`` / ``w_src`` are tensor descriptors (TMA: out-of-bounds reads are zeros) or
     base pointers (masked loads, zeros likewise): the same products in the same order.
-    ``HAS_BIAS``: the accumulator starts from the fp32 bias ``b_ptr[col0 +]`` (zeros past
-    ``m_v``), so the bias is the first term of every logit's sum and no ``[BLOCK_V]``
-    vector waits beside the finished tile.
+    ``HAS_BIAS``: the fp32 bias ``b_ptr[col0 +]`` (zeros past ``m_v``) is added to the
+    finished sums, one rounding per logit (``pingpong``'s kernel adds it so too: on Hopper
+    an accumulator that starts from it slowed that kernel's MMAs by up to 13 %).
     """
-    if HAS_BIAS:
-        b_b = tl.load(b_ptr + col0 + tl.arange(0, BLOCK_V), mask=m_v, other=0.0)
-        b_acc = tl.broadcast_to(b_b[None, :], [BLOCK_N, BLOCK_V])
-    else:
-        b_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     if not TMA:
         o_h = tl.arange(0, BLOCK_H)
         o_n = row0 + tl.arange(0, BLOCK_N)
@@ -89,6 +86,9 @@ def logits_tile(
             b_acc += tl.sum(b_h.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :], axis=2)
         else:
             b_acc = tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        b_b = tl.load(b_ptr + col0 + tl.arange(0, BLOCK_V), mask=m_v, other=0.0)
+        b_acc = b_acc + b_b[None, :]
     return b_acc
 
 
@@ -164,6 +164,20 @@ def cap_tanh(l, k_e, INTERPRET: tl.constexpr = False):
     ``python -m lp_testing.aot --options --sass``)."""
     t, slope = tanh_of_exp(tl.math.exp2(tl.abs(l) * k_e), INTERPRET)
     return with_sign_of(t, l), slope
+
+
+@triton.jit
+def capped_z(l, k_e, k_z, inv_t, INTERPRET: tl.constexpr = False):
+    """``z = c tanh(l / c) / T`` of a logit for the softmax terms (the tanh of
+    :func:`cap_tanh`, ``k_z = c / T``); non-finite logits pass through (``-inf`` stays a
+    mask). Elementwise: a block, or one element under ``tl.map_elementwise``.
+
+    Both forward kernels run it element by element on the GPU (with entropy, beside
+    ``forward.stats_terms``), as d_logits does: op by op, the cap's blocks beside the
+    tile made ptxas spill (``python -m lp_testing.aot`` prints the stack frames;
+    docs/history.md the figures)."""
+    t, _ = cap_tanh(l, k_e, INTERPRET)
+    return tl.where(tl.abs(l) < float("inf"), t * k_z, l * inv_t)
 
 
 @triton.jit
