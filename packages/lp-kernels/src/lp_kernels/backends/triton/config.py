@@ -78,10 +78,10 @@ class TileConfig:
     """See ``narrow_split``: at small N a row block's splits are the launch's programs, and
     a narrow shard (tensor parallel) with few wide splits leaves SMs idle."""
     pingpong_max_h: int = 0
-    """The forward statistics of a default-mode call without entropy, cap or bias take the
-    ping-pong kernel (``pingpong.pingpong_stats``) on Hopper where ``H`` is at most this;
-    0: never. A launch choice: both kernels give the same bits (docs/benchmarks.md has the
-    measurements that set it)."""
+    """The forward statistics of a default-mode call without entropy (capped or biased
+    too) take the ping-pong kernel (``pingpong.pingpong_stats``) on Hopper where ``H`` is
+    at most this; 0: never. A launch choice: both kernels give the same bits
+    (docs/benchmarks.md has the measurements that set it)."""
     fixed_tiles: tuple[int, int, int] | None = None
     """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of ``deterministic=True``'s fixed-point GEMM; None:
     the pinned ones for the device and dtype (``fixed_point.fixed_tiles_for``)."""
