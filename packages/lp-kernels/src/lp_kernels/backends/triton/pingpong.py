@@ -13,10 +13,11 @@ one's MMAs run while the other is in its epilogue.
 Every product, its K order and the epilogue's arithmetic are the Triton kernel's, and the
 row reductions run on the same accumulator layout (``instr_shape [16, 256, 16]``, each
 warp 16 rows), with a softcap (``tl_utils.capped_z`` element by element, the target's
-``tl_utils.softcap``) and a bias (added to the finished sums) as there: the partials are
-bitwise those of ``fwd_stats_kernel`` (GPU tests check it with ``torch.equal``). So the
-choice between the two kernels (:func:`pingpong_ok`) is a launch choice only, like a tile
-order.
+``tl_utils.softcap``) and a bias (added to the finished sums) as there; the launch order,
+target codes and cap come from the same ``@triton.jit`` helpers (``tl_utils``), which a
+Gluon kernel calls on its own layouts. The partials are bitwise those of
+``fwd_stats_kernel`` (GPU tests check it with ``torch.equal``). So the choice between the
+two kernels (:func:`pingpong_ok`) is a launch choice only, like a tile order.
 
 Where it runs (measured on H200, docs/benchmarks.md "Ping-pong forward"): the Triton
 kernel's epilogue costs most at H <= 2048, where each tile's mainloop is short; there
@@ -61,7 +62,13 @@ from lp_kernels.backends.triton.config import (
     sm_count,
     tma_ok,
 )
-from lp_kernels.backends.triton.tl_utils import IGNORED, capped_z, softcap
+from lp_kernels.backends.triton.tl_utils import (
+    IGNORED,
+    capped_z,
+    grouped,
+    softcap,
+    target_codes,
+)
 
 HALF = 64
 """Rows of a warpgroup's tile (half of the Triton kernel's ``block_n``)."""
@@ -75,14 +82,6 @@ producer warp 24): 128 accumulator registers and the epilogue's, without spillin
 if HAVE_GLUON:
     # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-    @gluon.jit
-    def _grouped(pid, blocks_m, blocks_n, group):
-        """``tl_utils.grouped``: tile (i_m, i_n) of item ``pid`` (order only)."""
-        width = group * blocks_n
-        first_m = (pid // width) * group
-        size_m = gl.minimum(blocks_m - first_m, group)
-        return first_m + (pid % width) % size_m, (pid % width) // size_m
 
     @gluon.jit
     def _producer(
@@ -101,7 +100,7 @@ if HAVE_GLUON:
         k_steps = gl.cdiv(H, BLOCK_H)
         pos = 0
         for item in range(gl.program_id(0), blocks_n * splits, gl.num_programs(0)):
-            i_n, i_s = _grouped(item, blocks_n, splits, group)
+            i_n, i_s = grouped(item, blocks_n, splits, group)
             v_begin = i_s * V_SPLIT
             v_end = gl.minimum(v_begin + V_SPLIT, V_real)
             for v0 in range(v_begin, v_end, BLOCK_V):
@@ -140,15 +139,10 @@ if HAVE_GLUON:
         pos = 0
         n_tile = 0  # this warpgroup's tiles so far
         for item in range(gl.program_id(0), blocks_n * splits, gl.num_programs(0)):
-            i_n, i_s = _grouped(item, blocks_n, splits, group)
+            i_n, i_s = grouped(item, blocks_n, splits, group)
             o_n = i_n * (2 * HALF) + WG * HALF + gl.arange(0, HALF, layout=rows_l)
             m_n = o_n < N
-            # tl_utils.target_codes
-            b_id = gl.load(t_ptr + o_n, mask=m_n, other=0).to(gl.int64)
-            b_rel = b_id - col0
-            b_t = gl.where((b_rel >= 0) & (b_rel < V_real), b_rel, -1)
-            b_t = gl.where(b_id == ignore_index, IGNORED, b_t)
-            b_t = gl.where(m_n, b_t, -1).to(gl.int32)
+            b_t = target_codes(t_ptr, o_n, m_n, ignore_index, col0, V_real, IGNORED)
             b_m = gl.full([HALF], float("-inf"), gl.float32, layout=rows_l)
             b_s = gl.zeros([HALF], gl.float32, layout=rows_l)
             b_zt = gl.zeros([HALF], gl.float32, layout=rows_l)
