@@ -93,7 +93,7 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
     assert len(frames) == len(lines), lines[:3]
     # The optional logit transforms (bias, softcap). The capped d_logits epilogue, and the
     # capped forward with entropy, run element by element (tl.map_elementwise; triton.
-    # tl_utils.capped_dlogits, tl_utils.capped_z): op by op, the cap's slope beside
+    # backward.capped_dlogits, triton.forward.capped_z): op by op, the cap's slope beside
     # z / T and p made the bf16 128 x 256 d_logits tile spill 2.2 KB per thread on sm_90
     # and the forward 0.6-1.2 KB. Now d_logits spills 8 B (one value kept across the main
     # loop) and no launch with the flags more than 160 B (the mid tier's pointer-path

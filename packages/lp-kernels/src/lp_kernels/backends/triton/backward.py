@@ -27,16 +27,133 @@ from lp_kernels.backends.triton.config import (
 )
 from lp_kernels.backends.triton.forward import logits_sources
 from lp_kernels.backends.triton.gemm import mm_block_n, narrow_block_n
-from lp_kernels.backends.triton.pingpong import pingpong_dlogits, pingpong_ok
 from lp_kernels.backends.triton.tl_utils import (
     IGNORED,
-    dlogits_tile,
+    cap_tanh,
     grouped,
     logits_tile,
     target_codes,
 )
 
 # ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def capped_dl(l, k_e, k_p, lse2, c0, hit, g_lp, INTERPRET: tl.constexpr = False):
+    """d l of a capped logit ``l`` without the entropy term: ``(p c0 + [hit] g_lp) (1 -
+    tanh^2)``, ``p = e^(z / T - lse) = 2^(tanh k_p - lse2)`` (``k_p = c log2(e) / T``,
+    ``lse2 = lse log2(e)``; ``c0`` and ``g_lp`` carry the 1/T and the slope's 4).
+    Elementwise: a block, or one element under ``tl.map_elementwise``.
+
+    The tanh is :func:`cap_tanh`'s (no series: only ``p`` and the slope see it). Under the
+    cap ``p >= e^(-2c / T) / V``, so ``exp2``'s flush to zero takes nothing at the usual
+    caps and temperatures (at worst a ``p`` below 2^-126 becomes 0). An infinite logit
+    has slope 0: its d l is 0."""
+    t, slope = cap_tanh(l, k_e, INTERPRET)
+    p = tl.math.exp2(t * k_p - lse2)
+    return (p * c0 + tl.where(hit, g_lp, 0.0)) * slope
+
+
+@triton.jit
+def capped_dl_entropy(
+    l, k_e, k_z, k_p, lse2, c0, g_ent, mean, hit, g_lp, INTERPRET: tl.constexpr = False
+):
+    """:func:`capped_dl` with the entropy term: ``(p (c0 - g_ent (z / T - E)) + [hit] g_lp)
+    (1 - tanh^2)``, ``z / T = tanh k_z`` (``k_z = c / T``; ``g_ent`` carries the 1/T and
+    the 4)."""
+    t, slope = cap_tanh(l, k_e, INTERPRET)
+    p = tl.math.exp2(t * k_p - lse2)
+    return (p * (c0 - g_ent * (t * k_z - mean)) + tl.where(hit, g_lp, 0.0)) * slope
+
+
+@triton.jit
+def capped_dlogits(
+    b_l, b_trel, b_lse, b_c0, b_glp, gent_ptr, mean_ptr, o_n, m_n, inv_t, cap, inv_cap,
+    BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """d l of a block of capped logits ``b_l`` (``b_trel``: each row's target column
+    relative to the tile, int32), on the GPU one element at a time (``tl.map_elementwise``).
+    ``b_c0`` carries the 1/T; the slope's 4 joins it and the other per-row factors here
+    (``b_glp``: the rows' upstream gradient of logprob, zeros without one).
+
+    Op by op over the block (the plain path's form), the slope, ``z / T`` and ``p`` are
+    three live ``[BLOCK_N, BLOCK_V]`` fp32 blocks beside the other state, and ptxas spills;
+    element by element none is held. ``g_lp`` is selected into the target's column in
+    every tile: the plain path's branch around it (only tiles that hold a target) makes
+    ptxas spill here too."""
+    k_e = inv_cap * -2.8853900817779268  # -2 log2(e) / c
+    k_z = cap * inv_t
+    k_p = k_z * 1.4426950408889634  # c log2(e) / T
+    b_lse2 = b_lse * 1.4426950408889634
+    b_c0 = b_c0 * 4.0  # exact: the slope's 4
+    if HAS_LP:  # noqa: SIM108  (a constexpr branch)
+        b_glp = b_glp * (4.0 * inv_t)
+    else:
+        b_glp = tl.zeros_like(b_c0)  # a constant: the select folds away
+    m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
+    if ENTROPY:
+        b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
+        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * (4.0 * inv_t)
+        args = (b_l, k_e, k_z, k_p, b_lse2[:, None], b_c0[:, None], b_gent[:, None],
+                b_mean[:, None], m_hit, b_glp[:, None])  # fmt: skip
+        if INTERPRET:
+            b_dl = capped_dl_entropy(*args, INTERPRET)
+        else:
+            b_dl = tl.map_elementwise(capped_dl_entropy, *args)
+    else:
+        args = (b_l, k_e, k_p, b_lse2[:, None], b_c0[:, None], m_hit, b_glp[:, None])
+        if INTERPRET:  # noqa: SIM108  (a constexpr branch)
+            b_dl = capped_dl(*args, INTERPRET)
+        else:
+            b_dl = tl.map_elementwise(capped_dl, *args)
+    return b_dl
+
+
+@triton.jit
+def dlogits_tile(
+    b_z, b_t, lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, col0, inv_t, cap,
+    inv_cap, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
+    HAS_LSE: tl.constexpr, SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """d l of a tile of raw logits ``b_z`` (``h W^T + b``, fp32) whose first column is
+    ``col0`` (the target codes' column numbering), rows ``o_n`` with target codes ``b_t``:
+    the arithmetic of both d_logits kernels, the one that recomputes the logits
+    (:func:`dlogits_kernel`) and the one that reads them (``triton.loss``). The upstream
+    gradients are fp32 ``[N]`` (``HAS_LP`` / ``HAS_LSE`` / ``ENTROPY``: present), read as
+    they come: an ignored row's may hold anything. Rows and columns outside the tile's
+    bounds, and ignored rows, are the caller's to zero."""
+    # d z / T = p (c0 - g_ent (z / T - E)) / T with the 1/T folded into per-row factors,
+    # c0 = g_lse - g_lp (an absent gradient is +0.0)
+    b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
+    b_glp = tl.zeros_like(b_lse)
+    b_glse = tl.zeros_like(b_lse)
+    if HAS_LP:
+        b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0)
+    if HAS_LSE:
+        b_glse = tl.load(glse_ptr + o_n, mask=m_n, other=0.0)
+    b_c0 = (b_glse - b_glp) * inv_t
+    if SOFTCAP:  # d l = d z / T * (1 - tanh^2), element by element
+        b_trel = (b_t - col0).to(tl.int32)  # int32: one compare each
+        b_dz = capped_dlogits(
+            b_z, b_trel, b_lse, b_c0, b_glp, gent_ptr, mean_ptr, o_n, m_n, inv_t, cap,
+            inv_cap, BLOCK_V, ENTROPY, HAS_LP, INTERPRET,
+        )  # fmt: skip
+    else:
+        b_zs = b_z * inv_t
+        b_p = tl.exp(b_zs - b_lse[:, None])
+        if ENTROPY:
+            b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
+            b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
+            b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
+        else:
+            b_dz = b_p * b_c0[:, None]
+        if HAS_LP:  # + g_lp / T in the target's column, in tiles that hold some row's target
+            b_trel = b_t - col0
+            if tl.max(((b_trel >= 0) & (b_trel < BLOCK_V)).to(tl.int32), axis=0) > 0:
+                m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
+                b_dz = tl.where(m_hit, b_dz + (b_glp * inv_t)[:, None], b_dz)
+    return b_dz
 
 
 @triton.jit(do_not_specialize=["N", "v_begin", "v_count", "ignore_index", "first_id", "group"])
@@ -55,10 +172,8 @@ def dlogits_kernel(
 
     Columns [v_count, v_store) of the output get exact zeros (v_store: v_count padded to 128).
     ``HAS_BIAS``: the logits are ``h W^T + b``; ``SOFTCAP``: z = c tanh(l / c) / T, and d l
-    takes the factor 1 - tanh^2; ``BIAS_GRAD``: each program also writes the fp32 column
-    sums of d l over its block's two halves of ``BLOCK_N / 2`` rows to rows ``2 i_n`` and
-    ``2 i_n + 1`` of ``db_ptr`` (``[2 blocks, v_store]``): the halves that
-    ``pingpong``'s warpgroups own, so that both kernels write the same sums.
+    takes the factor 1 - tanh^2; ``BIAS_GRAD``: each program also writes its
+    block's fp32 column sums of d l to row ``i_n`` of ``db_ptr`` (``[blocks, v_store]``).
     """
     i_n, i_v = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_store, BLOCK_V), group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,8 +188,8 @@ def dlogits_kernel(
     b_t = target_codes(t_ptr, o_n, m_n, ignore_index, first_id, v_begin + v_count, IGNORED)
     b_dz = dlogits_tile(
         b_z, b_t, lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n,
-        tl.arange(0, BLOCK_V), v_begin + i_v * BLOCK_V, inv_t, cap, inv_cap, BLOCK_V, ENTROPY,
-        HAS_LP, HAS_LSE, SOFTCAP, INTERPRET,
+        v_begin + i_v * BLOCK_V, inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, HAS_LSE, SOFTCAP,
+        INTERPRET,
     )  # fmt: skip
     # ignored rows (code IGNORED) and rows past N get exact zeros, even where their hidden
     # is not finite, as do columns past v_count: a select only in tiles that have them
@@ -83,11 +198,9 @@ def dlogits_kernel(
         b_dz = tl.where(m_live[:, None] & m_v[None, :], b_dz, 0.0)
     p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_c[None, :]
     tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & (o_c < v_store)[None, :])
-    if BIAS_GRAD:  # each half block's column sums in fp32 (dead rows and columns hold zeros)
-        b_db = tl.sum(tl.reshape(b_dz, [2, BLOCK_N // 2, BLOCK_V]), axis=1)
-        o_r = 2 * i_n.to(tl.int64) + tl.arange(0, 2)
-        p_db = db_ptr + o_r[:, None] * v_store + o_c[None, :]
-        tl.store(p_db, b_db, mask=(o_c < v_store)[None, :])
+    if BIAS_GRAD:  # the block's column sums in fp32 (dead rows and columns hold exact zeros)
+        p_db = db_ptr + i_n.to(tl.int64) * v_store + o_c
+        tl.store(p_db, tl.sum(b_dz, axis=0), mask=o_c < v_store)
 
 
 @triton.jit(do_not_specialize=["B", "V"])
@@ -120,18 +233,8 @@ def dlogits(
     exact zeros (callers pass ``pad_cols(v_count, buffer)`` columns). ``targets``: the raw
     ids of the rows, ``first_id`` the vocabulary id of ``w_real``'s first row; ``grads``:
     the upstream ``(g_lp, g_ent, g_lse)`` (:func:`upstream`). ``b_real``: the fp32 bias of
-    ``w_real``'s rows, or None; ``db``: None, or a contiguous fp32 ``[2 cdiv(rows,
-    block_n), out.shape[1]]`` buffer for the column sums of the row blocks' halves.
-
-    Where the forward's statistics take ``pingpong``'s kernel (:func:`pingpong_ok`) and
-    there is no entropy gradient, ``pingpong.pingpong_dlogits`` runs instead, with the same
-    bits."""
-    if grads[1] is None and pingpong_ok(hidden, w_real, p, cfg):  # a launch choice
-        pingpong_dlogits(
-            hidden, w_real, targets, first_id, lse, grads, out, v_begin, v_count, p, cfg,
-            b_real, db,
-        )  # fmt: skip
-        return
+    ``w_real``'s rows, or None; ``db``: None, or a contiguous fp32 ``[cdiv(rows,
+    block_n), out.shape[1]]`` buffer for the row blocks' column sums."""
     n, h_dim = hidden.shape
     v_store = out.shape[1]
     blocks_n = triton.cdiv(n, cfg.block_n)
@@ -214,8 +317,7 @@ def dlogits_blocks(
     id of ``w_real``'s first row; ``grads``: the upstream ``(g_lp, g_ent, g_lse)``
     (:func:`upstream`). ``b_real``: the fp32 bias of ``w_real``'s rows, or None;
     ``grad_bias``: None, or fp32 ``[v_real]`` to which each block's fp32 column sums of d l
-    are added before the block is yielded (the halves of row blocks of ``cfg.block_n``
-    rows in order, then token chunks).
+    are added before the block is yielded (row blocks in order, then token chunks).
     """
     n = hidden.shape[0]
     v_real = w_real.shape[0]
@@ -232,8 +334,8 @@ def dlogits_blocks(
         spans, width = pieces
     dl_buf = scratch.empty((rows, width), dtype=hidden.dtype, device=hidden.device)
     db_buf = None
-    if grad_bias is not None:  # the column sums of one token chunk's half row blocks
-        shape = (2 * triton.cdiv(rows, cfg.block_n), width)
+    if grad_bias is not None:  # the row blocks' column sums of one token chunk
+        shape = (triton.cdiv(rows, cfg.block_n), width)
         db_buf = scratch.empty(shape, dtype=torch.float32, device=hidden.device)
 
     def blocks(v_begin: int, v_count: int):
@@ -245,9 +347,8 @@ def dlogits_blocks(
                 return None if x is None else x[r0:r1]
 
             db = None
-            if db_buf is not None:  # contiguous [2 row blocks, cols]
-                halves = 2 * triton.cdiv(r1 - r0, cfg.block_n)
-                db = db_buf.view(-1)[: halves * cols].view(-1, cols)
+            if db_buf is not None:  # contiguous [row blocks, cols]
+                db = db_buf.view(-1)[: triton.cdiv(r1 - r0, cfg.block_n) * cols].view(-1, cols)
             dlogits(
                 hidden[r0:r1], w_real, targets[r0:r1], first_id, lse[r0:r1], cut(mean_z),
                 tuple(cut(g) for g in grads), dl_buf[: r1 - r0, :cols], v_begin, v_count, p,

@@ -47,6 +47,7 @@ from lp_kernels._types import LogprobParams, LossOutput
 from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
     add_column_sums,
+    dlogits_tile,
     grad_weight_buffer,
     grad_weight_slice,
     kernel_inputs,
@@ -68,7 +69,7 @@ from lp_kernels.backends.triton.forward import (
     merge_outputs,
     shard_splits,
 )
-from lp_kernels.backends.triton.tl_utils import IGNORED, dlogits_tile, target_codes
+from lp_kernels.backends.triton.tl_utils import IGNORED, target_codes
 from lp_kernels.distributed.collectives import RowSums
 
 
@@ -81,7 +82,7 @@ def dlogits_l_kernel(
     BIAS_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """d l = (p (c0 - g_ent (z - E)) + g_lp [col == target]) / T from stored raw logits l
-    (``h W^T + b``), z = softcap(l) / T: ``tl_utils.dlogits_tile``, the arithmetic of the
+    (``h W^T + b``), z = softcap(l) / T: ``backward.dlogits_tile``, the arithmetic of the
     backward's ``dlogits_kernel`` on the same l, without the GEMM that recomputes it.
 
     Each program covers ``TILES`` consecutive ``[BLOCK_N, BLOCK_V]`` tiles of one row
@@ -102,9 +103,8 @@ def dlogits_l_kernel(
         m_2 = m_n[:, None] & (o_v < V)[None, :]
         b_l = tl.load(p_l + o_v[None, :], mask=m_2, other=0.0)
         b_dz = dlogits_tile(
-            b_l, b_t, lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n,
-            tl.arange(0, BLOCK_V), v0, inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, HAS_LSE,
-            SOFTCAP, INTERPRET,
+            b_l, b_t, lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, v0,
+            inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, HAS_LSE, SOFTCAP, INTERPRET,
         )  # fmt: skip
         b_dz = tl.where(m_2 & (b_t != IGNORED)[:, None], b_dz, 0.0)
         tl.store(p_d + o_v[None, :], b_dz.to(dl_ptr.dtype.element_ty), mask=m_2)

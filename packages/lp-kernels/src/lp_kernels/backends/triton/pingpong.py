@@ -65,7 +65,6 @@ from lp_kernels.backends.triton.config import (
 from lp_kernels.backends.triton.tl_utils import (
     IGNORED,
     capped_z,
-    dlogits_tile,
     grouped,
     softcap,
     target_codes,
@@ -86,13 +85,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(
-        h_desc, w_desc, h_bufs, w_bufs, ready, empty, N, H, V_real, splits, group, w_row0,
+        h_desc, w_desc, h_bufs, w_bufs, ready, empty, N, H, V_real, splits, group,
         V_SPLIT: gl.constexpr,
     ):  # fmt: skip
         """One warp: for each (row block, split) item of this program, each tile of the
         split, each warpgroup, each K block: that warpgroup's hidden rows and the tile's
-        weight rows (columns from ``w_row0`` of ``w_desc``) into the next stage, once its
-        previous reader released it."""
+        weight rows into the next stage, once its previous reader released it."""
         HALF: gl.constexpr = h_desc.block_type.shape[0]
         BLOCK_H: gl.constexpr = h_desc.block_type.shape[1]
         BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
@@ -114,45 +112,8 @@ if HAVE_GLUON:
                         mbarrier.expect(bar, nbytes)
                         row0 = i_n * (2 * HALF) + wg * HALF
                         _tma_load(h_desc, [row0, kk * BLOCK_H], bar, h_bufs.index(stage))
-                        _tma_load(w_desc, [w_row0 + v0, kk * BLOCK_H], bar, w_bufs.index(stage))
+                        _tma_load(w_desc, [v0, kk * BLOCK_H], bar, w_bufs.index(stage))
                         pos += 1
-
-    @gluon.jit
-    def _tile_mma(
-        h_bufs, w_bufs, ready, empty, order, pos, n_tile, k_steps, WG: gl.constexpr,
-        acc_layout: gl.constexpr,
-    ):  # fmt: skip
-        """Warpgroup ``WG``'s fp32 ``[HALF, BLOCK_V]`` products of its ``n_tile``-th tile,
-        whose stages start at ring position ``pos + WG * k_steps``: the Triton kernels'
-        K order, one MMA in flight, each stage released once read."""
-        NSTAGES: gl.constexpr = h_bufs.type.shape[0]
-        HALF: gl.constexpr = h_bufs.type.shape[1]
-        BLOCK_V: gl.constexpr = w_bufs.type.shape[1]
-        first = pos + WG * k_steps
-        # Mainloops in turn: warpgroup 0's n-th after warpgroup 1 issued its (n-1)-th,
-        # warpgroup 1's n-th after warpgroup 0 issued its n-th. So no ready barrier is
-        # waited on a phase ahead of the one that fills it, and one warpgroup's MMAs run
-        # while the other is in its epilogue.
-        if WG == 0:
-            mbarrier.wait(order.index(0), (n_tile + 1) & 1, pred=n_tile > 0)
-        else:
-            mbarrier.wait(order.index(1), n_tile & 1)
-        acc = gl.zeros([HALF, BLOCK_V], gl.float32, acc_layout)
-        for kk in range(k_steps):
-            p = first + kk
-            stage = p % NSTAGES
-            mbarrier.wait(ready.index(stage), (p // NSTAGES) & 1)
-            acc = warpgroup_mma(
-                h_bufs.index(stage), w_bufs.index(stage).permute((1, 0)), acc, is_async=True
-            )
-            # one MMA in flight: the previous K block's stage is free
-            acc = warpgroup_mma_wait(1, deps=[acc])
-            prev = (p + NSTAGES - 1) % NSTAGES
-            mbarrier.arrive(empty.index(prev), count=1, pred=kk > 0)
-        mbarrier.arrive(order.index(1 - WG), count=1)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(empty.index((first + k_steps - 1) % NSTAGES), count=1)
-        return acc
 
     @gluon.jit
     def _consumer(
@@ -164,6 +125,7 @@ if HAVE_GLUON:
         """Warpgroup ``WG``: rows ``[WG * HALF, +HALF)`` of each row block, the Triton
         kernel's MMAs (``HAS_BIAS``: and the bias) and online ``(m, s, a = 0, t)`` per row
         (``SOFTCAP``: of the capped logits), then its partials."""
+        NSTAGES: gl.constexpr = h_bufs.type.shape[0]
         HALF: gl.constexpr = h_bufs.type.shape[1]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_V, 16]
@@ -187,11 +149,34 @@ if HAVE_GLUON:
             v_begin = i_s * V_SPLIT
             v_end = gl.minimum(v_begin + V_SPLIT, V_real)
             for v0 in range(v_begin, v_end, BLOCK_V):
-                acc = _tile_mma(
-                    h_bufs, w_bufs, ready, empty, order, pos, n_tile, k_steps, WG, acc_layout
-                )  # fmt: skip
+                first = pos + WG * k_steps
+                # Mainloops in turn: warpgroup 0's n-th after warpgroup 1 issued its
+                # (n-1)-th, warpgroup 1's n-th after warpgroup 0 issued its n-th. So no
+                # ready barrier is waited on a phase ahead of the one that fills it, and one
+                # warpgroup's MMAs run while the other is in its epilogue.
+                if WG == 0:
+                    mbarrier.wait(order.index(0), (n_tile + 1) & 1, pred=n_tile > 0)
+                else:
+                    mbarrier.wait(order.index(1), n_tile & 1)
+                acc = gl.zeros([HALF, BLOCK_V], gl.float32, acc_layout)
+                for kk in range(k_steps):
+                    p = first + kk
+                    stage = p % NSTAGES
+                    mbarrier.wait(ready.index(stage), (p // NSTAGES) & 1)
+                    acc = warpgroup_mma(
+                        h_bufs.index(stage), w_bufs.index(stage).permute((1, 0)), acc,
+                        is_async=True,
+                    )  # fmt: skip
+                    # one MMA in flight: the previous K block's stage is free
+                    acc = warpgroup_mma_wait(1, deps=[acc])
+                    prev = (p + NSTAGES - 1) % NSTAGES
+                    mbarrier.arrive(empty.index(prev), count=1, pred=kk > 0)
+                mbarrier.arrive(order.index(1 - WG), count=1)
                 n_tile += 1
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(empty.index((first + k_steps - 1) % NSTAGES), count=1)
                 pos += 2 * k_steps
+
                 if HAS_BIAS:  # tl_utils.logits_tile: the bias added to the finished sums
                     o_v = v0 + gl.arange(0, BLOCK_V, layout=cols_l)
                     acc = acc + gl.load(b_ptr + o_v, mask=o_v < v_end, other=0.0)[None, :]
@@ -221,10 +206,15 @@ if HAVE_GLUON:
             gl.store(p_out + 3, b_zt, mask=m_n)
 
     @gluon.jit
-    def _ring(h_desc, w_desc, NSTAGES: gl.constexpr):
-        """The kernels' shared state: ``NSTAGES`` stages of a warpgroup's hidden rows and a
-        tile's weight rows, their ``ready`` / ``empty`` barriers and the warpgroups'
-        ``order`` barriers, initialised."""
+    def pingpong_stats_kernel(
+        h_desc, w_desc, t_ptr, stats_ptr, b_ptr,
+        N, H, V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, group,
+        V_SPLIT: gl.constexpr, NSTAGES: gl.constexpr, IGNORED: gl.constexpr,
+        HAS_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, REGS: gl.constexpr,
+    ):  # fmt: skip
+        """``fwd_stats_kernel``'s ``[S, N, 4]`` partials (``ENTROPY`` and ``STORE_L`` off,
+        ``TILE_W = 0``), persistent: the default partition is warpgroup 0, a 4-warp worker
+        warpgroup 1, a 1-warp worker the producer."""
         HALF: gl.constexpr = h_desc.block_type.shape[0]
         BLOCK_H: gl.constexpr = h_desc.block_type.shape[1]
         BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
@@ -240,21 +230,6 @@ if HAVE_GLUON:
         for s in gl.static_range(2):
             mbarrier.init(order.index(s), count=1)
         fence_async_shared()
-        return h_bufs, w_bufs, ready, empty, order
-
-    @gluon.jit
-    def pingpong_stats_kernel(
-        h_desc, w_desc, t_ptr, stats_ptr, b_ptr,
-        N, H, V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, group,
-        V_SPLIT: gl.constexpr, NSTAGES: gl.constexpr, IGNORED: gl.constexpr,
-        HAS_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, REGS: gl.constexpr,
-    ):  # fmt: skip
-        """``fwd_stats_kernel``'s ``[S, N, 4]`` partials (``ENTROPY`` and ``STORE_L`` off,
-        ``TILE_W = 0``), persistent: the default partition is warpgroup 0, a 4-warp worker
-        warpgroup 1, a 1-warp worker the producer."""
-        BLOCK_H: gl.constexpr = h_desc.block_type.shape[1]
-        BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
-        h_bufs, w_bufs, ready, empty, order = _ring(h_desc, w_desc, NSTAGES)
         # fmt: off
         gl.warp_specialize(
             [
@@ -273,109 +248,7 @@ if HAVE_GLUON:
                 (
                     _producer,
                     (h_desc, w_desc, h_bufs, w_bufs, ready, empty, N, H, V_real, splits,
-                     group, 0, V_SPLIT),
-                ),
-            ],
-            [4, 1],
-            [REGS, 24],
-        )
-        # fmt: on
-
-    @gluon.jit
-    def _dl_consumer(
-        h_bufs, w_bufs, ready, empty, order, t_ptr, lse_ptr, glp_ptr, glse_ptr, dl_ptr, b_ptr,
-        db_ptr, N, H, v_begin, v_count, v_store, ignore_index, first_id, inv_t, cap, inv_cap,
-        group, stride_dn, WG: gl.constexpr, IGNORED: gl.constexpr, HAS_LP: gl.constexpr,
-        HAS_LSE: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr,
-        SOFTCAP: gl.constexpr,
-    ):  # fmt: skip
-        """Warpgroup ``WG``: rows ``[WG * HALF, +HALF)`` of each tile, the Triton kernel's
-        MMAs (``HAS_BIAS``: and the bias), then its d l (``tl_utils.dlogits_tile``, no
-        entropy term), stored, and (``BIAS_GRAD``) the column sums of its rows, op for
-        op those of ``backward.dlogits_kernel``."""
-        HALF: gl.constexpr = h_bufs.type.shape[1]
-        BLOCK_H: gl.constexpr = h_bufs.type.shape[2]
-        BLOCK_V: gl.constexpr = w_bufs.type.shape[1]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_V, 16]
-        )
-        rows_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
-        cols_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
-        sums_l: gl.constexpr = gl.BlockedLayout([1, BLOCK_V // 32], [1, 32], [4, 1], [1, 0])
-        blocks_n = gl.cdiv(N, 2 * HALF)
-        tiles = gl.cdiv(v_store, BLOCK_V)
-        k_steps = gl.cdiv(H, BLOCK_H)
-        n_tile = 0  # this warpgroup's tiles so far (one per item)
-        for item in range(gl.program_id(0), blocks_n * tiles, gl.num_programs(0)):
-            i_n, i_v = grouped(item, blocks_n, tiles, group)
-            pos = n_tile * (2 * k_steps)
-            acc = _tile_mma(
-                h_bufs, w_bufs, ready, empty, order, pos, n_tile, k_steps, WG, acc_layout
-            )  # fmt: skip
-            n_tile += 1  # noqa: SIM113  (a Gluon loop: no enumerate)
-            o_n = i_n * (2 * HALF) + WG * HALF + gl.arange(0, HALF, layout=rows_l)
-            m_n = o_n < N
-            col0 = v_begin + i_v * BLOCK_V
-            o_t = gl.arange(0, BLOCK_V, layout=cols_l)
-            o_c = i_v * BLOCK_V + o_t  # column within the chunk
-            m_v = o_c < v_count
-            if HAS_BIAS:  # tl_utils.logits_tile: the bias added to the finished sums
-                acc = acc + gl.load(b_ptr + col0 + o_t, mask=m_v, other=0.0)[None, :]
-            b_t = target_codes(t_ptr, o_n, m_n, ignore_index, first_id, v_begin + v_count, IGNORED)
-            b_dz = dlogits_tile(
-                acc, b_t, lse_ptr, glse_ptr, glp_ptr, lse_ptr, lse_ptr, o_n, m_n, o_t, col0,
-                inv_t, cap, inv_cap, BLOCK_V, False, HAS_LP, HAS_LSE, SOFTCAP, False,
-            )  # fmt: skip
-            m_live = m_n & (b_t != IGNORED)
-            if (gl.min(m_live.to(gl.int32), axis=0) == 0) | ((i_v + 1) * BLOCK_V > v_count):
-                b_dz = gl.where(m_live[:, None] & m_v[None, :], b_dz, 0.0)
-            p_d = dl_ptr + o_n[:, None].to(gl.int64) * stride_dn + o_c[None, :]
-            m_s = o_c < v_store
-            gl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & m_s[None, :])
-            if BIAS_GRAD:  # row 2 i_n + WG: the Triton kernel's half block
-                # the sum's stages as one reduction runs them (in each thread, across each
-                # warp's lanes, across the warps), the last on 8 values per thread
-                b_w = gl.sum(gl.reshape(b_dz, [4, HALF // 4, BLOCK_V]), axis=1)
-                b_w = gl.convert_layout(b_w, sums_l)
-                o_s = i_v * BLOCK_V + gl.arange(0, BLOCK_V, layout=gl.SliceLayout(0, sums_l))
-                p_db = db_ptr + (2 * i_n + WG).to(gl.int64) * v_store + o_s
-                gl.store(p_db, gl.sum(b_w, axis=0), mask=o_s < v_store)
-
-    @gluon.jit
-    def pingpong_dlogits_kernel(
-        h_desc, w_desc, t_ptr, lse_ptr, glp_ptr, glse_ptr, dl_ptr, b_ptr, db_ptr,
-        N, H, v_begin, v_count, v_store, ignore_index, first_id, inv_t, cap, inv_cap, group,
-        stride_dn, NSTAGES: gl.constexpr, IGNORED: gl.constexpr, HAS_LP: gl.constexpr,
-        HAS_LSE: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr,
-        SOFTCAP: gl.constexpr, REGS: gl.constexpr,
-    ):  # fmt: skip
-        """``backward.dlogits_kernel``'s d l of columns ``[v_begin, +v_count)`` (zeros to
-        ``v_store``) and (``BIAS_GRAD``) its half-block column sums, without the entropy
-        term; persistent, partitioned as :func:`pingpong_stats_kernel`."""
-        BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
-        h_bufs, w_bufs, ready, empty, order = _ring(h_desc, w_desc, NSTAGES)
-        tiles = gl.cdiv(v_store, BLOCK_V)
-        # fmt: off
-        gl.warp_specialize(
-            [
-                (
-                    _dl_consumer,
-                    (h_bufs, w_bufs, ready, empty, order, t_ptr, lse_ptr, glp_ptr, glse_ptr,
-                     dl_ptr, b_ptr, db_ptr, N, H, v_begin, v_count, v_store, ignore_index,
-                     first_id, inv_t, cap, inv_cap, group, stride_dn, 0, IGNORED, HAS_LP,
-                     HAS_LSE, HAS_BIAS, BIAS_GRAD, SOFTCAP),
-                ),
-                (
-                    _dl_consumer,
-                    (h_bufs, w_bufs, ready, empty, order, t_ptr, lse_ptr, glp_ptr, glse_ptr,
-                     dl_ptr, b_ptr, db_ptr, N, H, v_begin, v_count, v_store, ignore_index,
-                     first_id, inv_t, cap, inv_cap, group, stride_dn, 1, IGNORED, HAS_LP,
-                     HAS_LSE, HAS_BIAS, BIAS_GRAD, SOFTCAP),
-                ),
-                (
-                    _producer,  # one tile per split: the tiles of the chunk's columns
-                    (h_desc, w_desc, h_bufs, w_bufs, ready, empty, N, H, v_store, tiles,
-                     group, v_begin, BLOCK_V),
+                     group, V_SPLIT),
                 ),
             ],
             [4, 1],
@@ -451,7 +324,13 @@ def pingpong_stats(
     n, h_dim = hidden.shape
     v_real = w_real.shape[0]
     splits = stats.shape[0]
-    h_desc, w_desc = _descriptors(hidden, w_real, cfg)
+    h_layout, w_layout = _layouts(cfg.block_h, cfg.block_v, hidden.dtype)
+    h_desc = GluonDescriptor(
+        hidden, [n, h_dim], [hidden.stride(0), 1], [HALF, cfg.block_h], h_layout
+    )
+    w_desc = GluonDescriptor(
+        w_real, [v_real, h_dim], [w_real.stride(0), 1], [cfg.block_v, cfg.block_h], w_layout
+    )
     blocks_n = triton.cdiv(n, 2 * HALF)
     pingpong_stats_kernel[(min(sm_count(hidden.device), blocks_n * splits),)](
         h_desc, w_desc, targets, stats, stats if b_real is None else b_real,
@@ -462,54 +341,3 @@ def pingpong_stats(
         **compile_opts(hidden.device),
     )  # fmt: skip
     return stats
-
-
-def _descriptors(hidden: torch.Tensor, w_real: torch.Tensor, cfg: TileConfig):
-    """Gluon tensor descriptors over ``hidden`` (a warpgroup's rows) and the shard's real
-    weight rows (a tile's), for both kernels."""
-    n, h_dim = hidden.shape
-    h_layout, w_layout = _layouts(cfg.block_h, cfg.block_v, hidden.dtype)
-    h_desc = GluonDescriptor(
-        hidden, [n, h_dim], [hidden.stride(0), 1], [HALF, cfg.block_h], h_layout
-    )
-    w_desc = GluonDescriptor(
-        w_real, [w_real.shape[0], h_dim], [w_real.stride(0), 1], [cfg.block_v, cfg.block_h],
-        w_layout,
-    )  # fmt: skip
-    return h_desc, w_desc
-
-
-def pingpong_dlogits(
-    hidden: torch.Tensor,
-    w_real: torch.Tensor,
-    targets: torch.Tensor,
-    first_id: int,
-    lse: torch.Tensor,
-    grads: tuple,
-    out: torch.Tensor,
-    v_begin: int,
-    v_count: int,
-    p: LogprobParams,
-    cfg: TileConfig,
-    b_real: torch.Tensor | None = None,
-    db: torch.Tensor | None = None,
-) -> None:
-    """``backward.dlogits`` through :func:`pingpong_dlogits_kernel`: the same ``out`` and
-    ``db``, bit for bit (:func:`pingpong_ok` holds and ``grads`` has no entropy
-    gradient)."""
-    n, h_dim = hidden.shape
-    v_store = out.shape[1]
-    g_lp, _, g_lse = (lse if g is None else g for g in grads)
-    h_desc, w_desc = _descriptors(hidden, w_real, cfg)
-    blocks_n = triton.cdiv(n, 2 * HALF)
-    items = blocks_n * triton.cdiv(v_store, cfg.block_v)
-    pingpong_dlogits_kernel[(min(sm_count(hidden.device), items),)](
-        h_desc, w_desc, targets, lse, g_lp, g_lse, out, lse if b_real is None else b_real,
-        lse if db is None else db,
-        n, h_dim, v_begin, v_count, v_store, p.ignore_index, first_id, p.inv_temperature,
-        *cap_args(p), group_size(cfg, blocks_n), out.stride(0),
-        NSTAGES=STAGES, IGNORED=IGNORED, HAS_LP=grads[0] is not None,
-        HAS_LSE=grads[2] is not None, HAS_BIAS=b_real is not None, BIAS_GRAD=db is not None,
-        SOFTCAP=p.softcap is not None, REGS=CONSUMER_REGS, num_warps=4,
-        **compile_opts(hidden.device),
-    )  # fmt: skip

@@ -8,8 +8,6 @@
   :func:`reciprocal` (one ``MUFU`` on the GPU);
   :func:`cap_tanh`: the cap's tanh for the softmax terms of a tile (no series), and
   :func:`capped_z`: a capped logit's ``z`` for those terms.
-- :func:`dlogits_tile`: d loss / d logits of a tile (with :func:`capped_dlogits` under a
-  cap): the arithmetic of every d_logits kernel (``backward``, ``loss``, ``pingpong``).
 
 Operands come through tensor descriptors (``TMA``) or masked pointer loads; both feed the
 same ``tl.dot`` sequence. Under the interpreter (``INTERPRET``) dots are an fp32
@@ -180,127 +178,6 @@ def capped_z(l, k_e, k_z, inv_t, INTERPRET: tl.constexpr = False):
     docs/history.md the figures)."""
     t, _ = cap_tanh(l, k_e, INTERPRET)
     return tl.where(tl.abs(l) < float("inf"), t * k_z, l * inv_t)
-
-
-@triton.jit
-def capped_dl(l, k_e, k_p, lse2, c0, hit, g_lp, INTERPRET: tl.constexpr = False):
-    """d l of a capped logit ``l`` without the entropy term: ``(p c0 + [hit] g_lp) (1 -
-    tanh^2)``, ``p = e^(z / T - lse) = 2^(tanh k_p - lse2)`` (``k_p = c log2(e) / T``,
-    ``lse2 = lse log2(e)``; ``c0`` and ``g_lp`` carry the 1/T and the slope's 4).
-    Elementwise: a block, or one element under ``tl.map_elementwise``.
-
-    The tanh is :func:`cap_tanh`'s (no series: only ``p`` and the slope see it). Under the
-    cap ``p >= e^(-2c / T) / V``, so ``exp2``'s flush to zero takes nothing at the usual
-    caps and temperatures (at worst a ``p`` below 2^-126 becomes 0). An infinite logit
-    has slope 0: its d l is 0."""
-    t, slope = cap_tanh(l, k_e, INTERPRET)
-    p = tl.math.exp2(t * k_p - lse2)
-    return (p * c0 + tl.where(hit, g_lp, 0.0)) * slope
-
-
-@triton.jit
-def capped_dl_entropy(
-    l, k_e, k_z, k_p, lse2, c0, g_ent, mean, hit, g_lp, INTERPRET: tl.constexpr = False
-):
-    """:func:`capped_dl` with the entropy term: ``(p (c0 - g_ent (z / T - E)) + [hit] g_lp)
-    (1 - tanh^2)``, ``z / T = tanh k_z`` (``k_z = c / T``; ``g_ent`` carries the 1/T and
-    the 4)."""
-    t, slope = cap_tanh(l, k_e, INTERPRET)
-    p = tl.math.exp2(t * k_p - lse2)
-    return (p * (c0 - g_ent * (t * k_z - mean)) + tl.where(hit, g_lp, 0.0)) * slope
-
-
-@triton.jit
-def capped_dlogits(
-    b_l, b_trel, b_lse, b_c0, b_glp, gent_ptr, mean_ptr, o_n, m_n, o_t, inv_t, cap, inv_cap,
-    ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """d l of a block of capped logits ``b_l`` (``b_trel``: each row's target column
-    relative to the tile, int32; ``o_t``: the tile's columns, ``0 .. BLOCK_V - 1``), on
-    the GPU one element at a time (``tl.map_elementwise``).
-    ``b_c0`` carries the 1/T; the slope's 4 joins it and the other per-row factors here
-    (``b_glp``: the rows' upstream gradient of logprob, zeros without one).
-
-    Op by op over the block (the plain path's form), the slope, ``z / T`` and ``p`` are
-    three live ``[BLOCK_N, BLOCK_V]`` fp32 blocks beside the other state, and ptxas spills;
-    element by element none is held. ``g_lp`` is selected into the target's column in
-    every tile: the plain path's branch around it (only tiles that hold a target) makes
-    ptxas spill here too."""
-    k_e = inv_cap * -2.8853900817779268  # -2 log2(e) / c
-    k_z = cap * inv_t
-    k_p = k_z * 1.4426950408889634  # c log2(e) / T
-    b_lse2 = b_lse * 1.4426950408889634
-    b_c0 = b_c0 * 4.0  # exact: the slope's 4
-    if HAS_LP:  # noqa: SIM108  (a constexpr branch)
-        b_glp = b_glp * (4.0 * inv_t)
-    else:
-        b_glp = tl.where(m_n, 0.0, 0.0)  # a constant: the select folds away
-    m_hit = o_t[None, :] == b_trel[:, None]
-    if ENTROPY:
-        b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
-        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * (4.0 * inv_t)
-        args = (b_l, k_e, k_z, k_p, b_lse2[:, None], b_c0[:, None], b_gent[:, None],
-                b_mean[:, None], m_hit, b_glp[:, None])  # fmt: skip
-        if INTERPRET:
-            b_dl = capped_dl_entropy(*args, INTERPRET)
-        else:
-            b_dl = tl.map_elementwise(capped_dl_entropy, *args)
-    else:
-        args = (b_l, k_e, k_p, b_lse2[:, None], b_c0[:, None], m_hit, b_glp[:, None])
-        if INTERPRET:  # noqa: SIM108  (a constexpr branch)
-            b_dl = capped_dl(*args, INTERPRET)
-        else:
-            b_dl = tl.map_elementwise(capped_dl, *args)
-    return b_dl
-
-
-@triton.jit
-def dlogits_tile(
-    b_z, b_t, lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, o_t, col0, inv_t, cap,
-    inv_cap, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
-    HAS_LSE: tl.constexpr, SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """d l of a tile of raw logits ``b_z`` (``h W^T + b``, fp32) whose first column is
-    ``col0`` (the target codes' column numbering), rows ``o_n`` with target codes ``b_t``;
-    ``o_t``: the tile's columns ``0 .. BLOCK_V - 1`` in the caller's layout. The arithmetic
-    of the d_logits kernels: those that recompute the logits (:func:`dlogits_kernel`, and
-    ``pingpong``'s on each warpgroup's rows) and the one that reads them
-    (``triton.loss``). The upstream
-    gradients are fp32 ``[N]`` (``HAS_LP`` / ``HAS_LSE`` / ``ENTROPY``: present), read as
-    they come: an ignored row's may hold anything. Rows and columns outside the tile's
-    bounds, and ignored rows, are the caller's to zero."""
-    # d z / T = p (c0 - g_ent (z / T - E)) / T with the 1/T folded into per-row factors,
-    # c0 = g_lse - g_lp (an absent gradient is +0.0)
-    b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
-    # zeros in the rows' layout (tl.zeros_like takes no layout under Gluon)
-    b_glp = tl.where(m_n, 0.0, 0.0)
-    b_glse = b_glp
-    if HAS_LP:
-        b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0)
-    if HAS_LSE:
-        b_glse = tl.load(glse_ptr + o_n, mask=m_n, other=0.0)
-    b_c0 = (b_glse - b_glp) * inv_t
-    if SOFTCAP:  # d l = d z / T * (1 - tanh^2), element by element
-        b_trel = (b_t - col0).to(tl.int32)  # int32: one compare each
-        b_dz = capped_dlogits(
-            b_z, b_trel, b_lse, b_c0, b_glp, gent_ptr, mean_ptr, o_n, m_n, o_t, inv_t, cap,
-            inv_cap, ENTROPY, HAS_LP, INTERPRET,
-        )  # fmt: skip
-    else:
-        b_zs = b_z * inv_t
-        b_p = tl.exp(b_zs - b_lse[:, None])
-        if ENTROPY:
-            b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
-            b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
-            b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
-        else:
-            b_dz = b_p * b_c0[:, None]
-        if HAS_LP:  # + g_lp / T in the target's column, in tiles that hold some row's target
-            b_trel = b_t - col0
-            if tl.max(((b_trel >= 0) & (b_trel < BLOCK_V)).to(tl.int32), axis=0) > 0:
-                m_hit = o_t[None, :] == b_trel[:, None]
-                b_dz = tl.where(m_hit, b_dz + (b_glp * inv_t)[:, None], b_dz)
-    return b_dz
 
 
 @triton.jit
