@@ -7,6 +7,7 @@ under the interpreter on CPU), under tensor parallelism over gloo and with
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -269,6 +270,29 @@ def test_bias_without_grad_and_ignored_rows_with_large_bias(backend):
     out = linear_logprob(h, p.weight, p.targets, bias=bias, backend=backend, **p.op_kwargs())
     out.logprob.sum().backward()
     assert torch.isfinite(h.grad).all()
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 5), (16, 128), (37, 300), (70, 1029)])
+def test_bias_gradient_column_sums_add_rows_in_order(rows, cols, device):
+    """The triton backend's column sums (``backward.add_column_sums``): ``out += part.sum(0)``
+    with the rows added to +0.0 one after another, then to ``out`` once, bit for bit, for
+    row counts below, at and past the rows it loads at a time and widths past its block."""
+    pytest.importorskip("triton")
+    from lp_kernels.backends.triton.backward import add_column_sums
+
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if (device == "cpu") != interpreting:
+        pytest.skip("triton runs CPU tensors only under TRITON_INTERPRET=1, CUDA ones without")
+    gen = torch.Generator().manual_seed(rows * cols)
+    part = (torch.randn(rows, cols, generator=gen) * torch.logspace(-6, 6, cols)).to(device)
+    base = torch.randn(cols + 3, generator=gen).to(device)
+    out = base.clone()
+    add_column_sums(out[:cols], part)
+    acc = torch.zeros(cols, device=device)
+    for row in part:
+        acc = acc + row
+    assert torch.equal(out[:cols], base[:cols] + acc)
+    assert torch.equal(out[cols:], base[cols:])  # past V: untouched
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "cap5"])
