@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import types
 
 import torch
@@ -65,6 +66,9 @@ from lp_kernels.backends.triton.tl_utils import (
     logits_tile,
     target_codes,
 )
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pingpong_fwd import timed  # medians of rounds of queued calls
 
 # ----------------------------------------------------------------------------- column sums
 
@@ -202,23 +206,6 @@ def exact(device: str) -> dict:
         exact_kernel[(1,)](a16, b16, out, block_n, block_v, **warps)
         found[f"{block_n}x{block_v}"] = torch.equal(out.cpu().double(), want)
     return found
-
-
-def timed(fn, reps: int) -> float:
-    """Median of three rounds of ``reps`` queued calls, ms per call."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    rounds = []
-    for _ in range(3):
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        rounds.append(start.elapsed_time(end) / reps)
-    return sorted(rounds)[1]
 
 
 def block(n: int, h: int, cols: int, softcap: float | None, reps: int, device: str) -> dict:
