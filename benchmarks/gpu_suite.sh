@@ -2,7 +2,7 @@
 # The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
 #   bash benchmarks/gpu_suite.sh [tests|tests-core|tests-rest] [megatron] [hf] [bench] [loss] [sweep]
-#       [profile-step] [ncu] [tp] [ab-tp] [ab] [ab-bits]
+#       [profile-step] [ncu] [tp] [ab-tp] [ab] [ab-bits] [colsum]
 #   (default: tests megatron bench sweep)
 # SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help);
 # STEP_SHAPES (default S1,S4) and STEP_TRACE=1 (chrome traces, large) to profile-step;
@@ -20,7 +20,8 @@
 # (AB_RUNS runs each, default 2; AB_SHAPES default S1,S2,S3,S4; AB_BACKENDS default
 # lp-triton; AB_ARGS more options, e.g. "--softcap 30 --bias" or "--mode fwd"), one line
 # per run and shape (ms and x floor), then the median milliseconds of each tree and their
-# ratio: a kernel change's A/B in one call; MARK to the pytest stages (default
+# ratio: a kernel change's A/B in one call; colsum: benchmarks/colsum_tile.py without and with
+# --softcap 30 (COLSUM_SHAPES, default S2,S4) into $OUT/colsum*.json; MARK to the pytest stages (default
 # "gpu or multigpu"; MARK=gpu skips the NCCL tests, e.g. tests-core after tp on -x2).
 # Writes logs, JUnit XML and bench/bench.{json,md,png} under $OUT (default ./gpu-out).
 # megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
@@ -100,6 +101,11 @@ for stage in $stages; do
       python3 -m lp_bench.cli report "$OUT/loss/bench.json" > "$OUT/loss/bench.md" \
         || status=1
       cat "$OUT/loss/bench.md" ;;
+    colsum)  # the bias gradient's column sums, tl.sum against the reduce-scatter: checks, block times
+      for cap in "" 30; do
+        python3 benchmarks/colsum_tile.py --shapes "${COLSUM_SHAPES:-S2,S4}" ${cap:+--softcap $cap} \
+          --out "$OUT/colsum${cap:+-cap$cap}.json" || status=1
+      done ;;
     sweep)
       python3 benchmarks/sweep_tiles.py ${SWEEP_ARGS:-} --out "$OUT/sweep${SWEEP_TAG:-}.json" 2>&1 \
         | tee "$OUT/sweep${SWEEP_TAG:-}.log" | tail -n 30 || status=1 ;;
