@@ -27,9 +27,9 @@ different trees, so their sums differ in the last places.
 On the GPU, per shape (one ``token_chunk x vocab_chunk`` block of the pinned config, H of
 the shape, with a bias): exactness on MMA tiles of integer logits (each column's sum once,
 at its own index; 128 x 256, 128 x 128 and 64 x 128 tiles); the block through lp's
-``backward.dlogits`` and through this script's copy of its kernel with the sums by
-``tl.sum`` (bits equal to lp's), by ``column_sums`` (the same d l bits; the sums within
-fp32 rounding of them) and without sums; the times of the four against one matmul of the
+``backward.dlogits`` without the bias gradient and with it (``tl.sum``), and through this
+script's copy of its kernel with ``column_sums`` (the same d l bits; the sums within fp32
+rounding of ``tl.sum``'s); the times of the three against one matmul of the
 block (medians of three rounds of queued calls). On CPU the checks run under Triton's
 interpreter at a small size (``TRITON_INTERPRET=1`` is set when there is no GPU).
 """
@@ -126,17 +126,17 @@ def exact_kernel(a_ptr, b_ptr, out_ptr, BLOCK_N: tl.constexpr, BLOCK_V: tl.const
 
 
 @triton.jit(do_not_specialize=["N", "v_begin", "v_count", "ignore_index", "first_id", "group"])
-def dlogits_form_kernel(
+def dlogits_colsum_kernel(
     h_src, w_src, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, glse_ptr, dl_ptr, b_ptr, db_ptr,
     N, H, v_begin, v_count, v_store, ignore_index, first_id, inv_t, cap, inv_cap, group,
     stride_hn, stride_hh, stride_wv, stride_wh, stride_dn,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, HAS_LSE: tl.constexpr, EVEN_H: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, IGNORED: tl.constexpr, TMA: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, FORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """``backward.dlogits_kernel`` with its column sums by ``FORM``: 0 none, 1 ``tl.sum``
-    (the kernel's own), 2 :func:`column_sums`."""
+    """``backward.dlogits_kernel`` with a bias and its gradient, the column sums by
+    :func:`column_sums` instead of ``tl.sum`` (the rest as there)."""
     i_n, i_v = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_store, BLOCK_V), group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -158,31 +158,27 @@ def dlogits_form_kernel(
         b_dz = tl.where(m_live[:, None] & m_v[None, :], b_dz, 0.0)
     p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_c[None, :]
     tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & (o_c < v_store)[None, :])
-    if FORM == 1:
-        p_db = db_ptr + i_n.to(tl.int64) * v_store + o_c
-        tl.store(p_db, tl.sum(b_dz, axis=0), mask=o_c < v_store)
-    if FORM == 2:
-        b_db, o_j = column_sums(b_dz, BLOCK_N, BLOCK_V)
-        o_j += i_v * BLOCK_V
-        tl.store(db_ptr + i_n.to(tl.int64) * v_store + o_j, b_db, mask=o_j < v_store)
+    b_db, o_j = column_sums(b_dz, BLOCK_N, BLOCK_V)
+    o_j += i_v * BLOCK_V
+    tl.store(db_ptr + i_n.to(tl.int64) * v_store + o_j, b_db, mask=o_j < v_store)
 
 
-def dlogits_form(hidden, weight, targets, lse, grads, out, p, cfg, bias, db, form: int):
+def dlogits_colsum(hidden, weight, targets, lse, grads, out, p, cfg, bias, db):
     """``backward.dlogits`` of the whole block (first id 0, no entropy) through
-    :func:`dlogits_form_kernel` with column sums ``form``."""
+    :func:`dlogits_colsum_kernel`."""
     n, h_dim = hidden.shape
     v_store = out.shape[1]
     blocks_n = triton.cdiv(n, cfg.block_n)
     h_src, w_src, tma = logits_sources(hidden, weight, cfg)
     g_lp = grads[0]
-    dlogits_form_kernel[(blocks_n * triton.cdiv(v_store, cfg.block_v),)](
+    dlogits_colsum_kernel[(blocks_n * triton.cdiv(v_store, cfg.block_v),)](
         h_src, w_src, targets, lse, lse, g_lp, lse, lse, out, bias, db,
         n, h_dim, 0, weight.shape[0], v_store, p.ignore_index, 0, p.inv_temperature,
         *cap_args(p), group_size(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, ENTROPY=False,
         HAS_LP=True, HAS_LSE=False, IGNORED=IGNORED, TMA=tma, HAS_BIAS=True,
-        BIAS_GRAD=form > 0, SOFTCAP=p.softcap is not None, FORM=form,
+        SOFTCAP=p.softcap is not None,
         **logit_flags(hidden, cfg), **launch_opts(cfg, hidden.device),
     )  # fmt: skip
 
@@ -224,35 +220,29 @@ def block(n: int, h: int, cols: int, softcap: float | None, reps: int, device: s
         deterministic=False,
     )  # fmt: skip
     width = pad128(cols)
-    outs = [torch.empty((n, width), device=device, dtype=dtype) for _ in range(4)]
-    dbs = [torch.zeros((triton.cdiv(n, cfg.block_n), width), device=device) for _ in range(4)]
-
-    def lp():
-        backward.dlogits(
-            hidden, weight, targets, 0, lse, None, grads, outs[0], 0, cols, p, cfg, bias, dbs[0]
-        )
-
-    def form(k):
-        return lambda: dlogits_form(
-            hidden, weight, targets, lse, grads, outs[k + 1], p, cfg, bias, dbs[k + 1], k
-        )
-
-    lp()
-    for k in range(3):
-        form(k)()
+    outs = [torch.empty((n, width), device=device, dtype=dtype) for _ in range(3)]
+    dbs = [torch.zeros((triton.cdiv(n, cfg.block_n), width), device=device) for _ in range(2)]
+    args = (hidden, weight, targets, 0, lse, None, grads)
+    runs = {  # no sums and tl.sum: lp's own kernel, without and with the bias gradient
+        "none": lambda: backward.dlogits(*args, outs[0], 0, cols, p, cfg, bias),
+        "tl_sum": lambda: backward.dlogits(*args, outs[1], 0, cols, p, cfg, bias, dbs[0]),
+        "column_sums": lambda: dlogits_colsum(
+            hidden, weight, targets, lse, grads, outs[2], p, cfg, bias, dbs[1]
+        ),
+    }
+    for run in runs.values():
+        run()
     ref = dbs[0].double()
     scale = ref.abs().amax().clamp_min(1e-30)
     row = {
         "n": n, "h": h, "cols": cols, "softcap": softcap,
-        "dl_equal": all(torch.equal(outs[0], o) for o in outs[1:]),
-        "tl_sum_equal": torch.equal(dbs[0], dbs[2]),
-        "column_sums_max_diff": ((dbs[3].double() - ref).abs().amax() / scale).item(),
+        "dl_equal": torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2]),
+        "column_sums_max_diff": ((dbs[1].double() - ref).abs().amax() / scale).item(),
     }  # fmt: skip
     if device == "cuda":
         row["mm_ms"] = timed(lambda: torch.mm(hidden, weight.T), reps)
-        row["lp_ms"] = timed(lp, reps)
-        for k, name in enumerate(("none", "tl_sum", "column_sums")):
-            row[f"{name}_ms"] = timed(form(k), reps)
+        for name, run in runs.items():
+            row[f"{name}_ms"] = timed(run, reps)
     return row
 
 
@@ -278,17 +268,15 @@ def main(argv: list[str] | None = None) -> int:
         row = {"shape": name, **block(n, h, cols, args.softcap, args.reps, device)}
         result["blocks"].append(row)
         line = (f"{name} {n}x{h}x{cols} cap={args.softcap}: d l bits equal {row['dl_equal']}, "
-                f"tl.sum sums equal lp's {row['tl_sum_equal']}, column_sums within "
-                f"{row['column_sums_max_diff']:.1e} of them")  # fmt: skip
+                f"column_sums within {row['column_sums_max_diff']:.1e} of tl.sum's")  # fmt: skip
         if device == "cuda":
             mm = row["mm_ms"]
-            line += "\n   x one matmul ({:.3f} ms): lp {:.3f}  none {:.3f}  tl.sum {:.3f}  " \
+            line += "\n   x one matmul ({:.3f} ms): no sums {:.3f}  tl.sum {:.3f}  " \
                 "column_sums {:.3f}".format(mm, *(row[k] / mm for k in (
-                    "lp_ms", "none_ms", "tl_sum_ms", "column_sums_ms")))  # fmt: skip
+                    "none_ms", "tl_sum_ms", "column_sums_ms")))  # fmt: skip
         print(line)
     ok = all(result["exact"].values()) and all(
-        r["dl_equal"] and r["tl_sum_equal"] and r["column_sums_max_diff"] < 1e-5
-        for r in result["blocks"]
+        r["dl_equal"] and r["column_sums_max_diff"] < 1e-5 for r in result["blocks"]
     )
     if args.out:
         with open(args.out, "w") as f:
