@@ -23,7 +23,7 @@ lp_testing.aot --options --sass --only dlogits_kernel``), per thread:
 trees of fp32 additions (bits run to run, alike on every column and shard); they are
 different trees, so their sums differ in the last places.
 
-    python benchmarks/colsum_tile.py [--shapes S2,S4] [--softcap 30] [--reps 20] [--out f.json]
+    python benchmarks/colsum_tile.py [--shapes S1,S2] [--softcap 30] [--reps 20] [--out f.json]
 
 On the GPU, per shape (one ``token_chunk x vocab_chunk`` block of the pinned config, H of
 the shape, with a bias): the block through lp's ``backward.dlogits`` without the bias
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     from lp_bench.protocol import SHAPES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="S2,S4")
+    parser.add_argument("--shapes", default="S1,S2")
     parser.add_argument("--softcap", type=float, default=None)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default=None)

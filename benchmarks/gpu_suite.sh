@@ -21,8 +21,9 @@
 # lp-triton; AB_ARGS more options, e.g. "--softcap 30 --bias" or "--mode fwd"), one line
 # per run and shape (ms and x floor), then the median milliseconds of each tree and their
 # ratio: a kernel change's A/B in one call; colsum: benchmarks/colsum_tile.py without and with
-# --softcap 30 (COLSUM_SHAPES, default S2,S4) into $OUT/colsum*.json; MARK to the pytest stages (default
-# "gpu or multigpu"; MARK=gpu skips the NCCL tests, e.g. tests-core after tp on -x2).
+# --softcap 30 (COLSUM_SHAPES, default S1,S2: the blocks of H 4096 and 2048) into
+# $OUT/colsum*.json; MARK to the pytest stages (default "gpu or multigpu"; MARK=gpu skips
+# the NCCL tests, e.g. tests-core after tp on -x2).
 # Writes logs, JUnit XML and bench/bench.{json,md,png} under $OUT (default ./gpu-out).
 # megatron-core / liger-kernel / cut-cross-entropy wheels, when present under .whl/,
 # are installed into /tmp/site first (the GPU image lacks them). Set LP_COMMIT to the
@@ -103,7 +104,7 @@ for stage in $stages; do
       cat "$OUT/loss/bench.md" ;;
     colsum)  # the bias gradient's column sums, tl.sum against the reduce-scatter: checks, block times
       for cap in "" 30; do
-        python3 benchmarks/colsum_tile.py --shapes "${COLSUM_SHAPES:-S2,S4}" ${cap:+--softcap $cap} \
+        python3 benchmarks/colsum_tile.py --shapes "${COLSUM_SHAPES:-S1,S2}" ${cap:+--softcap $cap} \
           --out "$OUT/colsum${cap:+-cap$cap}.json" || status=1
       done ;;
     sweep)
