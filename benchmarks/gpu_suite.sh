@@ -2,10 +2,12 @@
 # The GPU runbook: one device-tool call runs the GPU-marked tests, then the benchmarks.
 # Usage (repository root, on a CUDA host without nox, e.g. the device tool):
 #   bash benchmarks/gpu_suite.sh [tests|tests-core|tests-rest] [megatron] [hf] [bench] [loss] [sweep]
-#       [profile-step] [ncu] [tp] [ab-tp] [ab] [ab-bits] [colsum]
+#       [profile-step] [ncu] [tp] [ab-tp] [ab] [ab-bits] [colsum] [power]
 #   (default: tests megatron bench sweep)
 # SWEEP_ARGS / SWEEP_TAG pass options to the sweep stage (sweep_tiles.py --help);
-# STEP_SHAPES (default S1,S4) and STEP_TRACE=1 (chrome traces, large) to profile-step;
+# STEP_SHAPES (default S1,S4), STEP_TRACE=1 (chrome traces, large) and STEP_ARGS (e.g.
+# "--softcap 30 --bias") to profile-step; POWER_SHAPES (default S2,S4) to power
+# (benchmarks/step_power.py: SM clock and board power over sustained step phases);
 # STEP_SHAPES also to ncu (default S2,S1; Nsight Compute's counters, on hosts where ncu can
 # read them); the bench stage runs the whole grid (lp bench --grid: train/fwd x entropy
 # off/on x default/deterministic, S1-S6) into $OUT/bench/bench.json and renders it with
@@ -164,7 +166,10 @@ for stage in $stages; do
       done ;;
     profile-step)  # issue 3: kernel-by-kernel busy time of one step against its wall time
       (cd benchmarks && python3 profile_step.py --shapes ${STEP_SHAPES:-S1,S4} --det ${STEP_TRACE:+--trace "$OUT"} \
-        --out "$OUT/step.json") 2>&1 | tee "$OUT/step.log" | tail -n 60 || status=1 ;;
+        ${STEP_ARGS:-} --out "$OUT/step.json") 2>&1 | tee "$OUT/step.log" | tail -n 60 || status=1 ;;
+    power)  # sustained step phases (plain, softcap 30 + bias, each alone, 4 matmuls), SM clock and power
+      python3 benchmarks/step_power.py --shapes "${POWER_SHAPES:-S2,S4}" --out "$OUT/power.json" \
+        2>&1 | tee "$OUT/power.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
