@@ -1,7 +1,6 @@
 """The bias gradient's column sums inside the d_logits kernel: ``tl.sum`` over the rows of
-the tile (this script's copy of ``backward.dlogits_kernel``) against the reduce-scatter over
-the lanes that lp's kernel runs (``tl_utils.column_sums``), checked and timed on one
-d_logits block.
+the tile (what ``backward.dlogits_kernel`` does) against a reduce-scatter over the lanes
+(``column_sums`` below), checked and timed on one d_logits block.
 
 On the Hopper MMA accumulator of a 128 x 256 tile (a warp holds 16 rows; a row's low three
 bits lie across lanes, its fourth in each thread's registers), ``tl.sum(b_dz, axis=0)``
@@ -10,7 +9,7 @@ warps after a trip through shared memory. ``column_sums`` adds each thread's two
 then runs three reduce-scatter rounds, each passing half the remaining columns to the lane
 that keeps them (a swap by integer ``xor``: one shuffle), and lets the warps' partial sums
 meet last. Compiled into the biased d_logits tile for ``sm_90`` (``python -m
-lp_testing.aot --options --sass --only dlogits_kernel``), per thread:
+lp_testing.aot --options --sass --only dlogits_kernel``, the kernel patched), per thread:
 
 | Triton | shuffles | instructions, bias | instructions, bias + softcap |
 |---|---|---|---|
@@ -26,13 +25,13 @@ different trees, so their sums differ in the last places.
     python benchmarks/colsum_tile.py [--shapes S1,S2] [--softcap 30] [--reps 20] [--out f.json]
 
 On the GPU, per shape (one ``token_chunk x vocab_chunk`` block of the pinned config, H of
-the shape, with a bias): the block through lp's ``backward.dlogits`` without the bias
-gradient and with it (``column_sums``), and through this script's copy of its kernel with
-``tl.sum`` (the same d l bits; the sums within fp32 rounding of each other); the times of
-the three against one matmul of the block (medians of three rounds of queued calls). The
-exactness of ``column_sums`` on MMA tiles is a test (``test_model_coverage.py``). On CPU
-the checks run under Triton's interpreter at a small size (``TRITON_INTERPRET=1`` is set
-when there is no GPU).
+the shape, with a bias): exactness on MMA tiles of integer logits (each column's sum once,
+at its own index; 128 x 256, 128 x 128 and 64 x 128 tiles); the block through lp's
+``backward.dlogits`` without the bias gradient and with it (``tl.sum``), and through this
+script's copy of its kernel with ``column_sums`` (the same d l bits; the sums within fp32
+rounding of ``tl.sum``'s); the times of the three against one matmul of the
+block (medians of three rounds of queued calls). On CPU the checks run under Triton's
+interpreter at a small size (``TRITON_INTERPRET=1`` is set when there is no GPU).
 """
 
 from __future__ import annotations
@@ -71,11 +70,63 @@ from lp_kernels.backends.triton.tl_utils import (
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pingpong_fwd import timed  # medians of rounds of queued calls
 
+# ----------------------------------------------------------------------------- column sums
+
+
+@triton.jit
+def partner(x, AXIS: tl.constexpr):
+    """``x`` with its two entries along the size-2 axis ``AXIS`` swapped, bit for bit (an
+    integer ``xor`` with the pair's ``xor``: one shuffle where the axis lies across lanes)."""
+    xi = x.to(tl.int32, bitcast=True)
+    return (xi ^ tl.xor_sum(xi, AXIS, keep_dims=True)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def halve_columns(x, m, AXIS: tl.constexpr):
+    """One round of :func:`column_sums`: ``x [W, 2, 2, 2, J, 8]`` has row pairs along the
+    size-2 axis ``AXIS``; the row where ``m`` holds keeps the upper half of the ``J`` axis,
+    the other the lower half, each plus the pair's other row. Returns ``[W, 2, 2, 2, J / 2,
+    8]``."""
+    t = tl.reshape(x, [x.shape[0], 2, 2, 2, 2, x.shape[4] // 2, 8])
+    a0, a1 = tl.split(tl.permute(t, [0, 1, 2, 3, 5, 6, 4]))  # J's top bit last
+    return tl.where(m, a1, a0) + partner(tl.where(m, a0, a1), AXIS)
+
+
+@triton.jit
+def column_sums(b, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """``(sums, cols)``: the fp32 column sums of a ``[BLOCK_N, BLOCK_V]`` tile as a ``[2, 2,
+    2, BLOCK_V / 64, 8]`` block whose entries are the sums of columns ``cols`` (each column
+    once). Rows ``16 w + 8 h + g``: the ``h`` pair first, then ``g``'s three bits, one
+    reduce-scatter round each, then the ``w`` blocks (``tl.sum``)."""
+    tl.static_assert(BLOCK_N % 16 == 0 and BLOCK_V % 64 == 0)
+    x = tl.sum(tl.reshape(b, [BLOCK_N // 16, 2, 2, 2, 2, BLOCK_V // 8, 8]), axis=1)
+    o2 = tl.arange(0, 2)
+    x = halve_columns(x, (o2 == 1)[None, :, None, None, None, None], 1)
+    x = halve_columns(x, (o2 == 1)[None, None, :, None, None, None], 2)
+    x = halve_columns(x, (o2 == 1)[None, None, None, :, None, None], 3)
+    g = 4 * o2[:, None, None, None, None] + 2 * o2[None, :, None, None, None]
+    g += o2[None, None, :, None, None]
+    j = tl.arange(0, BLOCK_V // 64)[None, None, None, :, None] + (BLOCK_V // 64) * g
+    return tl.sum(x, axis=0), 8 * j + tl.arange(0, 8)[None, None, None, None, :]
+
+
+@triton.jit
+def exact_kernel(a_ptr, b_ptr, out_ptr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """:func:`column_sums` of the MMA tile ``a @ b^T`` (``a [BLOCK_N, 16]``, ``b [BLOCK_V,
+    16]``), stored at their columns."""
+    o_k = tl.arange(0, 16)
+    b_a = tl.load(a_ptr + tl.arange(0, BLOCK_N)[:, None] * 16 + o_k[None, :])
+    b_b = tl.load(b_ptr + tl.arange(0, BLOCK_V)[:, None] * 16 + o_k[None, :])
+    b_z = tl.dot(b_a, tl.trans(b_b), tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32))
+    b_s, o_j = column_sums(b_z, BLOCK_N, BLOCK_V)
+    tl.store(out_ptr + o_j, b_s)
+
+
 # ----------------------------------------------------------------------------- d_logits
 
 
 @triton.jit(do_not_specialize=["N", "v_begin", "v_count", "ignore_index", "first_id", "group"])
-def dlogits_tlsum_kernel(
+def dlogits_colsum_kernel(
     h_src, w_src, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, glse_ptr, dl_ptr, b_ptr, db_ptr,
     N, H, v_begin, v_count, v_store, ignore_index, first_id, inv_t, cap, inv_cap, group,
     stride_hn, stride_hh, stride_wv, stride_wh, stride_dn,
@@ -85,7 +136,7 @@ def dlogits_tlsum_kernel(
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """``backward.dlogits_kernel`` with a bias and its gradient, the column sums by
-    ``tl.sum(b_dz, axis=0)`` instead of ``tl_utils.column_sums`` (the rest as there)."""
+    :func:`column_sums` instead of ``tl.sum`` (the rest as there)."""
     i_n, i_v = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_store, BLOCK_V), group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -107,18 +158,20 @@ def dlogits_tlsum_kernel(
         b_dz = tl.where(m_live[:, None] & m_v[None, :], b_dz, 0.0)
     p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_c[None, :]
     tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & (o_c < v_store)[None, :])
-    tl.store(db_ptr + i_n.to(tl.int64) * v_store + o_c, tl.sum(b_dz, axis=0), mask=o_c < v_store)
+    b_db, o_j = column_sums(b_dz, BLOCK_N, BLOCK_V)
+    o_j += i_v * BLOCK_V
+    tl.store(db_ptr + i_n.to(tl.int64) * v_store + o_j, b_db, mask=o_j < v_store)
 
 
-def dlogits_tlsum(hidden, weight, targets, lse, grads, out, p, cfg, bias, db):
+def dlogits_colsum(hidden, weight, targets, lse, grads, out, p, cfg, bias, db):
     """``backward.dlogits`` of the whole block (first id 0, no entropy) through
-    :func:`dlogits_tlsum_kernel`."""
+    :func:`dlogits_colsum_kernel`."""
     n, h_dim = hidden.shape
     v_store = out.shape[1]
     blocks_n = triton.cdiv(n, cfg.block_n)
     h_src, w_src, tma = logits_sources(hidden, weight, cfg)
     g_lp = grads[0]
-    dlogits_tlsum_kernel[(blocks_n * triton.cdiv(v_store, cfg.block_v),)](
+    dlogits_colsum_kernel[(blocks_n * triton.cdiv(v_store, cfg.block_v),)](
         h_src, w_src, targets, lse, lse, g_lp, lse, lse, out, bias, db,
         n, h_dim, 0, weight.shape[0], v_store, p.ignore_index, 0, p.inv_temperature,
         *cap_args(p), group_size(cfg, blocks_n),
@@ -131,6 +184,24 @@ def dlogits_tlsum(hidden, weight, targets, lse, grads, out, p, cfg, bias, db):
 
 
 # ----------------------------------------------------------------------------- runs
+
+
+def exact(device: str) -> dict:
+    """Each tile's column sums of integer logits (exact in fp32) against fp64."""
+    found = {}
+    for block_n, block_v in ((128, 256), (128, 128), (64, 128)):
+        rows, cols = torch.arange(block_n), torch.arange(block_v)
+        a = torch.zeros(block_n, 16)
+        a[:, 0], a[:, 1], a[:, 2] = rows, (rows * 37) % 11 - 5, 1.0
+        b = torch.zeros(block_v, 16)
+        b[:, 0], b[:, 1], b[:, 2] = 1.0, cols, (cols * 13) % 7
+        want = (a.double() @ b.double().T).sum(0)
+        out = torch.full((block_v,), float("nan"), device=device)
+        a16, b16 = (x.to(torch.float16).to(device) for x in (a, b))  # integers < 256: exact
+        warps = {"num_warps": 8} if device == "cuda" else {}  # as dlogits_kernel's tiles
+        exact_kernel[(1,)](a16, b16, out, block_n, block_v, **warps)
+        found[f"{block_n}x{block_v}"] = torch.equal(out.cpu().double(), want)
+    return found
 
 
 def block(n: int, h: int, cols: int, softcap: float | None, reps: int, device: str) -> dict:
@@ -152,12 +223,12 @@ def block(n: int, h: int, cols: int, softcap: float | None, reps: int, device: s
     outs = [torch.empty((n, width), device=device, dtype=dtype) for _ in range(3)]
     dbs = [torch.zeros((triton.cdiv(n, cfg.block_n), width), device=device) for _ in range(2)]
     args = (hidden, weight, targets, 0, lse, None, grads)
-    runs = {  # no sums and column_sums: lp's own kernel, without and with the bias gradient
+    runs = {  # no sums and tl.sum: lp's own kernel, without and with the bias gradient
         "none": lambda: backward.dlogits(*args, outs[0], 0, cols, p, cfg, bias),
-        "tl_sum": lambda: dlogits_tlsum(
-            hidden, weight, targets, lse, grads, outs[1], p, cfg, bias, dbs[0]
+        "tl_sum": lambda: backward.dlogits(*args, outs[1], 0, cols, p, cfg, bias, dbs[0]),
+        "column_sums": lambda: dlogits_colsum(
+            hidden, weight, targets, lse, grads, outs[2], p, cfg, bias, dbs[1]
         ),
-        "column_sums": lambda: backward.dlogits(*args, outs[2], 0, cols, p, cfg, bias, dbs[1]),
     }
     for run in runs.values():
         run()
@@ -185,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    result = {"blocks": []}
+    result = {"exact": exact(device), "blocks": []}
+    print("exact column sums of MMA tiles:", result["exact"])
     if device == "cpu":
         shapes = [("cpu", 70, 64, 300)]
     else:
@@ -203,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                 "column_sums {:.3f}".format(mm, *(row[k] / mm for k in (
                     "none_ms", "tl_sum_ms", "column_sums_ms")))  # fmt: skip
         print(line)
-    ok = all(r["dl_equal"] and r["column_sums_max_diff"] < 1e-5 for r in result["blocks"])
+    ok = all(result["exact"].values()) and all(
+        r["dl_equal"] and r["column_sums_max_diff"] < 1e-5 for r in result["blocks"]
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -15,14 +15,6 @@ import torch.distributed as dist
 from _parity import check_against_fp64
 
 from lp_kernels import linear_logprob
-
-try:
-    import triton
-    import triton.language as tl
-
-    from lp_kernels.backends.triton.tl_utils import column_sums
-except ImportError:  # the torch backend's tests run without triton
-    triton = None
 from lp_testing import (
     RankError,
     assert_bitwise_equal,
@@ -301,46 +293,6 @@ def test_bias_gradient_column_sums_add_rows_in_order(rows, cols, device):
         acc = acc + row
     assert torch.equal(out[:cols], base[:cols] + acc)
     assert torch.equal(out[cols:], base[cols:])  # past V: untouched
-
-
-if triton is not None:
-
-    @triton.jit
-    def _mma_column_sums_kernel(
-        a_ptr, b_ptr, out_ptr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr
-    ):
-        """``tl_utils.column_sums`` of the MMA tile ``a @ b^T`` (``a [BLOCK_N, 16]``, ``b
-        [BLOCK_V, 16]``, fp16), each sum stored at its column."""
-        o_k = tl.arange(0, 16)
-        b_a = tl.load(a_ptr + tl.arange(0, BLOCK_N)[:, None] * 16 + o_k[None, :])
-        b_b = tl.load(b_ptr + tl.arange(0, BLOCK_V)[:, None] * 16 + o_k[None, :])
-        b_z = tl.dot(b_a, tl.trans(b_b), tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32))
-        b_s, o_j = column_sums(b_z, BLOCK_N, BLOCK_V)
-        tl.store(out_ptr + o_j, b_s)
-
-
-@pytest.mark.parametrize("block_n, block_v", [(128, 256), (128, 128), (64, 256), (64, 128)])
-def test_bias_gradient_tile_column_sums_exact_on_mma_tiles(block_n, block_v, device):
-    """The d_logits kernel's per-tile column sums (``tl_utils.column_sums``, a reduce-scatter
-    over the MMA accumulator's lanes) on a tensor-core tile of integer logits, where fp32
-    sums are exact: each column's sum once, at its own index, equal to fp64's (8 warps on a
-    GPU, as the d_logits kernel's tiles)."""
-    if triton is None:
-        pytest.skip("needs triton")
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if (device == "cpu") != interpreting:
-        pytest.skip("triton runs CPU tensors only under TRITON_INTERPRET=1, CUDA ones without")
-    rows, cols = torch.arange(block_n), torch.arange(block_v)
-    a = torch.zeros(block_n, 16)
-    a[:, 0], a[:, 1], a[:, 2] = rows, (rows * 37) % 11 - 5, 1.0
-    b = torch.zeros(block_v, 16)
-    b[:, 0], b[:, 1], b[:, 2] = 1.0, cols, (cols * 13) % 7
-    want = (a.double() @ b.double().T).sum(0)
-    out = torch.full((block_v,), float("nan"), device=device)
-    a16, b16 = (x.to(torch.float16).to(device) for x in (a, b))  # integers < 256: exact
-    warps = {"num_warps": 8} if device == "cuda" else {}
-    _mma_column_sums_kernel[(1,)](a16, b16, out, block_n, block_v, **warps)
-    assert torch.equal(out.cpu().double(), want)
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "cap5"])

@@ -30,7 +30,6 @@ from lp_kernels.backends.triton.gemm import mm_block_n, narrow_block_n
 from lp_kernels.backends.triton.tl_utils import (
     IGNORED,
     cap_tanh,
-    column_sums,
     grouped,
     logits_tile,
     target_codes,
@@ -174,8 +173,7 @@ def dlogits_kernel(
     Columns [v_count, v_store) of the output get exact zeros (v_store: v_count padded to 128).
     ``HAS_BIAS``: the logits are ``h W^T + b``; ``SOFTCAP``: z = c tanh(l / c) / T, and d l
     takes the factor 1 - tanh^2; ``BIAS_GRAD``: each program also writes its
-    block's fp32 column sums of d l (:func:`~lp_kernels.backends.triton.tl_utils.column_sums`)
-    to row ``i_n`` of ``db_ptr`` (``[blocks, v_store]``).
+    block's fp32 column sums of d l to row ``i_n`` of ``db_ptr`` (``[blocks, v_store]``).
     """
     i_n, i_v = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_store, BLOCK_V), group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -201,9 +199,8 @@ def dlogits_kernel(
     p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn + o_c[None, :]
     tl.store(p_d, b_dz.to(dl_ptr.dtype.element_ty), mask=m_n[:, None] & (o_c < v_store)[None, :])
     if BIAS_GRAD:  # the block's column sums in fp32 (dead rows and columns hold exact zeros)
-        b_db, o_j = column_sums(b_dz, BLOCK_N, BLOCK_V)
-        o_j += i_v * BLOCK_V
-        tl.store(db_ptr + i_n.to(tl.int64) * v_store + o_j, b_db, mask=o_j < v_store)
+        p_db = db_ptr + i_n.to(tl.int64) * v_store + o_c
+        tl.store(p_db, tl.sum(b_dz, axis=0), mask=o_c < v_store)
 
 
 @triton.jit(do_not_specialize=["B", "V"])

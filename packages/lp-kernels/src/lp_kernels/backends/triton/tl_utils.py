@@ -3,8 +3,6 @@
 - :func:`grouped`: the launch order (row blocks ``group`` at a time, rows fastest).
 - :func:`target_codes`: each row's target column in a weight operand, from the raw ids.
 - :func:`logits_tile`: one fp32 tile of ``h W^T`` (the forward and the d_logits kernel).
-- :func:`column_sums`: a tile's fp32 column sums as a reduce-scatter over the lanes (the
-  bias gradient), with :func:`halve_columns` and :func:`partner`.
 - :func:`operand_ptrs` and :func:`gemm_step`: one K step of lp's GEMMs (fp32 and fixed point).
 - :func:`softcap`: final-logit softcapping of fp32 logits and its slope, with
   :func:`reciprocal` (one ``MUFU`` on the GPU);
@@ -92,53 +90,6 @@ def logits_tile(
         b_b = tl.load(b_ptr + col0 + tl.arange(0, BLOCK_V), mask=m_v, other=0.0)
         b_acc = b_acc + b_b[None, :]
     return b_acc
-
-
-@triton.jit
-def partner(x, AXIS: tl.constexpr):
-    """``x`` with its two entries along the size-2 axis ``AXIS`` swapped, bit for bit: an
-    integer ``xor`` with the pair's ``xor`` (one shuffle where the axis lies across lanes)."""
-    xi = x.to(tl.int32, bitcast=True)
-    return (xi ^ tl.xor_sum(xi, AXIS, keep_dims=True)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def halve_columns(x, m, AXIS: tl.constexpr):
-    """One reduce-scatter round of :func:`column_sums`: ``x [W, 2, 2, 2, J, 8]`` holds row
-    pairs along the size-2 axis ``AXIS``; the row where ``m`` holds keeps the upper half of
-    the ``J`` axis, the other the lower half, each plus the pair's other row (one fp32
-    addition, commutative: every column sees the same tree). Returns ``[W, 2, 2, 2, J / 2,
-    8]``."""
-    t = tl.reshape(x, [x.shape[0], 2, 2, 2, 2, x.shape[4] // 2, 8])
-    a0, a1 = tl.split(tl.permute(t, [0, 1, 2, 3, 5, 6, 4]))  # J's top bit last
-    return tl.where(m, a1, a0) + partner(tl.where(m, a0, a1), AXIS)
-
-
-@triton.jit
-def column_sums(b, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
-    """``(sums, cols)``: the fp32 column sums of a ``[BLOCK_N, BLOCK_V]`` tile as a ``[2, 2,
-    2, BLOCK_V / 64, 8]`` block whose entries are the sums of columns ``cols`` (each column
-    once). A fixed tree for every column: with rows ``16 w + 8 h + g``, the ``h`` pairs
-    first, then one round per bit of ``g`` (:func:`halve_columns`), then the ``w`` blocks
-    (``tl.sum``).
-
-    Laid out for the MMA accumulator (a warp's 16 rows: ``g`` across lanes, ``h`` in each
-    thread's registers), where ``tl.sum(b, axis=0)`` shuffles every column value through
-    the three lane rounds: this passes half the remaining columns per round, and with
-    Triton 3.6 the biased ``128 x 256`` d_logits tile takes 84 shuffles per thread against
-    220 (``python -m lp_testing.aot --options --sass``). The same arithmetic on any layout
-    and under the interpreter."""
-    tl.static_assert(BLOCK_N % 16 == 0, "column_sums: BLOCK_N must be a multiple of 16")
-    tl.static_assert(BLOCK_V % 64 == 0, "column_sums: BLOCK_V must be a multiple of 64")
-    x = tl.sum(tl.reshape(b, [BLOCK_N // 16, 2, 2, 2, 2, BLOCK_V // 8, 8]), axis=1)
-    o2 = tl.arange(0, 2)
-    x = halve_columns(x, (o2 == 1)[None, :, None, None, None, None], 1)
-    x = halve_columns(x, (o2 == 1)[None, None, :, None, None, None], 2)
-    x = halve_columns(x, (o2 == 1)[None, None, None, :, None, None], 3)
-    g = 4 * o2[:, None, None, None, None] + 2 * o2[None, :, None, None, None]
-    g += o2[None, None, :, None, None]
-    j = tl.arange(0, BLOCK_V // 64)[None, None, None, :, None] + (BLOCK_V // 64) * g
-    return tl.sum(x, axis=0), 8 * j + tl.arange(0, 8)[None, None, None, None, :]
 
 
 @triton.jit
