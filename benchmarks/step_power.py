@@ -10,7 +10,8 @@ Per phase: milliseconds per call (CUDA events over the phase), the median and lo
 clock and the median and highest board power over the phase's samples after its first
 0.5 s, the power limit, the highest temperature and the most frequent throttle-reason
 mask (``0x4``: the software power cap). A step: ``linear_logprob(hidden, weight, targets,
-[softcap=30], [bias=b])``, bf16, its logprob times a fixed upstream summed, then
+[softcap=30], [bias=b])`` on ``lp bench``'s inputs (bf16, ``make_inputs`` and
+``make_bias``), its logprob times the upstream gradient summed, then
 ``backward()``; four matmuls: ``torch.mm(hidden, weight.T)`` four times (the floor of
 ``lp bench``'s train mode).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -27,7 +29,7 @@ import time
 
 import torch
 
-from lp_bench.protocol import SHAPES
+from lp_bench.protocol import SHAPES, make_bias, make_inputs
 from lp_kernels import linear_logprob
 
 QUERY = "timestamp,clocks.sm,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active"
@@ -35,13 +37,9 @@ QUERY = "timestamp,clocks.sm,power.draw,power.limit,temperature.gpu,clocks_throt
 
 def phases_of(shape: str):
     n, h, v = SHAPES[shape]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    hidden = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16)
-    weight = (torch.randn(v, h, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    hidden, weight, targets, upstream = make_inputs(n, h, v)  # lp bench's inputs
+    bias = make_bias(v).requires_grad_()
     hidden.requires_grad_(), weight.requires_grad_()
-    targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
-    bias = torch.randn(v, device="cuda", generator=gen).requires_grad_()
-    upstream = torch.randn(n, device="cuda", generator=gen)
 
     def step(cap: bool, with_bias: bool):
         kw = ({"softcap": 30.0} if cap else {}) | ({"bias": bias} if with_bias else {})
@@ -78,13 +76,13 @@ def run_phase(fn, secs: float) -> tuple[float, float, float, int]:
 
 def samples(path: str) -> list[tuple]:
     rows = []
-    with open(path) as lines:
-        text = lines.read().splitlines()
+    with open(path) as f:
+        text = f.read().splitlines()
     for line in text:
-        f = [x.strip() for x in line.split(",")]
+        c = [x.strip() for x in line.split(",")]
         try:  # nvidia-smi's timestamps are local time, as time.time()'s
-            ts = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-            rows.append((ts, float(f[1]), float(f[2]), float(f[3]), float(f[4]), f[5]))
+            ts = datetime.datetime.strptime(c[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            rows.append((ts, float(c[1]), float(c[2]), float(c[3]), float(c[4]), c[5]))
         except (ValueError, IndexError):  # a header or a cut-off last line
             continue
     return rows
@@ -123,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             smi.terminate()
             smi.wait()
     rows = samples(log.name)
+    os.unlink(log.name)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("shape phase         r  ms/call  SM MHz med  min   W med  max  limit  temp  throttle")
     for ph in phases:
