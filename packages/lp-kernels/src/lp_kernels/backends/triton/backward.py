@@ -260,8 +260,9 @@ def add_column_sums(out: torch.Tensor, part: torch.Tensor) -> None:
     v = out.shape[0]
     if v == 0 or part.shape[0] == 0:
         return
-    # latency-bound (a few MB, rows in order): narrow programs, many rows in flight each
-    block = 128
+    # latency-bound (a few MB, rows in order): narrow programs (a column per thread), 16
+    # rows' loads in flight each (benchmarks/colsum_launch.py has the measurements)
+    block = 32
     colsum_kernel[(triton.cdiv(v, block),)](
         part, out, part.shape[0], v, part.stride(0), BLOCK=block, ROWS=16,
         **({} if out.device.type == "cpu" else {"num_warps": 1}), **compile_opts(out.device),
