@@ -27,13 +27,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton
-
-from lp_kernels.backends.triton.backward import add_column_sums, colsum_kernel
-from lp_kernels.backends.triton.config import compile_opts
+from lp_kernels.backends.triton.backward import add_column_sums
 
 VARIANTS = [  # (columns per program, rows in flight, warps)
-    (32, 16, 1),  # the pinned launch (add_column_sums)
+    (32, 16, 1),  # add_column_sums' defaults
     (128, 16, 1),  # the one before it
     (32, 64, 1),
     (64, 32, 1),
@@ -43,14 +40,6 @@ VARIANTS = [  # (columns per program, rows in flight, warps)
     (256, 16, 2),
     (256, 32, 4),
 ]
-
-
-def launch(part, out, block, rows, warps):
-    v = out.shape[0]
-    colsum_kernel[(triton.cdiv(v, block),)](
-        part, out, part.shape[0], v, part.stride(0), BLOCK=block, ROWS=rows,
-        **({} if out.device.type == "cpu" else {"num_warps": warps}), **compile_opts(out.device),
-    )  # fmt: skip
 
 
 def gpu_us(fn, calls=50, replays=20, rounds=5):
@@ -96,16 +85,18 @@ def main():
         part = torch.randn(b, cols + 24, generator=g).to(device)  # a padded row stride
         base = torch.randn(cols, generator=g).to(device)
         ref = base.clone()
-        add_column_sums(ref, part)
+        add_column_sums(ref, part)  # the defaults
         for block, rows, warps in VARIANTS if cuda else VARIANTS[:3]:
             out = base.clone()
-            launch(part, out, block, rows, warps)
+            add_column_sums(out, part, block, rows, warps)
             same = torch.equal(out, ref)
             us = None
             if cuda:
                 scratch_out = base.clone()
                 us = gpu_us(
-                    lambda p=part, o=scratch_out, bl=block, r=rows, w=warps: launch(p, o, bl, r, w)
+                    lambda o=scratch_out, p=part, bl=block, r=rows, w=warps: add_column_sums(
+                        o, p, bl, r, w
+                    )
                 )
             results.append(
                 {"rows": b, "cols": cols, "block": block, "rows_in_flight": rows,

@@ -254,18 +254,21 @@ def dlogits(
     )  # fmt: skip
 
 
-def add_column_sums(out: torch.Tensor, part: torch.Tensor) -> None:
+def add_column_sums(
+    out: torch.Tensor, part: torch.Tensor, block: int = 32, rows: int = 16, warps: int = 1
+) -> None:
     """``out [V] += part [B, >= V].sum(0)`` in fp32, the B rows summed in order: the same
-    arithmetic for a column whatever its position or the width (no atomics)."""
+    arithmetic for a column whatever its position or the width (no atomics).
+
+    The launch is latency-bound (a few MB, rows in order): ``block`` columns per program
+    (one per thread by default), ``rows`` rows' loads in flight, ``warps`` warps; none of
+    them changes a bit (``benchmarks/colsum_launch.py`` times the choices)."""
     v = out.shape[0]
     if v == 0 or part.shape[0] == 0:
         return
-    # latency-bound (a few MB, rows in order): narrow programs (a column per thread), 16
-    # rows' loads in flight each (benchmarks/colsum_launch.py has the measurements)
-    block = 32
     colsum_kernel[(triton.cdiv(v, block),)](
-        part, out, part.shape[0], v, part.stride(0), BLOCK=block, ROWS=16,
-        **({} if out.device.type == "cpu" else {"num_warps": 1}), **compile_opts(out.device),
+        part, out, part.shape[0], v, part.stride(0), BLOCK=block, ROWS=rows,
+        **({} if out.device.type == "cpu" else {"num_warps": warps}), **compile_opts(out.device),
     )  # fmt: skip
 
 

@@ -6,8 +6,8 @@
 - :func:`operand_ptrs` and :func:`gemm_step`: one K step of lp's GEMMs (fp32 and fixed point).
 - :func:`softcap`: final-logit softcapping of fp32 logits and its slope, with
   :func:`reciprocal` (one ``MUFU`` on the GPU);
-  :func:`cap_tanh`: the cap's tanh for the softmax terms of a tile (no series), and
-  :func:`capped_z`: a capped logit's ``z`` for those terms.
+  :func:`cap_tanh`: the cap's tanh and slope for d_logits' terms (no series), and
+  :func:`capped_z`: a capped logit's ``z`` for the forward's softmax terms.
 
 Operands come through tensor descriptors (``TMA``) or masked pointer loads; both feed the
 same ``tl.dot`` sequence. Under the interpreter (``INTERPRET``) dots are an fp32
