@@ -1,12 +1,12 @@
 """Time the forward statistics' two kernels against one matmul, and check their bits.
 
-``forward_stats`` with the pinned config (the ping-pong kernel where
-``TileConfig.pingpong_max_h`` admits H) against the same with ``pingpong_max_h = 0`` (the
-Triton kernel everywhere), and ``torch.mm(hidden, weight.T)`` of the shape (the floor), in
-rounds of queued calls (CUDA events; the median of three rounds' means). Every shape runs
-both kernels whatever H, to show where each is faster. Prints one line per shape, a table,
-and writes JSON. ``--softcap C`` and ``--bias`` time those options (an fp32 bias, as the
-op passes it to the kernels).
+``forward_stats`` with the ping-pong kernel at every H against the same with the Triton
+kernel everywhere (``TileConfig.pingpong_max_h`` 0), and ``torch.mm(hidden, weight.T)`` of
+the shape (the floor), in rounds of queued calls after a second of warm-up (CUDA events;
+the median of three rounds' means). Every shape runs both kernels whatever H, to show
+where each is faster; the JSON says which one the pinned config takes. Prints one line per
+shape, a table, and writes JSON. ``--softcap C`` and ``--bias`` time those options (an
+fp32 bias, as the op passes it to the kernels).
 
     python benchmarks/pingpong_fwd.py [--shapes S1,...,S6,H1536] [--reps 10] [--softcap C]
         [--bias] [--out f.json]
@@ -23,6 +23,7 @@ import types
 import torch
 
 from lp_bench.protocol import SHAPES
+from lp_bench.timing import steady_warmup
 from lp_kernels.backends.triton import forward
 from lp_kernels.backends.triton.config import config_for
 from lp_kernels.backends.triton.pingpong import pingpong_ok, pingpong_stats
@@ -30,8 +31,10 @@ from lp_kernels.backends.triton.pingpong import pingpong_ok, pingpong_stats
 EXTRA = {"H1536": (8192, 1536, 151936), "H3072": (8192, 3072, 151936), "S6x4": (4096, 2048, 248320)}
 
 
-def timed(fn, reps: int) -> float:
-    for _ in range(3):
+def timed(fn, reps: int, warm_s: float = 1.0) -> float:
+    """Milliseconds per call: the median of three rounds' means of ``reps`` queued calls,
+    after at least ``warm_s`` seconds of the same call (steady clocks, as ``lp bench``)."""
+    for _ in range(steady_warmup(fn, 3, warm_s)):
         fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
