@@ -38,6 +38,7 @@ from lp_kernels.backends.triton.config import (
 from lp_kernels.backends.triton.pingpong import pingpong_ok, pingpong_stats
 from lp_kernels.backends.triton.tl_utils import (
     IGNORED,
+    capped_x,
     capped_z,
     grouped,
     logits_tile,
@@ -70,7 +71,9 @@ def fwd_stats_kernel(
 ):  # fmt: skip
     """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target],
     with z = softcap(h W^T (+ b)) / T (``SOFTCAP``: c tanh(l / c); the target's z from
-    ``softcap``, the softmax terms' from ``cap_tanh``, see ``tl_utils.capped_z``).
+    ``softcap``, the softmax terms' from ``tl_utils.capped_z``, or without entropy as
+    ``2^(x - b)`` with ``x`` from ``tl_utils.capped_x``, the running max held as ``b = (m +
+    c / T) log2(e)`` and m stored as ``b ln(2) - c / T``).
     ``t_ptr``: the raw target ids, ``col0`` the id of the weight's first row
     (``tl_utils.target_codes``; ``IGNORED``: an ignored row's code). ``STORE_L``: also
     store the raw logits l = h W^T (+ b) (fp32, the real columns) to ``l_ptr`` (row
@@ -90,6 +93,8 @@ def fwd_stats_kernel(
     b_zt = tl.zeros([BLOCK_N], dtype=tl.float32)  # the target's raw logit l
     k_e = inv_cap * -2.8853900817779268  # -2 log2(e) / c
     k_z = cap * inv_t
+    k_a = k_z * 2.8853900817779268  # 2 log2(e) c / T
+    k_t = inv_t * 1.4426950408889634  # log2(e) / T
     if TILE_W > 0:
         SUBS: tl.constexpr = (TILE_W + V_SPLIT - 1) // V_SPLIT
         i_t = i_s // SUBS
@@ -127,29 +132,38 @@ def fwd_stats_kernel(
             b_trel = tl.where(b_t < v_end, b_t - v0, -1).to(tl.int32)
             m_t = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
         b_zt += tl.sum(tl.where(m_t, b_z, 0.0), axis=1)  # raw: scaled after the loop
-        if SOFTCAP:  # element by element on the GPU (see tl_utils.capped_z)
+        partial = v0 + BLOCK_V > v_end  # the split's last tile, cut: the selects only there
+        if SOFTCAP and not ENTROPY:  # x = (z + c / T) log2(e), element by element on the GPU
+            if INTERPRET:
+                b_z = capped_x(b_z, k_e, k_a, k_t, INTERPRET)
+            else:
+                b_z = tl.map_elementwise(capped_x, b_z, k_e, k_a, k_t)
+        elif SOFTCAP:  # element by element on the GPU (see tl_utils.capped_z)
             if INTERPRET:
                 b_z = capped_z(b_z, k_e, k_z, inv_t, INTERPRET)
             else:
                 b_z = tl.map_elementwise(capped_z, b_z, k_e, k_z, inv_t)
         else:
             b_z = b_z * inv_t
-        partial = v0 + BLOCK_V > v_end  # the split's last tile, cut: the selects only there
         if partial:
             b_z = tl.where(m_v[None, :], b_z, float("-inf"))
         # online update; the first tile turns m from -inf into a finite maximum
         b_mn = tl.maximum(b_m, tl.max(b_z, axis=1))
-        b_alpha = tl.exp(b_m - b_mn)
-        if SOFTCAP and ENTROPY:  # element by element on the GPU (see tl_utils.capped_z)
-            if INTERPRET:
-                b_e, b_ed = stats_terms(b_z, b_mn[:, None])
-            else:
-                b_e, b_ed = tl.map_elementwise(stats_terms, b_z, b_mn[:, None])
+        if SOFTCAP and not ENTROPY:  # b_m holds b = (m + c / T) log2(e): terms 2^(x - b)
+            b_alpha = tl.math.exp2(b_m - b_mn)
+            b_e = tl.math.exp2(b_z - b_mn[:, None])
         else:
-            b_d = b_z - b_mn[:, None]
-            b_e = tl.exp(b_d)
-            if ENTROPY:
-                b_ed = b_e * b_d
+            b_alpha = tl.exp(b_m - b_mn)
+            if SOFTCAP:  # with entropy: element by element on the GPU (tl_utils.capped_z)
+                if INTERPRET:
+                    b_e, b_ed = stats_terms(b_z, b_mn[:, None])
+                else:
+                    b_e, b_ed = tl.map_elementwise(stats_terms, b_z, b_mn[:, None])
+            else:
+                b_d = b_z - b_mn[:, None]
+                b_e = tl.exp(b_d)
+                if ENTROPY:
+                    b_ed = b_e * b_d
         if ENTROPY:
             if partial:  # masked columns: e = 0, d = -inf
                 b_ed = tl.where(m_v[None, :], b_ed, 0.0)
@@ -159,6 +173,8 @@ def fwd_stats_kernel(
         b_m = b_mn
     if SOFTCAP:  # the target's z with the series (0 where the target is elsewhere)
         b_zt = softcap(b_zt, cap, inv_cap, INTERPRET)[0]
+        if not ENTROPY:  # m from b (-inf and +inf stay)
+            b_m = b_m * 0.6931471805599453 - k_z
     b_zt = b_zt * inv_t
     p_out = stats_ptr + (i_s.to(tl.int64) * N + o_n) * 4
     tl.store(p_out + 0, b_m, mask=m_n)

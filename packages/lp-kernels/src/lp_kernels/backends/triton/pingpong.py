@@ -12,7 +12,7 @@ one's MMAs run while the other is in its epilogue.
 
 Every product, its K order and the epilogue's arithmetic are the Triton kernel's, and the
 row reductions run on the same accumulator layout (``instr_shape [16, 256, 16]``, each
-warp 16 rows), with a softcap (``tl_utils.capped_z`` element by element, the target's
+warp 16 rows), with a softcap (``tl_utils.capped_x`` element by element, the target's
 ``tl_utils.softcap``) and a bias (added to the finished sums) as there; the launch order,
 target codes and cap come from the same ``@triton.jit`` helpers (``tl_utils``), which a
 Gluon kernel calls on its own layouts. The partials are bitwise those of
@@ -64,7 +64,7 @@ from lp_kernels.backends.triton.config import (
 )
 from lp_kernels.backends.triton.tl_utils import (
     IGNORED,
-    capped_z,
+    capped_x,
     grouped,
     softcap,
     target_codes,
@@ -136,6 +136,8 @@ if HAVE_GLUON:
         k_steps = gl.cdiv(H, BLOCK_H)
         k_e = inv_cap * -2.8853900817779268  # -2 log2(e) / c
         k_z = cap * inv_t
+        k_a = k_z * 2.8853900817779268  # 2 log2(e) c / T
+        k_t = inv_t * 1.4426950408889634  # log2(e) / T
         pos = 0
         n_tile = 0  # this warpgroup's tiles so far
         for item in range(gl.program_id(0), blocks_n * splits, gl.num_programs(0)):
@@ -184,20 +186,26 @@ if HAVE_GLUON:
                 b_trel = gl.where(b_t < v_end, b_t - v0, -1).to(gl.int32)
                 m_t = gl.arange(0, BLOCK_V, layout=cols_l)[None, :] == b_trel[:, None]
                 b_zt += gl.sum(gl.where(m_t, acc, 0.0), axis=1)
+                # SOFTCAP: x = (z + c / T) log2(e), and b_m holds b, the largest x
                 if SOFTCAP:  # noqa: SIM108  (a constexpr branch)
-                    b_z = gl.map_elementwise(capped_z, acc, k_e, k_z, inv_t)
+                    b_z = gl.map_elementwise(capped_x, acc, k_e, k_a, k_t)
                 else:
                     b_z = acc * inv_t
                 if v0 + BLOCK_V > v_end:
                     m_v = (v0 + gl.arange(0, BLOCK_V, layout=cols_l)) < v_end
                     b_z = gl.where(m_v[None, :], b_z, float("-inf"))
                 b_mn = gl.maximum(b_m, gl.max(b_z, axis=1))
-                b_alpha = gl.exp(b_m - b_mn)
-                b_e = gl.exp(b_z - b_mn[:, None])
+                if SOFTCAP:  # terms 2^(x - b)
+                    b_alpha = gl.exp2(b_m - b_mn)
+                    b_e = gl.exp2(b_z - b_mn[:, None])
+                else:
+                    b_alpha = gl.exp(b_m - b_mn)
+                    b_e = gl.exp(b_z - b_mn[:, None])
                 b_s = b_s * b_alpha + gl.sum(b_e, axis=1)
                 b_m = b_mn
             if SOFTCAP:  # the target's z with the series (0 where the target is elsewhere)
                 b_zt = softcap(b_zt, cap, inv_cap)[0]
+                b_m = b_m * 0.6931471805599453 - k_z  # m from b (-inf and +inf stay)
             b_zt = b_zt * inv_t
             p_out = stats_ptr + (i_s.to(gl.int64) * N + o_n) * 4
             gl.store(p_out + 0, b_m, mask=m_n)

@@ -7,7 +7,8 @@
 - :func:`softcap`: final-logit softcapping of fp32 logits and its slope, with
   :func:`reciprocal` (one ``MUFU`` on the GPU);
   :func:`cap_tanh`: the cap's tanh and slope for d_logits' terms (no series), and
-  :func:`capped_z`: a capped logit's ``z`` for the forward's softmax terms.
+  :func:`capped_z`: a capped logit's ``z`` for the forward's softmax terms with entropy,
+  :func:`capped_x`: its base-2 offset ``x`` for the terms without entropy.
 
 Operands come through tensor descriptors (``TMA``) or masked pointer loads; both feed the
 same ``tl.dot`` sequence. Under the interpreter (``INTERPRET``) dots are an fp32
@@ -184,6 +185,24 @@ def capped_z(l, k_e, k_z, inv_t, INTERPRET: tl.constexpr = False):
     frames; docs/history.md the figures)."""
     r = reciprocal(1.0 + tl.math.exp2(l * k_e), INTERPRET)
     return tl.where(tl.abs(l) < float("inf"), r * (2.0 * k_z) - k_z, l * inv_t)
+
+
+@triton.jit
+def capped_x(l, k_e, k_a, k_t, INTERPRET: tl.constexpr = False):
+    """``x = (z + k_z) log2(e)`` of a logit, ``z = c tanh(l / c) / T``, ``k_z = c / T``: the
+    forward's softmax terms without entropy are ``2^(x - b)``, ``b`` the row's largest
+    ``x``, ``(m + k_z) log2(e)``. ``x = k_a r`` with ``r = 1 / (1 + e^(-2 l / c))``
+    (``tanh = 2 r - 1``; ``k_e = -2 log2(e) / c``, ``k_a = 2 k_z log2(e)``). The term's
+    ``exp2`` is the flush-to-zero ``ex2`` (a term below 2^-126 is 0: a sum that holds its
+    row's largest term, 1, does not see it) and no ``log2(e)`` factor is left: eight
+    instructions to ``x`` and two to the term, where :func:`capped_z` and ``tl.exp(z -
+    m)`` take eight and six. Non-finite logits pass through as ``l k_t`` (``k_t =
+    log2(e) / T``), the infinity or NaN that ``z`` would be (``-inf`` stays a mask). The
+    absolute error of ``x`` is that of :func:`capped_z`'s ``z`` times ``log2(e)`` (a few
+    2^-24 of ``k_a``). Elementwise: a block, or one element under ``tl.map_elementwise``.
+    """
+    r = reciprocal(1.0 + tl.math.exp2(l * k_e), INTERPRET)
+    return tl.where(tl.abs(l) < float("inf"), r * k_a, l * k_t)
 
 
 @triton.jit
