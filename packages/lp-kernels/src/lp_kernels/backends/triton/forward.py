@@ -38,6 +38,7 @@ from lp_kernels.backends.triton.config import (
 from lp_kernels.backends.triton.pingpong import pingpong_ok, pingpong_stats
 from lp_kernels.backends.triton.tl_utils import (
     IGNORED,
+    capped_m,
     capped_x,
     capped_z,
     grouped,
@@ -174,7 +175,7 @@ def fwd_stats_kernel(
     if SOFTCAP:  # the target's z with the series (0 where the target is elsewhere)
         b_zt = softcap(b_zt, cap, inv_cap, INTERPRET)[0]
         if not ENTROPY:  # m from b (-inf and +inf stay)
-            b_m = b_m * 0.6931471805599453 - k_z
+            b_m = capped_m(b_m, k_z)
     b_zt = b_zt * inv_t
     p_out = stats_ptr + (i_s.to(tl.int64) * N + o_n) * 4
     tl.store(p_out + 0, b_m, mask=m_n)

@@ -64,6 +64,7 @@ from lp_kernels.backends.triton.config import (
 )
 from lp_kernels.backends.triton.tl_utils import (
     IGNORED,
+    capped_m,
     capped_x,
     grouped,
     softcap,
@@ -205,7 +206,7 @@ if HAVE_GLUON:
                 b_m = b_mn
             if SOFTCAP:  # the target's z with the series (0 where the target is elsewhere)
                 b_zt = softcap(b_zt, cap, inv_cap)[0]
-                b_m = b_m * 0.6931471805599453 - k_z  # m from b (-inf and +inf stay)
+                b_m = capped_m(b_m, k_z)  # m from b
             b_zt = b_zt * inv_t
             p_out = stats_ptr + (i_s.to(gl.int64) * N + o_n) * 4
             gl.store(p_out + 0, b_m, mask=m_n)

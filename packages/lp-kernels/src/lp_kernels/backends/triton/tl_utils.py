@@ -8,7 +8,8 @@
   :func:`reciprocal` (one ``MUFU`` on the GPU);
   :func:`cap_tanh`: the cap's tanh and slope for d_logits' terms (no series), and
   :func:`capped_z`: a capped logit's ``z`` for the forward's softmax terms with entropy,
-  :func:`capped_x`: its base-2 offset ``x`` for the terms without entropy.
+  :func:`capped_x`: its base-2 offset ``x`` for the terms without entropy, and
+  :func:`capped_m`: their partial's ``m``.
 
 Operands come through tensor descriptors (``TMA``) or masked pointer loads; both feed the
 same ``tl.dot`` sequence. Under the interpreter (``INTERPRET``) dots are an fp32
@@ -203,6 +204,14 @@ def capped_x(l, k_e, k_a, k_t, INTERPRET: tl.constexpr = False):
     """
     r = reciprocal(1.0 + tl.math.exp2(l * k_e), INTERPRET)
     return tl.where(tl.abs(l) < float("inf"), r * k_a, l * k_t)
+
+
+@triton.jit
+def capped_m(b, k_z):
+    """The partial's ``m = b ln(2) - k_z`` from the running ``b`` of :func:`capped_x`'s
+    terms (``-inf`` and ``+inf`` stay): one expression for both forward kernels, whose
+    partials are the same bits."""
+    return b * 0.6931471805599453 - k_z
 
 
 @triton.jit
