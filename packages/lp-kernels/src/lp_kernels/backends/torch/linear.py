@@ -229,7 +229,7 @@ def logits_grad_chunks(
     padding rows and ignored rows have zero upstream gradient. ``w_real``'s first row is
     vocabulary id ``vocab_start`` (default: the shard's start). ``b_real``: the fp32 bias of
     ``w_real``'s rows, or None; ``grad_bias`` (fp32 ``[V_r]``, or None) gets each chunk's
-    fp32 column sums of ``d_l`` added, in chunk order.
+    column sums of ``d_l`` (as rounded, summed in fp32) added, in chunk order.
     """
     v_real = w_real.shape[0]
     start = p.vocab_start if vocab_start is None else vocab_start
@@ -262,6 +262,7 @@ def logits_grad_chunks(
             dz.mul_(p.inv_temperature)
         if slope is not None:  # d l = d z / T * (1 - tanh^2)
             dz.mul_(slope)
-        if grad_bias is not None:
-            grad_bias += dz.sum(dim=0)
-        yield r0, r1, h_c, dz.to(hidden.dtype)
+        dl = dz.to(hidden.dtype)
+        if grad_bias is not None:  # the sums of what the gradient GEMMs read, in fp32
+            grad_bias += dl.sum(dim=0, dtype=torch.float32)
+        yield r0, r1, h_c, dl

@@ -94,9 +94,9 @@ class LinearLogprobLossTorch(FinishedGradients):
                 dz.mul_(p.inv_temperature)
             if cap_slope is not None:  # d l = d z / T * (1 - tanh^2)
                 dz.mul_(cap_slope)
-            if acc_b is not None:
-                acc_b += dz.sum(dim=0)
             dl = dz.to(hidden.dtype)
+            if acc_b is not None:  # the sums of what the gradient GEMMs read, in fp32
+                acc_b += dl.sum(dim=0, dtype=torch.float32)
             if need_h:
                 grad_h[r0:r1] = mm_f32(dl, w_real)[:k]
                 sums.ready(r1)

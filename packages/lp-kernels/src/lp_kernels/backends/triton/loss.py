@@ -87,9 +87,9 @@ def dlogits_l_kernel(
 
     Each program covers ``TILES`` consecutive ``[BLOCK_N, BLOCK_V]`` tiles of one row
     block. ``t_ptr``: the rows' raw target ids, ``first_id`` the id of column 0; ignored
-    rows (code ``IGNORED``) get exact zeros whatever l holds.
-    ``BIAS_GRAD``: each program writes its tiles' fp32 column sums of d l to row ``i_n``
-    of ``db_ptr`` (``[blocks, V]``).
+    rows (code ``IGNORED``) get exact zeros whatever l holds. ``BIAS_GRAD``: each program
+    writes the fp32 column sums of its tiles' stored d l to row ``i_n`` of ``db_ptr``
+    (``[blocks, V]``).
     """
     i_n = tl.program_id(0)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,9 +107,13 @@ def dlogits_l_kernel(
             inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, HAS_LSE, SOFTCAP, INTERPRET,
         )  # fmt: skip
         b_dz = tl.where(m_2 & (b_t != IGNORED)[:, None], b_dz, 0.0)
-        tl.store(p_d + o_v[None, :], b_dz.to(dl_ptr.dtype.element_ty), mask=m_2)
-        if BIAS_GRAD:
-            tl.store(db_ptr + i_n.to(tl.int64) * V + o_v, tl.sum(b_dz, axis=0), mask=o_v < V)
+        b_dl = b_dz.to(dl_ptr.dtype.element_ty)
+        tl.store(p_d + o_v[None, :], b_dl, mask=m_2)
+        if BIAS_GRAD:  # the stored values' sums (what the gradient GEMMs read), in fp32
+            tl.store(
+                db_ptr + i_n.to(tl.int64) * V + o_v, tl.sum(b_dl.to(tl.float32), axis=0),
+                mask=o_v < V,
+            )  # fmt: skip
 
 
 def dlogits_from_logits(
