@@ -5,8 +5,9 @@ its derivative ``dz / dl = 1 - tanh^2(l / c)`` to the logits gradient. The trito
 have no libdevice under the interpreter, so tanh is built from ``exp`` and one reciprocal
 there (``backends.triton.tl_utils.softcap``); this module computes the same formula,
 so both backends share one definition of the numerics (the triton kernels' softmax terms
-take it without the series, ``tl_utils.cap_tanh``: only absolute errors matter there,
-and its absolute error is the formula's own; the target's logit takes all of it)::
+take ``tanh = 2 r - 1`` and the slope ``4 r (1 - r)`` from ``r = 1 / (1 + e^(-2x))``
+signed, ``tl_utils.cap_r``: only absolute errors matter there, and theirs are the
+formula's own; the target's logit takes all of it)::
 
     x = l / c,  a = |x|,  e = exp(-2a),  r = 1 / (1 + e)
     tanh(x) = sign(x) * (r - e r)                      a >= 1/8   ((1 - e) / (1 + e))

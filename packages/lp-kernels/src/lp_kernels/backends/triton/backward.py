@@ -29,7 +29,7 @@ from lp_kernels.backends.triton.forward import logits_sources
 from lp_kernels.backends.triton.gemm import mm_block_n, narrow_block_n
 from lp_kernels.backends.triton.tl_utils import (
     IGNORED,
-    cap_tanh,
+    cap_r,
     grouped,
     logits_tile,
     target_codes,
@@ -39,31 +39,39 @@ from lp_kernels.backends.triton.tl_utils import (
 
 
 @triton.jit
-def capped_dl(l, k_e, k_p, lse2, c0, hit, g_lp, INTERPRET: tl.constexpr = False):
+def capped_dl(l, k_e, k_a, b_p, c0, hit, g_lp, INTERPRET: tl.constexpr = False):
     """d l of a capped logit ``l`` without the entropy term: ``(p c0 + [hit] g_lp) (1 -
-    tanh^2)``, ``p = e^(z / T - lse) = 2^(tanh k_p - lse2)`` (``k_p = c log2(e) / T``,
-    ``lse2 = lse log2(e)``; ``c0`` and ``g_lp`` carry the 1/T and the slope's 4).
-    Elementwise: a block, or one element under ``tl.map_elementwise``.
+    tanh^2)``. From ``r = 1 / (1 + e^(-2 l / c))`` (:func:`cap_r`; ``tanh = 2 r - 1``):
+    ``p = e^(z / T - lse) = 2^(k_a r - b_p)`` (``k_a = 2 c log2(e) / T``, ``b_p = (lse + c
+    / T) log2(e)``: one FMA), the slope ``(1 - tanh^2) / 4 = r - r^2`` (one FMA; ``c0``
+    and ``g_lp`` carry the 1/T and the 4). Elementwise: a block, or one element under
+    ``tl.map_elementwise``.
 
-    The tanh is :func:`cap_tanh`'s (no series: only ``p`` and the slope see it). Under the
-    cap ``p >= e^(-2c / T) / V``, so ``exp2``'s flush to zero takes nothing at the usual
-    caps and temperatures (at worst a ``p`` below 2^-126 becomes 0). An infinite logit
-    has slope 0: its d l is 0."""
-    t, slope = cap_tanh(l, k_e, INTERPRET)
-    p = tl.math.exp2(t * k_p - lse2)
-    return (p * c0 + tl.where(hit, g_lp, 0.0)) * slope
+    Ten instructions per element, three of them ``MUFU``; the form with ``|l|`` and the
+    sign bit (``tl_utils.softcap``'s) took fourteen. The slope's absolute error is a few
+    2^-24 (``r``'s rounding), as ``1 - tanh^2`` from a rounded tanh has: relative only
+    while the slope is well above that, so a logit the cap saturates (``l / c`` past about
+    5, slope below 1e-4) keeps less of its small d l than bf16 stores. Under the cap ``p
+    >= e^(-2c / T) / V``, so ``exp2``'s flush to zero takes nothing at the usual caps and
+    temperatures (at worst a ``p`` below 2^-126 becomes 0). An infinite logit has ``r`` 0
+    or 1, slope 0: its d l is 0."""
+    r = cap_r(l, k_e, INTERPRET)
+    s = r - r * r
+    p = tl.math.exp2(r * k_a - b_p)
+    return (p * c0 + tl.where(hit, g_lp, 0.0)) * s
 
 
 @triton.jit
-def capped_dl_entropy(
-    l, k_e, k_z, k_p, lse2, c0, g_ent, mean, hit, g_lp, INTERPRET: tl.constexpr = False
-):
-    """:func:`capped_dl` with the entropy term: ``(p (c0 - g_ent (z / T - E)) + [hit] g_lp)
-    (1 - tanh^2)``, ``z / T = tanh k_z`` (``k_z = c / T``; ``g_ent`` carries the 1/T and
-    the 4)."""
-    t, slope = cap_tanh(l, k_e, INTERPRET)
-    p = tl.math.exp2(t * k_p - lse2)
-    return (p * (c0 - g_ent * (t * k_z - mean)) + tl.where(hit, g_lp, 0.0)) * slope
+def capped_dl_entropy(l, k_e, k_a, b_p, c1, c2, hit, g_lp, INTERPRET: tl.constexpr = False):
+    """:func:`capped_dl` with the entropy term: ``(p (c0 - g_ent (z / T - E)) + [hit]
+    g_lp) (1 - tanh^2)``, where ``z / T = 2 k_z r - k_z`` makes the factor ``c1 - c2 r``
+    with the rows' ``c1 = c0 + g_ent (k_z + E)`` and ``c2 = 2 k_z g_ent`` (both carry the 1/T
+    and the slope's 4): one FMA. Its absolute error is that of ``z / T - E`` times
+    ``g_ent``, as in the plain path."""
+    r = cap_r(l, k_e, INTERPRET)
+    s = r - r * r
+    p = tl.math.exp2(r * k_a - b_p)
+    return (p * (c1 - c2 * r) + tl.where(hit, g_lp, 0.0)) * s
 
 
 @triton.jit
@@ -84,8 +92,8 @@ def capped_dlogits(
     ptxas spill here too."""
     k_e = inv_cap * -2.8853900817779268  # -2 log2(e) / c
     k_z = cap * inv_t
-    k_p = k_z * 1.4426950408889634  # c log2(e) / T
-    b_lse2 = b_lse * 1.4426950408889634
+    k_a = k_z * 2.8853900817779268  # 2 c log2(e) / T
+    b_p = (b_lse + k_z) * 1.4426950408889634
     b_c0 = b_c0 * 4.0  # exact: the slope's 4
     if HAS_LP:  # noqa: SIM108  (a constexpr branch)
         b_glp = b_glp * (4.0 * inv_t)
@@ -95,14 +103,15 @@ def capped_dlogits(
     if ENTROPY:
         b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
         b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * (4.0 * inv_t)
-        args = (b_l, k_e, k_z, k_p, b_lse2[:, None], b_c0[:, None], b_gent[:, None],
-                b_mean[:, None], m_hit, b_glp[:, None])  # fmt: skip
+        b_c1 = b_c0 + b_gent * (b_mean + k_z)
+        b_c2 = b_gent * (2.0 * k_z)
+        args = (b_l, k_e, k_a, b_p[:, None], b_c1[:, None], b_c2[:, None], m_hit, b_glp[:, None])
         if INTERPRET:
             b_dl = capped_dl_entropy(*args, INTERPRET)
         else:
             b_dl = tl.map_elementwise(capped_dl_entropy, *args)
     else:
-        args = (b_l, k_e, k_p, b_lse2[:, None], b_c0[:, None], m_hit, b_glp[:, None])
+        args = (b_l, k_e, k_a, b_p[:, None], b_c0[:, None], m_hit, b_glp[:, None])
         if INTERPRET:  # noqa: SIM108  (a constexpr branch)
             b_dl = capped_dl(*args, INTERPRET)
         else:

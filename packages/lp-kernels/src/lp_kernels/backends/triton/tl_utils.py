@@ -6,7 +6,7 @@
 - :func:`operand_ptrs` and :func:`gemm_step`: one K step of lp's GEMMs (fp32 and fixed point).
 - :func:`softcap`: final-logit softcapping of fp32 logits and its slope, with
   :func:`reciprocal` (one ``MUFU`` on the GPU);
-  :func:`cap_tanh`: the cap's tanh and slope for d_logits' terms (no series), and
+  :func:`cap_r`: ``(1 + tanh) / 2`` of the cap for the softmax terms and d_logits' slope,
   :func:`capped_z`: a capped logit's ``z`` for the forward's softmax terms with entropy,
   :func:`capped_x`: its base-2 offset ``x`` for the terms without entropy, and
   :func:`capped_m`: their partial's ``m``.
@@ -114,7 +114,7 @@ def reciprocal(x, INTERPRET: tl.constexpr):
 def tanh_of_exp(e, INTERPRET: tl.constexpr = False):
     """``(|tanh(x)|, (1 - tanh^2(x)) / 4)`` from ``e = exp(-2|x|)``: ``r = 1 / (1 + e)``,
     ``r - e r`` (``(1 - e) / (1 + e)``; one FMA on the GPU) and ``e r^2``, one
-    :func:`reciprocal` for both (:func:`softcap` and :func:`cap_tanh`)."""
+    :func:`reciprocal` for both (:func:`softcap`)."""
     r = reciprocal(1.0 + e, INTERPRET)
     er = e * r
     return r - er, er * r
@@ -151,21 +151,17 @@ def softcap(l, cap, inv_cap, INTERPRET: tl.constexpr = False):
 
 
 @triton.jit
-def cap_tanh(l, k_e, INTERPRET: tl.constexpr = False):
-    """``(tanh(l / c), (1 - tanh^2) / 4)`` of fp32 ``l`` with ``k_e = -2 log2(e) / c``:
-    :func:`softcap`'s formula without its small-argument series (the slope ``e r^2``, its 4
-    left to the caller's per-row factors); ``l = +-inf`` gives ``+-1`` and slope 0, NaN
-    stays NaN. Elementwise (see :func:`softcap`).
+def cap_r(l, k_e, INTERPRET: tl.constexpr = False):
+    """``r = 1 / (1 + e^(-2 l / c))`` of fp32 ``l`` with ``k_e = -2 log2(e) / c``: ``tanh(l /
+    c) = 2 r - 1`` and ``(1 - tanh^2) / 4 = r (1 - r)``, signed (no ``|l|`` and sign bit as
+    in :func:`softcap`), from one ``exp2`` and one :func:`reciprocal`: the capped softmax
+    terms' and the slope's form in the forward (:func:`capped_z`, :func:`capped_x`) and in
+    d_logits (``backward.capped_dl``), where only absolute errors matter (a few 2^-24).
+    For ``l / c < -44`` the power is ``+inf`` and ``r = 0``; ``l = +inf`` gives 1, ``-inf``
+    0, NaN stays NaN. Elementwise: a block, or one element under ``tl.map_elementwise``.
 
-    For the softmax terms of a tile, where only ``e^(z / T)`` and the slope see the value:
-    ``r - e r`` loses relative accuracy as ``|l / c| -> 0`` (``1 - e`` cancels), but its
-    absolute error stays that of ``e`` and ``r`` (a few 2^-24), the bound that
-    :func:`softcap` itself has from ``|l / c| = 1/8`` up. The target's logit, which a
-    log-prob returns as it is, comes from :func:`softcap`. In the bf16 d_logits tile the
-    cap then costs 5 instructions per element where :func:`softcap` took 15 (Triton 3.9;
-    ``python -m lp_testing.aot --options --sass``)."""
-    t, slope = tanh_of_exp(tl.math.exp2(tl.abs(l) * k_e), INTERPRET)
-    return with_sign_of(t, l), slope
+    The target's logit, which a log-prob returns as it is, comes from :func:`softcap`."""
+    return reciprocal(1.0 + tl.math.exp2(l * k_e), INTERPRET)
 
 
 @triton.jit
@@ -174,17 +170,17 @@ def capped_z(l, k_e, k_z, inv_t, INTERPRET: tl.constexpr = False):
     log2(e) / c``, ``k_z = c / T``; non-finite logits pass through (``-inf`` stays a
     mask). Elementwise: a block, or one element under ``tl.map_elementwise``.
 
-    ``tanh(x) = 2 r - 1`` with ``r = 1 / (1 + e^(-2x))``, signed (no ``|x|`` and sign
-    bit as in :func:`cap_tanh`), so ``z = 2 k_z r - k_z`` is one FMA from ``r``: five
-    instructions to ``z`` where :func:`cap_tanh` takes eight. Its absolute error is
-    :func:`cap_tanh`'s (a few 2^-24 of ``k_z``: ``r``'s one rounding and the FMA's); for
-    ``x < -44`` ``e^(-2x)`` is ``+inf``, ``r = 0`` and ``z = -k_z``, as the limit.
+    ``tanh(x) = 2 r - 1`` with :func:`cap_r`'s ``r``, so ``z = 2 k_z r - k_z`` is one FMA
+    from ``r``: five instructions to ``z`` where the form with ``|x|`` and the sign bit
+    takes eight. Its absolute error is a few 2^-24 of ``k_z`` (``r``'s one rounding and the
+    FMA's), that of :func:`softcap` without its series; for ``x < -44`` ``e^(-2x)`` is
+    ``+inf``, ``r = 0`` and ``z = -k_z``, as the limit.
 
     Both forward kernels run it element by element on the GPU (with entropy, beside
     ``forward.stats_terms``), as d_logits runs its own cap: op by op, the cap's blocks
     beside the tile made ptxas spill (``python -m lp_testing.aot`` prints the stack
     frames; docs/history.md the figures)."""
-    r = reciprocal(1.0 + tl.math.exp2(l * k_e), INTERPRET)
+    r = cap_r(l, k_e, INTERPRET)
     return tl.where(tl.abs(l) < float("inf"), r * (2.0 * k_z) - k_z, l * inv_t)
 
 
@@ -202,7 +198,7 @@ def capped_x(l, k_e, k_a, k_t, INTERPRET: tl.constexpr = False):
     absolute error of ``x`` is that of :func:`capped_z`'s ``z`` times ``log2(e)`` (a few
     2^-24 of ``k_a``). Elementwise: a block, or one element under ``tl.map_elementwise``.
     """
-    r = reciprocal(1.0 + tl.math.exp2(l * k_e), INTERPRET)
+    r = cap_r(l, k_e, INTERPRET)
     return tl.where(tl.abs(l) < float("inf"), r * k_a, l * k_t)
 
 
