@@ -186,46 +186,11 @@ def store_column_sums(p_db, m_c, b_dl, INTERPRET: tl.constexpr):
         tl.store(p_db[None, :] + o_r * 0, b_s, mask=(o_r == 0) & m_c[None, :])
 
 
-@triton.jit
-def finish_column_sums(
-    db_ptr, gb_ptr, cnt_ptr, i_v, blocks, v_store, v_count, BLOCK_V: tl.constexpr,
-    ROWS: tl.constexpr = 16,
-):  # fmt: skip
-    """After a program has stored its row block's column sums (row ``i_n`` of ``db_ptr``,
-    ``[blocks, v_store]``): the last of column tile ``i_v``'s ``blocks`` programs to
-    arrive adds the tile's rows, in row order from +0.0, to ``gb_ptr[:v_count]`` (fp32;
-    one read-add-write per column) and resets the tile's counter ``cnt_ptr[i_v]`` to 0.
-
-    :func:`add_column_sums`' arithmetic (the same bits), without a launch per block of
-    d_logits: which program arrives last varies from run to run, the order of the sum does
-    not. The counter's ``atomic_add`` is acquire-release at GPU scope, after a barrier
-    that orders all the program's stores before it; the rows are read past L1 (``.cg``).
-    ``ROWS`` rows' loads at a time are in flight together."""
-    tl.debug_barrier()  # every thread of the program has stored its columns
-    arrived = tl.atomic_add(cnt_ptr + i_v, 1, sem="acq_rel", scope="gpu")
-    if arrived == blocks - 1:
-        o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        m_c = o_c < v_count
-        b_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-        p_i = db_ptr + o_c  # row i (pointer steps, as in colsum_kernel)
-        full = blocks - blocks % ROWS
-        for _ in range(0, full, ROWS):
-            for r in tl.static_range(ROWS):
-                b_acc += tl.load(p_i + r * v_store, mask=m_c, other=0.0, cache_modifier=".cg")
-            p_i += ROWS * v_store
-        for _ in range(full, blocks):
-            b_acc += tl.load(p_i, mask=m_c, other=0.0, cache_modifier=".cg")
-            p_i += v_store
-        b_old = tl.load(gb_ptr + o_c, mask=m_c, other=0.0)
-        tl.store(gb_ptr + o_c, b_old + b_acc, mask=m_c)
-        tl.atomic_xchg(cnt_ptr + i_v, 0, sem="relaxed", scope="gpu")
-
-
 @triton.jit(do_not_specialize=["N", "v_begin", "v_count", "ignore_index", "first_id", "group"])
 def dlogits_kernel(
     h_src, w_src, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, glse_ptr, dl_ptr, b_ptr, db_ptr,
-    gb_ptr, cnt_ptr, N, H, v_begin, v_count, v_store, ignore_index, first_id, inv_t, cap,
-    inv_cap, group, stride_hn, stride_hh, stride_wv, stride_wh, stride_dn,
+    N, H, v_begin, v_count, v_store, ignore_index, first_id, inv_t, cap, inv_cap, group,
+    stride_hn, stride_hh, stride_wv, stride_wh, stride_dn,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, HAS_LSE: tl.constexpr, EVEN_H: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr, IGNORED: tl.constexpr, TMA: tl.constexpr,
@@ -239,9 +204,7 @@ def dlogits_kernel(
     ``HAS_BIAS``: the logits are ``h W^T + b``; ``SOFTCAP``: z = c tanh(l / c) / T, and d l
     takes the factor 1 - tanh^2; ``BIAS_GRAD``: each program also writes the fp32 column
     sums of its stored block (:func:`store_column_sums`) to row ``i_n`` of ``db_ptr``
-    (``[blocks, v_store]``), and the last program of each column tile adds the tile's rows
-    to the fp32 ``gb_ptr[:v_count]`` (:func:`finish_column_sums`; ``cnt_ptr``: the tiles'
-    int32 arrival counters, zero before and after the launch).
+    (``[blocks, v_store]``).
     """
     i_n, i_v = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_store, BLOCK_V), group)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -270,9 +233,6 @@ def dlogits_kernel(
     if BIAS_GRAD:  # the stored block's column sums (dead rows and columns hold exact zeros)
         p_db = db_ptr + i_n.to(tl.int64) * v_store + o_c
         store_column_sums(p_db, o_c < v_store, b_dl, INTERPRET)
-        finish_column_sums(
-            db_ptr, gb_ptr, cnt_ptr, i_v, tl.cdiv(N, BLOCK_N), v_store, v_count, BLOCK_V
-        )
 
 
 @triton.jit(do_not_specialize=["B", "V"])
@@ -299,16 +259,14 @@ def colsum_kernel(part_ptr, out_ptr, B, V, stride_pb, BLOCK: tl.constexpr, ROWS:
 
 def dlogits(
     hidden, w_real, targets, first_id, lse, mean, grads, out, v_begin, v_count, p, cfg,
-    b_real=None, db=None, sums=None,
+    b_real=None, db=None,
 ):  # fmt: skip
     """d_logits of columns [v_begin, +v_count) into ``out``; its columns past v_count get
     exact zeros (callers pass ``pad_cols(v_count, buffer)`` columns). ``targets``: the raw
     ids of the rows, ``first_id`` the vocabulary id of ``w_real``'s first row; ``grads``:
     the upstream ``(g_lp, g_ent, g_lse)`` (:func:`upstream`). ``b_real``: the fp32 bias of
-    ``w_real``'s rows, or None; with ``db``, a contiguous fp32 ``[cdiv(rows, block_n),
-    out.shape[1]]`` buffer for the row blocks' column sums, ``sums = (grad_bias,
-    counters)``: the fp32 ``[v_count]`` slice of grad_bias to which the rows' column sums
-    are added, and zeroed int32 counters, one per column tile (:func:`column_counters`)."""
+    ``w_real``'s rows, or None; ``db``: None, or a contiguous fp32 ``[cdiv(rows,
+    block_n), out.shape[1]]`` buffer for the row blocks' column sums."""
     n, h_dim = hidden.shape
     v_store = out.shape[1]
     blocks_n = triton.cdiv(n, cfg.block_n)
@@ -316,7 +274,7 @@ def dlogits(
     g_lp, g_ent, g_lse = (lse if g is None else g for g in grads)
     dlogits_kernel[(blocks_n * triton.cdiv(v_store, cfg.block_v),)](
         h_src, w_src, targets, lse, mean if mean is not None else lse, g_lp, g_ent, g_lse, out,
-        lse if b_real is None else b_real, *((lse, lse, lse) if db is None else (db, *sums)),
+        lse if b_real is None else b_real, lse if db is None else db,
         n, h_dim, v_begin, v_count, v_store, p.ignore_index, first_id, p.inv_temperature,
         *cap_args(p), group_size(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1), out.stride(0),
@@ -326,12 +284,6 @@ def dlogits(
         HAS_BIAS=b_real is not None, BIAS_GRAD=db is not None, SOFTCAP=p.softcap is not None,
         **logit_flags(hidden, cfg), **launch_opts(cfg, hidden.device),
     )  # fmt: skip
-
-
-def column_counters(width: int, cfg: TileConfig, device) -> torch.Tensor:
-    """Zeroed int32 arrival counters for :func:`dlogits`' column sums, one per column tile of
-    a ``width``-column buffer; every launch leaves them zero again."""
-    return torch.zeros(triton.cdiv(width, cfg.block_v), dtype=torch.int32, device=device)
 
 
 def add_column_sums(
@@ -401,8 +353,7 @@ def dlogits_blocks(
     id of ``w_real``'s first row; ``grads``: the upstream ``(g_lp, g_ent, g_lse)``
     (:func:`upstream`). ``b_real``: the fp32 bias of ``w_real``'s rows, or None;
     ``grad_bias``: None, or fp32 ``[v_real]`` to which each block's fp32 column sums of d l
-    are added before the block is yielded (row blocks in order, then token chunks), inside
-    the d_logits launch.
+    are added before the block is yielded (row blocks in order, then token chunks).
     """
     n = hidden.shape[0]
     v_real = w_real.shape[0]
@@ -418,11 +369,10 @@ def dlogits_blocks(
     else:
         spans, width = pieces
     dl_buf = scratch.empty((rows, width), dtype=hidden.dtype, device=hidden.device)
-    db_buf = counters = None
+    db_buf = None
     if grad_bias is not None:  # the row blocks' column sums of one token chunk
         shape = (triton.cdiv(rows, cfg.block_n), width)
         db_buf = scratch.empty(shape, dtype=torch.float32, device=hidden.device)
-        counters = column_counters(width, cfg, hidden.device)
 
     def blocks(v_begin: int, v_count: int):
         cols = pad_cols(v_count, dl_buf)
@@ -432,15 +382,16 @@ def dlogits_blocks(
             def cut(x, r0=r0, r1=r1):
                 return None if x is None else x[r0:r1]
 
-            db = sums = None
+            db = None
             if db_buf is not None:  # contiguous [row blocks, cols]
                 db = db_buf.view(-1)[: triton.cdiv(r1 - r0, cfg.block_n) * cols].view(-1, cols)
-                sums = (grad_bias[v_begin : v_begin + v_count], counters)
             dlogits(
                 hidden[r0:r1], w_real, targets[r0:r1], first_id, lse[r0:r1], cut(mean_z),
                 tuple(cut(g) for g in grads), dl_buf[: r1 - r0, :cols], v_begin, v_count, p,
-                cfg, b_real, db, sums,
+                cfg, b_real, db,
             )  # fmt: skip
+            if db is not None:
+                add_column_sums(grad_bias[v_begin : v_begin + v_count], db)
             yield r0, r1, dl_buf[: r1 - r0, :v_count], cols
 
     for v_begin, v_count in spans:
