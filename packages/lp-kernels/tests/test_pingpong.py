@@ -59,7 +59,7 @@ logits on the tanh's curve)."""
 )
 def test_pingpong_partials_are_the_triton_kernels(dtype, n, h, v, first, max_v, softcap, bias):
     from lp_kernels.backends.triton import forward
-    from lp_kernels.backends.triton.pingpong import pingpong_ok
+    from lp_kernels.backends.triton.pingpong import pingpong_ok, pingpong_stats
 
     gen = torch.Generator(device="cuda").manual_seed(n + h + v)
     hidden = torch.randn(n, h, device="cuda", generator=gen).to(dtype)
@@ -78,8 +78,12 @@ def test_pingpong_partials_are_the_triton_kernels(dtype, n, h, v, first, max_v, 
             return_lse=True, vocab_start=first, vocab_size=first + v + 100, chunk_size=0,
             max_v_local=max_v, softcap=softcap,
         )  # fmt: skip
-        assert pingpong_ok(hidden, weight, p, on) and not pingpong_ok(hidden, weight, p, off)
-        got = forward.forward_stats(hidden, weight, targets, first, p, on, b_real).clone()
+        assert not pingpong_ok(hidden, weight, p, off, bias)
+        assert pingpong_ok(hidden, weight, p, on, bias) == (not bias or softcap is not None)
+        # the kernel itself, whichever the rule picks (a bias alone takes the Triton one)
+        width, splits = forward.shard_splits(v, p, on)
+        got = torch.empty((splits, n, 4), device="cuda")
+        pingpong_stats(hidden, weight, targets, first, p, on, got, width, b_real)
         want = forward.forward_stats(hidden, weight, targets, first, p, off, b_real).clone()
         assert got.shape == want.shape
         assert torch.equal(got, want), (got - want).abs().nan_to_num().max()
@@ -122,7 +126,7 @@ def test_pingpong_calls_match_the_triton_kernel_with_gradients(n, softcap, bias)
 def test_pingpong_rule(monkeypatch):
     """Which calls the rule admits (no GPU needed: a stand-in CUDA tensor and device): the
     pinned Hopper config's bf16 / fp16 calls without entropy or deterministic mode at H <=
-    2048, a softcap or not, and nothing else."""
+    2048, a softcap or not, a bias only with a softcap, and nothing else."""
     import types
 
     from lp_kernels.backends.triton import pingpong
@@ -151,6 +155,8 @@ def test_pingpong_rule(monkeypatch):
     assert not ok(tensor(2056), w, params(), GPU_CONFIG)  # H over pingpong_max_h
     assert not ok(tensor(2048), w, params(return_entropy=True), GPU_CONFIG)
     assert ok(tensor(2048), w, params(softcap=30.0, temperature=0.7), GPU_CONFIG)
+    assert ok(tensor(2048), w, params(softcap=30.0), GPU_CONFIG, bias=True)
+    assert not ok(tensor(2048), w, params(), GPU_CONFIG, bias=True)  # a bias alone
     assert not ok(tensor(2048), w, params(softcap=30.0, return_entropy=True), GPU_CONFIG)
     assert not ok(tensor(2048), w, params(deterministic=True), GPU_CONFIG)
     assert not ok(tensor(2048, torch.float32), tensor(2048, torch.float32), params(), GPU_CONFIG)

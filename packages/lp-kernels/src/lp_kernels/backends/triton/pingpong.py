@@ -300,19 +300,28 @@ def _layouts(block_h: int, block_v: int, dtype: torch.dtype):
 
 
 def pingpong_ok(
-    hidden: torch.Tensor, w_real: torch.Tensor, p: LogprobParams, cfg: TileConfig
+    hidden: torch.Tensor,
+    w_real: torch.Tensor,
+    p: LogprobParams,
+    cfg: TileConfig,
+    bias: bool = False,
 ) -> bool:
     """Whether a call's forward statistics take :func:`pingpong_stats`: no entropy or
-    ``deterministic=True`` in ``p`` (the caller checks its stored logits and tiles), a
-    Hopper GPU (compute capability 9.x), Gluon, 2-byte inputs that back tensor
-    descriptors, the config's tile (``block_n`` 128, ``block_v`` 256) and ``H <=
-    cfg.pingpong_max_h``. Options, H, the dtype and the device decide it, never N or the
-    shard's width; both kernels give the same bits."""
+    ``deterministic=True`` in ``p`` (the caller checks its stored logits and tiles), no
+    ``bias`` without a softcap, a Hopper GPU (compute capability 9.x), Gluon, 2-byte
+    inputs that back tensor descriptors, the config's tile (``block_n`` 128, ``block_v``
+    256) and ``H <= cfg.pingpong_max_h``. Options, H, the dtype and the device decide it,
+    never N or the shard's width; both kernels give the same bits.
+
+    A bias alone takes the Triton kernel: with it this kernel measured 1.19-1.37 x one
+    matmul at S2 / S4 against the Triton kernel's 1.12-1.17 x in the same calls (H100;
+    with a softcap too, 1.05-1.14 x against 1.21-1.24 x; docs/benchmarks.md)."""
     return (
         HAVE_GLUON
         and cfg.pingpong_max_h > 0
         and not p.return_entropy
         and not p.deterministic
+        and (not bias or p.softcap is not None)
         and hidden.device.type == "cuda"
         and hidden.shape[1] <= cfg.pingpong_max_h
         and hidden.dtype in (torch.bfloat16, torch.float16)
