@@ -26,6 +26,7 @@ import time
 import torch
 
 from lp_bench.protocol import make_bias, make_inputs, parse_shapes
+from lp_bench.timing import time_cuda
 from lp_kernels import linear_logprob
 
 SETS = ("plain", "bias", "cap", "both")
@@ -43,15 +44,7 @@ def train_step(hidden, weight, targets, grad_out, bias, softcap):
 
 def timed(fn, reps: int) -> float:
     """The median of ``reps`` calls' milliseconds (CUDA events, each call waited for)."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(time_cuda(fn, warmup=0, reps=reps))
 
 
 def measure(n, h, v, sets, rounds, reps, softcap) -> dict:
