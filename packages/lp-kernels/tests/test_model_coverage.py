@@ -257,6 +257,36 @@ def test_bias_matches_fp64(dtype, b_dtype, deterministic, device, backend):
         assert_bitwise_equal(again[name], value, f"{name} rerun")
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "cap5"])
+def test_bias_gradient_sums_the_d_logits_the_gemms_read(softcap, deterministic, device, backend):
+    """grad_bias sums, in fp32, the d_logits that the gradient GEMMs read, rounded to the
+    GEMM dtype (design.md), as grad_weight is their product with hidden. With the identity
+    as a bf16 hidden (N = H) each grad_weight element is one of those d_logits times 1, so
+    grad_weight^T is them, exactly: grad_bias equals their fp64 sums to fp32 accuracy,
+    while fp64's own grad_bias (sums of the unrounded values) lies bf16 rounding away."""
+    n, v = 64, 300
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.eye(n).to(torch.bfloat16)
+    weight = (3.0 * torch.randn(v, n, generator=gen)).to(torch.bfloat16)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[::7] = -100
+    bias = torch.randn(v, generator=gen)  # fp32: grad_bias returned as summed
+    opts = {"backend": backend, "device": device, "deterministic": deterministic}
+    got = _run(hidden, weight, targets, bias=bias, softcap=softcap, **opts)
+    want = got["grad_weight"].double().sum(dim=1)  # the stored d_logits' sums, [V]
+    scale = float(want.abs().max())
+    assert_close(got["grad_bias"].double(), want, rtol=1e-6, atol=1e-6 * scale,
+                 name="grad_bias vs the sums of the d_logits the GEMMs read")  # fmt: skip
+    g_lp, g_ent, g_lse = _upstream(n)
+    extra = {} if softcap is None else {"softcap": softcap}
+    truth = reference_all(
+        hidden, weight, targets, grad_logprob=g_lp, grad_entropy=g_ent, grad_lse=g_lse,
+        bias=bias, **extra,
+    )["grad_bias"]  # fmt: skip
+    assert float((truth - want).abs().max()) > 100 * 1e-6 * scale  # the test tells them apart
+
+
 def test_bias_without_grad_and_ignored_rows_with_large_bias(backend):
     """A bias that makes exp overflow on an ignored row (zero hidden) gives exact zeros;
     a bias that needs no gradient leaves the others unchanged."""
