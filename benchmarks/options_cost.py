@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 from lp_bench.protocol import make_bias, make_inputs, parse_shapes
-from lp_bench.timing import time_cuda
+from lp_bench.timing import steady_warmup, time_cuda
 from lp_kernels import linear_logprob
 
 SETS = ("plain", "bias", "cap", "both")
@@ -62,10 +61,8 @@ def measure(n, h, v, sets, rounds, reps, softcap) -> dict:
             train_step(hidden, weight, targets, grad_out, b, c)
 
         steps[name] = step
-    for name in sets:  # compile, then a second of each at its steady clock
-        steps[name]()
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < 1.0:
+    for name in sets:  # compiled, then a second of each at its steady clock (as lp bench)
+        for _ in range(steady_warmup(steps[name], 1, 1.0)):
             steps[name]()
         torch.cuda.synchronize()
     runs: dict[str, list[float]] = {name: [] for name in sets}

@@ -134,10 +134,9 @@ if HAVE_GLUON:
         rows_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
         cols_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
         # the bias' columns, BLOCK_V / 128 per thread: one coalesced load per tile, issued
-        # before the tile's MMAs and moved into cols_l after them (in cols_l itself each
-        # thread loads its 64 columns one by one, in batches that ptxas places between
-        # their uses, and the epilogue waits on each: the forward 1.16-1.37 x one matmul
-        # at S2 / S4 against 1.07-1.09 x without the bias)
+        # before the tile's MMAs and moved into cols_l after them (loaded in cols_l, each
+        # thread's 64 columns come one by one, in batches that ptxas places between their
+        # uses, and the epilogue waits on each)
         bias_l: gl.constexpr = gl.BlockedLayout([BLOCK_V // 128], [32], [4], [0])
         blocks_n = gl.cdiv(N, 2 * HALF)
         k_steps = gl.cdiv(H, BLOCK_H)
