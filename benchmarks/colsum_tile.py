@@ -146,16 +146,18 @@ def dlogits_colsum_kernel(
     o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     m_n = o_n < N
     m_v = o_c < v_count
+    b_t = target_codes(t_ptr, o_n, m_n, ignore_index, first_id, v_begin + v_count, IGNORED)
+    b_lse, b_glp, b_glse, b_mean, b_gent = backward.dlogits_rows(
+        lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, ENTROPY, HAS_LP, HAS_LSE
+    )
     b_z = logits_tile(
         h_src, w_src, b_ptr, i_n * BLOCK_N, v_begin + i_v * BLOCK_V, m_n, m_v, H, stride_hn,
         stride_hh, stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET,
         PRECISION, TMA, HAS_BIAS,
     )  # fmt: skip
-    b_t = target_codes(t_ptr, o_n, m_n, ignore_index, first_id, v_begin + v_count, IGNORED)
     b_dz = backward.dlogits_tile(
-        b_z, b_t, lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n,
-        v_begin + i_v * BLOCK_V, inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, HAS_LSE, SOFTCAP,
-        INTERPRET,
+        b_z, b_t, b_lse, b_glp, b_glse, b_mean, b_gent, v_begin + i_v * BLOCK_V, inv_t, cap,
+        inv_cap, BLOCK_V, ENTROPY, HAS_LP, SOFTCAP, INTERPRET,
     )  # fmt: skip
     m_live = m_n & (b_t != IGNORED)
     if (tl.min(m_live.to(tl.int32), axis=0) == 0) | ((i_v + 1) * BLOCK_V > v_count):

@@ -76,7 +76,7 @@ def capped_dl_entropy(l, k_e, k_a, b_p, c1, c2, hit, g_lp, INTERPRET: tl.constex
 
 @triton.jit
 def capped_dlogits(
-    b_l, b_trel, b_lse, b_c0, b_glp, gent_ptr, mean_ptr, o_n, m_n, inv_t, cap, inv_cap,
+    b_l, b_trel, b_lse, b_c0, b_glp, b_mean, b_gent, inv_t, cap, inv_cap,
     BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -101,8 +101,7 @@ def capped_dlogits(
         b_glp = tl.zeros_like(b_c0)  # a constant: the select folds away
     m_hit = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
     if ENTROPY:
-        b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
-        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * (4.0 * inv_t)
+        b_gent = b_gent * (4.0 * inv_t)
         b_c1 = b_c0 + b_gent * (b_mean + k_z)
         b_c2 = b_gent * (2.0 * k_z)
         args = (b_l, k_e, k_a, b_p[:, None], b_c1[:, None], b_c2[:, None], m_hit, b_glp[:, None])
@@ -120,40 +119,57 @@ def capped_dlogits(
 
 
 @triton.jit
-def dlogits_tile(
-    b_z, b_t, lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, col0, inv_t, cap,
-    inv_cap, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
-    HAS_LSE: tl.constexpr, SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
+def dlogits_rows(
+    lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, ENTROPY: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_LSE: tl.constexpr,
 ):  # fmt: skip
-    """d l of a tile of raw logits ``b_z`` (``h W^T + b``, fp32) whose first column is
-    ``col0`` (the target codes' column numbering), rows ``o_n`` with target codes ``b_t``:
-    the arithmetic of both d_logits kernels, the one that recomputes the logits
-    (:func:`dlogits_kernel`) and the one that reads them (``triton.loss``). The upstream
-    gradients are fp32 ``[N]`` (``HAS_LP`` / ``HAS_LSE`` / ``ENTROPY``: present), read as
-    they come: an ignored row's may hold anything. Rows and columns outside the tile's
-    bounds, and ignored rows, are the caller's to zero."""
-    # d z / T = p (c0 - g_ent (z / T - E)) / T with the 1/T folded into per-row factors,
-    # c0 = g_lse - g_lp (an absent gradient is +0.0)
+    """The per-row inputs of :func:`dlogits_tile` for rows ``o_n``: ``(lse, g_lp, g_lse,
+    E, g_ent)``, fp32 ``[BLOCK_N]``, an absent gradient (and E without ``ENTROPY``) as
+    +0.0. Read as they come: an ignored row's may hold anything.
+
+    A kernel that computes its logits calls this first, so that these loads are in flight
+    during the tile's MMAs rather than after them."""
     b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
     b_glp = tl.zeros_like(b_lse)
     b_glse = tl.zeros_like(b_lse)
+    b_mean = tl.zeros_like(b_lse)
+    b_gent = tl.zeros_like(b_lse)
     if HAS_LP:
         b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0)
     if HAS_LSE:
         b_glse = tl.load(glse_ptr + o_n, mask=m_n, other=0.0)
+    if ENTROPY:
+        b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
+        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0)
+    return b_lse, b_glp, b_glse, b_mean, b_gent
+
+
+@triton.jit
+def dlogits_tile(
+    b_z, b_t, b_lse, b_glp, b_glse, b_mean, b_gent, col0, inv_t, cap, inv_cap,
+    BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
+    SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """d l of a tile of raw logits ``b_z`` (``h W^T + b``, fp32) whose first column is
+    ``col0`` (the target codes' column numbering), rows with target codes ``b_t`` and the
+    per-row inputs of :func:`dlogits_rows`: the arithmetic of both d_logits kernels, the one
+    that recomputes the logits (:func:`dlogits_kernel`) and the one that reads them
+    (``triton.loss``). Rows and columns outside the tile's bounds, and ignored rows, are the
+    caller's to zero."""
+    # d z / T = p (c0 - g_ent (z / T - E)) / T with the 1/T folded into per-row factors,
+    # c0 = g_lse - g_lp (an absent gradient is +0.0)
     b_c0 = (b_glse - b_glp) * inv_t
     if SOFTCAP:  # d l = d z / T * (1 - tanh^2), element by element
         b_trel = (b_t - col0).to(tl.int32)  # int32: one compare each
         b_dz = capped_dlogits(
-            b_z, b_trel, b_lse, b_c0, b_glp, gent_ptr, mean_ptr, o_n, m_n, inv_t, cap,
-            inv_cap, BLOCK_V, ENTROPY, HAS_LP, INTERPRET,
+            b_z, b_trel, b_lse, b_c0, b_glp, b_mean, b_gent, inv_t, cap, inv_cap, BLOCK_V,
+            ENTROPY, HAS_LP, INTERPRET,
         )  # fmt: skip
     else:
         b_zs = b_z * inv_t
         b_p = tl.exp(b_zs - b_lse[:, None])
         if ENTROPY:
-            b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0)
-            b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0) * inv_t
+            b_gent = b_gent * inv_t
             b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
         else:
             b_dz = b_p * b_c0[:, None]
@@ -211,16 +227,19 @@ def dlogits_kernel(
     o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # column within the chunk
     m_n = o_n < N
     m_v = o_c < v_count
+    # the rows' inputs first: their loads overlap the tile's MMAs (dlogits_rows)
+    b_t = target_codes(t_ptr, o_n, m_n, ignore_index, first_id, v_begin + v_count, IGNORED)
+    b_lse, b_glp, b_glse, b_mean, b_gent = dlogits_rows(
+        lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, ENTROPY, HAS_LP, HAS_LSE
+    )
     b_z = logits_tile(
         h_src, w_src, b_ptr, i_n * BLOCK_N, v_begin + i_v * BLOCK_V, m_n, m_v, H, stride_hn,
         stride_hh, stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET,
         PRECISION, TMA, HAS_BIAS,
     )  # fmt: skip
-    b_t = target_codes(t_ptr, o_n, m_n, ignore_index, first_id, v_begin + v_count, IGNORED)
     b_dz = dlogits_tile(
-        b_z, b_t, lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n,
-        v_begin + i_v * BLOCK_V, inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, HAS_LSE, SOFTCAP,
-        INTERPRET,
+        b_z, b_t, b_lse, b_glp, b_glse, b_mean, b_gent, v_begin + i_v * BLOCK_V, inv_t, cap,
+        inv_cap, BLOCK_V, ENTROPY, HAS_LP, SOFTCAP, INTERPRET,
     )  # fmt: skip
     # ignored rows (code IGNORED) and rows past N get exact zeros, even where their hidden
     # is not finite, as do columns past v_count: a select only in tiles that have them

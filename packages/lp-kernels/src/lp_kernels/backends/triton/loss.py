@@ -47,6 +47,7 @@ from lp_kernels._types import LogprobParams, LossOutput
 from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
     add_column_sums,
+    dlogits_rows,
     dlogits_tile,
     grad_weight_buffer,
     grad_weight_slice,
@@ -97,14 +98,17 @@ def dlogits_l_kernel(
     p_l = l_ptr + o_n[:, None].to(tl.int64) * stride_ln
     p_d = dl_ptr + o_n[:, None].to(tl.int64) * stride_dn
     b_t = target_codes(t_ptr, o_n, m_n, ignore_index, first_id, V, IGNORED)
+    b_lse, b_glp, b_glse, b_mean, b_gent = dlogits_rows(
+        lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, ENTROPY, HAS_LP, HAS_LSE
+    )
     for j in tl.static_range(TILES):
         v0 = (tl.program_id(1) * TILES + j) * BLOCK_V
         o_v = v0 + tl.arange(0, BLOCK_V)
         m_2 = m_n[:, None] & (o_v < V)[None, :]
         b_l = tl.load(p_l + o_v[None, :], mask=m_2, other=0.0)
         b_dz = dlogits_tile(
-            b_l, b_t, lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, v0,
-            inv_t, cap, inv_cap, BLOCK_V, ENTROPY, HAS_LP, HAS_LSE, SOFTCAP, INTERPRET,
+            b_l, b_t, b_lse, b_glp, b_glse, b_mean, b_gent, v0, inv_t, cap, inv_cap, BLOCK_V,
+            ENTROPY, HAS_LP, SOFTCAP, INTERPRET,
         )  # fmt: skip
         b_dz = tl.where(m_2 & (b_t != IGNORED)[:, None], b_dz, 0.0)
         b_dl = b_dz.to(dl_ptr.dtype.element_ty)

@@ -66,6 +66,8 @@ def logits_tile(
     finished sums, one rounding per logit (``pingpong``'s kernel adds it so too: on Hopper
     an accumulator that starts from it slowed that kernel's MMAs by up to 13 %).
     """
+    if HAS_BIAS:  # loaded first: in flight during the MMAs
+        b_b = tl.load(b_ptr + col0 + tl.arange(0, BLOCK_V), mask=m_v, other=0.0)
     b_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     if not TMA:
         o_h = tl.arange(0, BLOCK_H)
@@ -89,7 +91,6 @@ def logits_tile(
         else:
             b_acc = tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=PRECISION)
     if HAS_BIAS:
-        b_b = tl.load(b_ptr + col0 + tl.arange(0, BLOCK_V), mask=m_v, other=0.0)
         b_acc = b_acc + b_b[None, :]
     return b_acc
 
