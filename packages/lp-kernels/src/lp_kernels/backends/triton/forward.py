@@ -41,7 +41,6 @@ from lp_kernels.backends.triton.tl_utils import (
     capped_m,
     capped_x,
     capped_z,
-    exp_ftz,
     grouped,
     logits_tile,
     softcap,
@@ -155,7 +154,7 @@ def fwd_stats_kernel(
             b_alpha = tl.math.exp2(b_m - b_mn)
             b_e = tl.math.exp2(b_z - b_mn[:, None])
         else:
-            b_alpha = exp_ftz(b_m - b_mn, INTERPRET)
+            b_alpha = tl.exp(b_m - b_mn)
             if SOFTCAP:  # with entropy: element by element on the GPU (tl_utils.capped_z)
                 if INTERPRET:
                     b_e, b_ed = stats_terms(b_z, b_mn[:, None])
@@ -163,7 +162,7 @@ def fwd_stats_kernel(
                     b_e, b_ed = tl.map_elementwise(stats_terms, b_z, b_mn[:, None])
             else:
                 b_d = b_z - b_mn[:, None]
-                b_e = exp_ftz(b_d, INTERPRET)
+                b_e = tl.exp(b_d)
                 if ENTROPY:
                     b_ed = b_e * b_d
         if ENTROPY:
