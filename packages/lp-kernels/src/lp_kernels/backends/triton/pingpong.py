@@ -312,9 +312,11 @@ def pingpong_ok(
     256) and ``H <= cfg.pingpong_max_h``. Options, H, the dtype and the device decide it,
     never N or the shard's width; both kernels give the same bits.
 
-    A bias alone takes the Triton kernel: with it this kernel measured 1.19-1.37 x one
-    matmul at S2 / S4 against the Triton kernel's 1.12-1.17 x in the same calls (H100;
-    with a softcap too, 1.05-1.14 x against 1.21-1.24 x; docs/benchmarks.md)."""
+    A bias alone takes the Triton kernel: with it this kernel measured 1.27-1.37 x one
+    matmul at S2 against the Triton kernel's 1.15-1.17 x in the same calls, and 1.12-1.25
+    against 1.12-1.17 x at S4 (H100; with a softcap too, 1.04-1.14 x against 1.18-1.24 x).
+    Alone it takes about the plain kernel's cycles: its epilogue's cost is power at the
+    board's limit (docs/benchmarks.md)."""
     return (
         HAVE_GLUON
         and cfg.pingpong_max_h > 0
