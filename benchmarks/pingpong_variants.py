@@ -54,8 +54,8 @@ def calls(n: int, h: int, v: int) -> dict:
         stats = torch.empty((splits, n, 4), device="cuda")
         c = "c" if cap else ""
         for b in (None, bias):
-            name = "pp" + ("_" if b is not None or cap else "") + ("b" if b is not None else "") + c
-            out[name] = lambda p=p, s=stats, w=width, b=b: pingpong_stats(
+            tag = ("b" if b is not None else "") + c
+            out[f"pp_{tag}" if tag else "pp"] = lambda p=p, s=stats, w=width, b=b: pingpong_stats(
                 hidden, weight, targets, 0, p, on, s, w, b
             )
         out["tr_b" + c] = lambda p=p: forward.forward_stats(
