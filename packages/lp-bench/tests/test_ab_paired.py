@@ -82,3 +82,24 @@ def test_tree_specs(ab):
         ab.parse_trees("base:bias", sets)
     with pytest.raises(ValueError, match="identifier"):
         ab.prepare("HEAD", "not-a-name", Path("unused"))
+
+
+def test_summary_pairs_rounds(ab):
+    """Ratios are medians of per-round ratios (paired), not ratios of medians; a tree that
+    skips plain has its cost over this checkout's plain step."""
+    runs = {
+        ("plain", "base"): [10.0, 20.0, 10.0],
+        ("bias", "base"): [11.0, 22.0, 11.0],
+        ("plain", "new"): [9.0, 18.0, 9.0],
+        ("bias", "new"): [9.9, 21.6, 9.9],
+        ("bias", "mid"): [9.0, 19.8, 9.9],
+    }
+    mods = {"base": None, "mid": None, "new": None}
+    rows = ab.summarize(runs, mods)
+    assert rows["plain/base"]["over_plain"] is None
+    assert rows["bias/base"]["over_plain"] == pytest.approx(0.1)
+    assert rows["bias/new"]["vs_base"] == pytest.approx(-0.1)
+    assert rows["bias/new"]["over_plain"] == pytest.approx(0.1)
+    assert rows["bias/mid"]["over_plain"] == pytest.approx(0.1)  # over new's plain
+    assert rows["bias/mid"]["vs_base"] == pytest.approx(-0.1)
+    assert rows["plain/new"]["median_ms"] == 9.0
