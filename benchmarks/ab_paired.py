@@ -98,7 +98,8 @@ def parse_trees(spec: str, sets: list[str]) -> list[tuple[str, list[str]]]:
 
 def load_trees(spec: list[tuple[str, list[str]]], folder: Path) -> dict:
     """name -> (module, sets) for the prepared trees, then ``new``: this checkout's."""
-    sys.path.insert(0, str(folder))
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
     mods = {n: (importlib.import_module(f"lp_kernels_{n}"), s) for n, s in spec}
     import lp_kernels
 
@@ -159,27 +160,15 @@ def make_step_inputs(n: int, h: int, v: int, device: str = "cuda") -> dict:
 
 
 def time_rounds(mods: dict, inputs: dict, sets: list[str], args) -> dict:
-    """(set, tree) -> per-round median ms, in rotating order."""
-    import torch
-
-    from lp_bench.timing import steady_warmup, time_cuda
+    """(set, tree) -> per-round median ms (``lp_bench.timing.paired_rounds``)."""
+    from lp_bench.timing import paired_rounds
 
     fns = {}
     for s in sets:
         for name, (mod, only) in mods.items():
             if only is None or s in only:
                 fns[(s, name)] = lambda mod=mod, s=s: step(mod, inputs, s, args.backend)
-    for f in fns.values():
-        for _ in range(steady_warmup(f, 1, 0.6)):
-            f()
-    torch.cuda.synchronize()
-    keys = list(fns)
-    runs = {k: [] for k in keys}
-    for r in range(args.rounds):
-        j = r % len(keys)
-        for k in keys[j:] + keys[:j]:
-            runs[k].append(statistics.median(time_cuda(fns[k], warmup=0, reps=args.reps)))
-    return runs
+    return paired_rounds(fns, args.rounds, args.reps, 0.6)
 
 
 def summarize(runs: dict, mods: dict) -> dict:

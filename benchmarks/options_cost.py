@@ -25,7 +25,7 @@ import statistics
 import torch
 
 from lp_bench.protocol import make_bias, make_inputs, parse_shapes
-from lp_bench.timing import steady_warmup, time_cuda
+from lp_bench.timing import paired_rounds
 from lp_kernels import linear_logprob
 
 SETS = ("plain", "bias", "cap", "both")
@@ -39,11 +39,6 @@ def train_step(hidden, weight, targets, grad_out, bias, softcap):
     extra = {} if bias is None else {"bias": bias}
     out = linear_logprob(hidden, weight, targets, softcap=softcap, backend="triton", **extra)
     torch.autograd.backward([out.logprob], [grad_out])
-
-
-def timed(fn, reps: int) -> float:
-    """The median of ``reps`` calls' milliseconds (CUDA events, each call waited for)."""
-    return statistics.median(time_cuda(fn, warmup=0, reps=reps))
 
 
 def measure(n, h, v, sets, rounds, reps, softcap) -> dict:
@@ -61,15 +56,8 @@ def measure(n, h, v, sets, rounds, reps, softcap) -> dict:
             train_step(hidden, weight, targets, grad_out, b, c)
 
         steps[name] = step
-    for name in sets:  # compiled, then a second of each at its steady clock (as lp bench)
-        for _ in range(steady_warmup(steps[name], 1, 1.0)):
-            steps[name]()
-        torch.cuda.synchronize()
-    runs: dict[str, list[float]] = {name: [] for name in sets}
-    for r in range(rounds):
-        k = r % len(sets)
-        for name in sets[k:] + sets[:k]:
-            runs[name].append(timed(steps[name], reps))
+    # compiled, then a second of each at its steady clock (as lp bench)
+    runs = paired_rounds(steps, rounds, reps, 1.0)
     row = {"runs": runs, "median_ms": {name: statistics.median(x) for name, x in runs.items()}}
     row["cost"] = {
         name: statistics.median(a / p - 1.0 for a, p in zip(runs[name], runs["plain"], strict=True))

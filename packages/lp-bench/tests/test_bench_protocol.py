@@ -194,3 +194,21 @@ def test_grid_rows_fwd_and_train_with_and_without_entropy():
         assert by[("fwd", True, prov)]["peak_bytes"] <= by[("train", True, prov)]["peak_bytes"]
     mat = [by[(mode, True, "materialized")]["peak_bytes"] for mode in ("fwd", "train")]
     assert mat[0] < mat[1]
+
+
+def test_paired_rounds_rotate_and_time_every_call_each_round():
+    from lp_bench.timing import paired_rounds
+
+    order = []
+
+    def call(name):
+        return lambda: order.append(name)
+
+    runs = paired_rounds({k: call(k) for k in "abc"}, rounds=4, reps=2, warm_s=0.0, device="cpu")
+    assert list(runs) == ["a", "b", "c"]
+    assert all(len(x) == 4 and min(x) >= 0.0 for x in runs.values())
+    assert order[:3] == list("abc")  # warm_s 0: steady_warmup's one warm-up call each
+    timed = order[3:]
+    rounds = [timed[i : i + 6 : 2] for i in range(0, 24, 6)]  # each call twice in a row
+    assert rounds == [list("abc"), list("bca"), list("cab"), list("abc")]
+    assert timed[1::2] == timed[0::2] and len(timed) == 24

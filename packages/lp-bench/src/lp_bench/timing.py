@@ -103,3 +103,29 @@ def steady_warmup(
     if tp > 1:
         count = int(all_ranks_max(float(count), device))
     return count
+
+
+def paired_rounds(
+    calls: dict, rounds: int, reps: int, warm_s: float, device: str = "cuda"
+) -> dict[object, list[float]]:
+    """key -> one figure per round for each of ``calls`` (zero-argument callables): a
+    round times every call once, the median of ``reps`` queued calls, in an order that
+    rotates by one from round to round. Each call first runs :func:`steady_warmup`'s count
+    for ``warm_s`` seconds (the first one compiles).
+
+    A board at its power limit drifts by a few percent between runs; a ratio of two calls
+    within the same round (then its median over rounds) cancels that drift, which ratios of
+    separate runs' medians do not."""
+    timer = time_cuda if device == "cuda" else time_cpu
+    for fn in calls.values():
+        for _ in range(steady_warmup(fn, 1, warm_s, device=device)):
+            fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    keys = list(calls)
+    runs: dict[object, list[float]] = {k: [] for k in keys}
+    for r in range(rounds):
+        j = r % len(keys) if keys else 0
+        for k in keys[j:] + keys[:j]:
+            runs[k].append(statistics.median(timer(calls[k], warmup=0, reps=reps)))
+    return runs
