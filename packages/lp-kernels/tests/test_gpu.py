@@ -11,7 +11,14 @@ import torch
 import torch.distributed as dist
 
 from lp_kernels import linear_logprob, vocab_parallel_logprob
-from lp_testing import assert_bitwise_equal, assert_close, make_problem, run_ranks, split_vocab
+from lp_testing import (
+    assert_bitwise_equal,
+    assert_close,
+    make_problem,
+    reference_all,
+    run_ranks,
+    split_vocab,
+)
 
 
 def _nccl_rank(rank, world, problem, mode, reduce, backend):
@@ -675,3 +682,40 @@ def test_torch_deterministic_warns_about_many_narrow_tiles_on_cuda():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         linear_logprob(p.hidden, p.weight, p.targets, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_probabilities_below_2_pow_minus_126_flush_to_zero(deterministic):
+    """The triton kernels' softmax terms and probabilities flush below 2^-126
+    (``tl_utils.exp_ftz``, design.md "Precision policy"): a column 95 nats below every
+    row's largest logit (p about 3e-42) gets an exactly zero grad_weight row, where the fp64
+    truth is a nonzero value under 2^-126; every output and every other gradient stays
+    within fp32 rounding of the truth."""
+    n, h, v = 64, 16, 1000
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.zeros(n, h)
+    hidden[:, 0] = 1.0
+    hidden[:, 1:] = torch.randn(n, h - 1, generator=gen) * 0.1
+    weight = torch.randn(v, h, generator=gen) * 0.1
+    weight[:, 0] = torch.randn(v, generator=gen)
+    weight[1, 0] = -88.0  # column 1: p = e^(-95 +- 1) in every row (lse about 7)
+    targets = torch.randint(2, v, (n,), generator=gen)
+    g_lp = torch.linspace(-1, 1, n)
+    g_ent = torch.full((n,), 0.01)
+    truth = reference_all(hidden, weight, targets, grad_logprob=g_lp, grad_entropy=g_ent)
+    hd = hidden.cuda().requires_grad_()
+    wt = weight.cuda().requires_grad_()
+    out = linear_logprob(
+        hd, wt, targets.cuda(), return_entropy=True, backend="triton",
+        deterministic=deterministic,
+    )  # fmt: skip
+    torch.autograd.backward([out.logprob, out.entropy], [g_lp.cuda(), g_ent.cuda()])
+    assert torch.equal(wt.grad[1], torch.zeros_like(wt.grad[1]))
+    assert 0 < truth["grad_weight"][1].abs().max() < 2.0**-126
+    got = {"logprob": out.logprob, "entropy": out.entropy}
+    got |= {"grad_hidden": hd.grad, "grad_weight": wt.grad}
+    for name, value in got.items():
+        want = truth[name]
+        err = (value.double().cpu() - want).abs().max() / want.abs().max()
+        assert err < 1e-5, (name, float(err))

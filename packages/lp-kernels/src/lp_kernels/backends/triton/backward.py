@@ -30,6 +30,7 @@ from lp_kernels.backends.triton.gemm import mm_block_n, narrow_block_n
 from lp_kernels.backends.triton.tl_utils import (
     IGNORED,
     cap_r,
+    exp_ftz,
     grouped,
     logits_tile,
     target_codes,
@@ -127,8 +128,8 @@ def dlogits_rows(
     E, g_ent)``, fp32 ``[BLOCK_N]``, an absent gradient (and E without ``ENTROPY``) as
     +0.0. Read as they come: an ignored row's may hold anything.
 
-    A kernel that computes its logits calls this first, so that these loads are in flight
-    during the tile's MMAs rather than after them."""
+    A kernel that computes its logits calls this before the tile's MMAs (without entropy),
+    so that these loads are in flight during them rather than after them."""
     b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
     b_glp = tl.zeros_like(b_lse)
     b_glse = tl.zeros_like(b_lse)
@@ -167,7 +168,7 @@ def dlogits_tile(
         )  # fmt: skip
     else:
         b_zs = b_z * inv_t
-        b_p = tl.exp(b_zs - b_lse[:, None])
+        b_p = exp_ftz(b_zs - b_lse[:, None], INTERPRET)
         if ENTROPY:
             b_gent = b_gent * inv_t
             b_dz = b_p * (b_c0[:, None] - b_gent[:, None] * (b_zs - b_mean[:, None]))
@@ -227,16 +228,22 @@ def dlogits_kernel(
     o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # column within the chunk
     m_n = o_n < N
     m_v = o_c < v_count
-    # the rows' inputs first: their loads overlap the tile's MMAs (dlogits_rows)
+    # the rows' inputs first: their loads overlap the tile's MMAs (dlogits_rows); with the
+    # entropy's two more, after them (held across the K loop, ptxas spilled 56-80 B)
     b_t = target_codes(t_ptr, o_n, m_n, ignore_index, first_id, v_begin + v_count, IGNORED)
-    b_lse, b_glp, b_glse, b_mean, b_gent = dlogits_rows(
-        lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, ENTROPY, HAS_LP, HAS_LSE
-    )
+    if not ENTROPY:
+        b_lse, b_glp, b_glse, b_mean, b_gent = dlogits_rows(
+            lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, ENTROPY, HAS_LP, HAS_LSE
+        )
     b_z = logits_tile(
         h_src, w_src, b_ptr, i_n * BLOCK_N, v_begin + i_v * BLOCK_V, m_n, m_v, H, stride_hn,
         stride_hh, stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET,
         PRECISION, TMA, HAS_BIAS,
     )  # fmt: skip
+    if ENTROPY:
+        b_lse, b_glp, b_glse, b_mean, b_gent = dlogits_rows(
+            lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, ENTROPY, HAS_LP, HAS_LSE
+        )
     b_dz = dlogits_tile(
         b_z, b_t, b_lse, b_glp, b_glse, b_mean, b_gent, v_begin + i_v * BLOCK_V, inv_t, cap,
         inv_cap, BLOCK_V, ENTROPY, HAS_LP, SOFTCAP, INTERPRET,

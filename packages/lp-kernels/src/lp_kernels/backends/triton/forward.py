@@ -41,6 +41,7 @@ from lp_kernels.backends.triton.tl_utils import (
     capped_m,
     capped_x,
     capped_z,
+    exp_ftz,
     grouped,
     logits_tile,
     softcap,
@@ -154,7 +155,7 @@ def fwd_stats_kernel(
             b_alpha = tl.math.exp2(b_m - b_mn)
             b_e = tl.math.exp2(b_z - b_mn[:, None])
         else:
-            b_alpha = tl.exp(b_m - b_mn)
+            b_alpha = exp_ftz(b_m - b_mn, INTERPRET)
             if SOFTCAP:  # with entropy: element by element on the GPU (tl_utils.capped_z)
                 if INTERPRET:
                     b_e, b_ed = stats_terms(b_z, b_mn[:, None])
@@ -162,7 +163,7 @@ def fwd_stats_kernel(
                     b_e, b_ed = tl.map_elementwise(stats_terms, b_z, b_mn[:, None])
             else:
                 b_d = b_z - b_mn[:, None]
-                b_e = tl.exp(b_d)
+                b_e = exp_ftz(b_d, INTERPRET)
                 if ENTROPY:
                     b_ed = b_e * b_d
         if ENTROPY:

@@ -66,6 +66,7 @@ from lp_kernels.backends.triton.tl_utils import (
     IGNORED,
     capped_m,
     capped_x,
+    exp_ftz,
     grouped,
     softcap,
     target_codes,
@@ -207,8 +208,8 @@ if HAVE_GLUON:
                     b_alpha = gl.exp2(b_m - b_mn)
                     b_e = gl.exp2(b_z - b_mn[:, None])
                 else:
-                    b_alpha = gl.exp(b_m - b_mn)
-                    b_e = gl.exp(b_z - b_mn[:, None])
+                    b_alpha = exp_ftz(b_m - b_mn)
+                    b_e = exp_ftz(b_z - b_mn[:, None])
                 b_s = b_s * b_alpha + gl.sum(b_e, axis=1)
                 b_m = b_mn
             if SOFTCAP:  # the target's z with the series (0 where the target is elsewhere)

@@ -4,6 +4,7 @@
 - :func:`target_codes`: each row's target column in a weight operand, from the raw ids.
 - :func:`logits_tile`: one fp32 tile of ``h W^T`` (the forward and the d_logits kernel).
 - :func:`operand_ptrs` and :func:`gemm_step`: one K step of lp's GEMMs (fp32 and fixed point).
+- :func:`exp_ftz`: ``e^x`` with subnormal results flushed (the plain softmax terms).
 - :func:`softcap`: final-logit softcapping of fp32 logits and its slope, with
   :func:`reciprocal` (one ``MUFU`` on the GPU);
   :func:`cap_r`: ``(1 + tanh) / 2`` of the cap for the softmax terms and d_logits' slope,
@@ -93,6 +94,22 @@ def logits_tile(
     if HAS_BIAS:
         b_acc = b_acc + b_b[None, :]
     return b_acc
+
+
+@triton.jit
+def exp_ftz(x, INTERPRET: tl.constexpr = False):
+    """``e^x`` of fp32 ``x`` (a block, or one element) as ``tl.exp`` computes it on the GPU,
+    ``2^(x log2(e))``, but with ``ex2.approx.ftz.f32`` (``tl.math.exp2``'s lowering): a
+    result below 2^-126 is 0 instead of a subnormal; every other one is the same bits.
+    ``tl.exp`` lowers to ``ex2.approx.f32``, which ptxas wraps in a range check, a halving
+    and a squaring (three instructions per element around the one ``MUFU.EX2``). The
+    softmax never needs those subnormals: a term below 2^-126 vanishes beside the row's
+    largest, which is 1. ``tl.exp`` under the interpreter (``np.exp``)."""
+    if INTERPRET:  # noqa: SIM108  (a constexpr branch)
+        e = tl.exp(x)
+    else:
+        e = tl.math.exp2(x * 1.4426950408889634)
+    return e
 
 
 @triton.jit
