@@ -79,8 +79,8 @@ def test_pingpong_partials_are_the_triton_kernels(dtype, n, h, v, first, max_v, 
             max_v_local=max_v, softcap=softcap,
         )  # fmt: skip
         assert not pingpong_ok(hidden, weight, p, off, bias)
-        assert pingpong_ok(hidden, weight, p, on, bias) == (not bias or softcap is not None)
-        # the kernel itself, whichever the rule picks (a bias alone takes the Triton one)
+        assert pingpong_ok(hidden, weight, p, on, bias)
+        # the kernel itself
         width, splits = forward.shard_splits(v, p, on)
         got = torch.empty((splits, n, 4), device="cuda")
         pingpong_stats(hidden, weight, targets, first, p, on, got, width, b_real)
@@ -126,7 +126,7 @@ def test_pingpong_calls_match_the_triton_kernel_with_gradients(n, softcap, bias)
 def test_pingpong_rule(monkeypatch):
     """Which calls the rule admits (no GPU needed: a stand-in CUDA tensor and device): the
     pinned Hopper config's bf16 / fp16 calls without entropy or deterministic mode at H <=
-    2048, a softcap or not, a bias only with a softcap, and nothing else."""
+    2048, with a softcap, a bias, both or neither, and nothing else."""
     import types
 
     from lp_kernels.backends.triton import pingpong
@@ -156,7 +156,7 @@ def test_pingpong_rule(monkeypatch):
     assert not ok(tensor(2048), w, params(return_entropy=True), GPU_CONFIG)
     assert ok(tensor(2048), w, params(softcap=30.0, temperature=0.7), GPU_CONFIG)
     assert ok(tensor(2048), w, params(softcap=30.0), GPU_CONFIG, bias=True)
-    assert not ok(tensor(2048), w, params(), GPU_CONFIG, bias=True)  # a bias alone
+    assert ok(tensor(2048), w, params(), GPU_CONFIG, bias=True)  # a bias alone
     assert not ok(tensor(2048), w, params(softcap=30.0, return_entropy=True), GPU_CONFIG)
     assert not ok(tensor(2048), w, params(deterministic=True), GPU_CONFIG)
     assert not ok(tensor(2048, torch.float32), tensor(2048, torch.float32), params(), GPU_CONFIG)

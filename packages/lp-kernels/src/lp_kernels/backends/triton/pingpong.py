@@ -307,8 +307,7 @@ def pingpong_ok(
     bias: bool = False,
 ) -> bool:
     """Whether a call's forward statistics take :func:`pingpong_stats`: no entropy or
-    ``deterministic=True`` in ``p`` (the caller checks its stored logits and tiles), no
-    ``bias`` without a softcap, a Hopper GPU (compute capability 9.x), Gluon, 2-byte
+    ``deterministic=True`` in ``p`` (the caller checks its stored logits and tiles), a Hopper GPU (compute capability 9.x), Gluon, 2-byte
     inputs that back tensor descriptors, the config's tile (``block_n`` 128, ``block_v``
     256) and ``H <= cfg.pingpong_max_h``. Options, H, the dtype and the device decide it,
     never N or the shard's width; both kernels give the same bits.
@@ -323,7 +322,6 @@ def pingpong_ok(
         and cfg.pingpong_max_h > 0
         and not p.return_entropy
         and not p.deterministic
-        and (not bias or p.softcap is not None)
         and hidden.device.type == "cuda"
         and hidden.shape[1] <= cfg.pingpong_max_h
         and hidden.dtype in (torch.bfloat16, torch.float16)
