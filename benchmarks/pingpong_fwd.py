@@ -64,11 +64,11 @@ def run(name: str, reps: int, softcap: float | None = None, bias: bool = False) 
         inv_temperature=1 / 0.7, max_v_local=v, return_entropy=False, ignore_index=-100,
         softcap=softcap, deterministic=False,
     )  # fmt: skip
-    assert pingpong_ok(hidden, weight, p, on)  # the kernel's own conditions (not the bias')
+    assert pingpong_ok(hidden, weight, p, on)
     width, splits = forward.shard_splits(v, p, pinned)
     stats = torch.empty((splits, n, 4), device="cuda")
 
-    def pingpong():  # the kernel itself, whichever kernel the rule picks for these options
+    def pingpong():  # the kernel itself
         return pingpong_stats(hidden, weight, targets, 0, p, on, stats, width, b)
 
     got = pingpong().clone()
@@ -76,7 +76,7 @@ def run(name: str, reps: int, softcap: float | None = None, bias: bool = False) 
     fwd = forward.forward_stats
     row = {
         "shape": name, "n": n, "h": h, "v": v, "bitwise": bool(torch.equal(got, want)),
-        "pinned_takes_pingpong": pingpong_ok(hidden, weight, p, pinned, bias),
+        "pinned_takes_pingpong": pingpong_ok(hidden, weight, p, pinned),
         "mm_ms": timed(lambda: torch.mm(hidden, weight.T), reps),
         "softcap": softcap, "bias": bias,
         "triton_ms": timed(lambda: fwd(hidden, weight, targets, 0, p, off, b), reps),

@@ -337,7 +337,7 @@ def forward_stats(
     stats = scratch.empty((splits, n, N_STATS), dtype=torch.float32, device=hidden.device)
     if n == 0 or splits == 0:
         return stats
-    if not tile and l_out is None and pingpong_ok(hidden, w_real, p, cfg, b_real is not None):
+    if not tile and l_out is None and pingpong_ok(hidden, w_real, p, cfg):
         return pingpong_stats(hidden, w_real, targets, first_id, p, cfg, stats, width, b_real)
     blocks_n = triton.cdiv(n, cfg.block_n)
     h_src, w_src, tma = logits_sources(hidden, w_real, cfg)

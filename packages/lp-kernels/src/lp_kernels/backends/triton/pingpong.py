@@ -304,19 +304,19 @@ def pingpong_ok(
     w_real: torch.Tensor,
     p: LogprobParams,
     cfg: TileConfig,
-    bias: bool = False,
 ) -> bool:
     """Whether a call's forward statistics take :func:`pingpong_stats`: no entropy or
-    ``deterministic=True`` in ``p`` (the caller checks its stored logits and tiles), a Hopper GPU (compute capability 9.x), Gluon, 2-byte
-    inputs that back tensor descriptors, the config's tile (``block_n`` 128, ``block_v``
-    256) and ``H <= cfg.pingpong_max_h``. Options, H, the dtype and the device decide it,
-    never N or the shard's width; both kernels give the same bits.
+    ``deterministic=True`` in ``p`` (the caller checks its stored logits and tiles), a
+    Hopper GPU (compute capability 9.x), Gluon, 2-byte inputs that back tensor
+    descriptors, the config's tile (``block_n`` 128, ``block_v`` 256) and
+    ``H <= cfg.pingpong_max_h``. Options, H, the dtype and the device decide it, never N
+    or the shard's width; both kernels give the same bits.
 
-    A bias alone takes the Triton kernel: with it this kernel measured 1.27-1.37 x one
-    matmul at S2 against the Triton kernel's 1.15-1.17 x in the same calls, and 1.12-1.25
-    against 1.12-1.17 x at S4 (H100; with a softcap too, 1.04-1.14 x against 1.18-1.24 x).
-    Alone it takes about the plain kernel's cycles: its epilogue's cost is power at the
-    board's limit (docs/benchmarks.md)."""
+    A softcap, a bias, both or neither: with each, this kernel's training step was as
+    fast as or faster than with the Triton forward at H <= 2048 in paired rounds (a bias
+    alone 2.2 % and 1.6 % faster at S4 and S2 on an H200). Timed alone and queued on an
+    H100, the biased kernel ran slower than the Triton one; its extra epilogue work
+    costs power at the board's limit rather than cycles (docs/benchmarks.md)."""
     return (
         HAVE_GLUON
         and cfg.pingpong_max_h > 0
