@@ -312,11 +312,9 @@ def pingpong_ok(
     ``H <= cfg.pingpong_max_h``. Options, H, the dtype and the device decide it, never N
     or the shard's width; both kernels give the same bits.
 
-    A softcap, a bias, both or neither: with each, this kernel's training step was as
-    fast as or faster than with the Triton forward at H <= 2048 in paired rounds (a bias
-    alone 2.2 % and 1.6 % faster at S4 and S2 on an H200). Timed alone and queued on an
-    H100, the biased kernel ran slower than the Triton one; its extra epilogue work
-    costs power at the board's limit rather than cycles (docs/benchmarks.md)."""
+    A softcap and a bias do not enter the rule: with either, both or neither, the
+    training step measured as fast as or faster than with the Triton forward on an H200
+    (docs/benchmarks.md, "Softcap and an LM-head bias")."""
     return (
         HAVE_GLUON
         and cfg.pingpong_max_h > 0
