@@ -1,5 +1,5 @@
 """lp's ops under ``torch.autocast``: inputs cast as ``F.linear``'s would be; lp's own
-math untouched, forward and backward (``lp_kernels._amp``).
+math untouched, forward and backward (``lp_kernels.core.amp``).
 
 Without the autocast guard, autocast casts the torch backend's internal fp32 GEMMs
 down to bf16 (measured on CPU: logprob off by 3e-2 with fp32 inputs); these tests fail

@@ -119,7 +119,7 @@ def test_huge_chunk_size_allocates_as_a_small_one(make, deterministic):
 
 
 def test_block_rows_follow_min_n_and_chunk():
-    from lp_kernels.backends.torch.linear import block_rows
+    from lp_kernels.core.chunks import block_rows
 
     assert block_rows(4, 2**20) == 16
     assert block_rows(100, 2**20) == 128

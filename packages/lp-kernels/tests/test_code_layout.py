@@ -1,7 +1,7 @@
 """The repository's code-layout rules, checked on the source (ast only: nothing imported).
 
 (a) No module imports another module's private (underscore) name, counting lp's own
-    modules (``lp_*``) only, dunders exempt; a private *module* (``lp_kernels._stats``) is
+    modules (``lp_*``) only, dunders exempt; a private *module* (``lp_kernels.core.stats``) is
     imported only from inside its own top-level package (its ``src`` or its tests).
 (b) No import cycle among ``lp_kernels`` modules, function-level (lazy) imports included.
 (c) Nothing in ``lp_kernels`` calls ``print``.

@@ -1,6 +1,6 @@
 """lp's ops under ``torch.compile``: eager behind a graph break, the bits of eager mode.
 
-Without ``lp_kernels._compile.eager_under_compile`` Dynamo traces into the autograd
+Without ``lp_kernels.core.compile.eager_under_compile`` Dynamo traces into the autograd
 Functions and Inductor regenerates the torch backend's chunk loop: on CPU the compiled
 step's gradients then differ from eager ones in the last bits (measured). These tests
 fail that way.

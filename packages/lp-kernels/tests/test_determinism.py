@@ -345,9 +345,9 @@ def test_triton_round_group_does_not_change_bits(dtype, device, monkeypatch):
     import dataclasses
 
     import lp_kernels.backends.triton.deterministic as tdet
-    from lp_kernels._matmul import scratch
     from lp_kernels.backends.triton.config import config_for
     from lp_kernels.backends.triton.function import linear_logprob_with_config
+    from lp_kernels.core.matmul import scratch
 
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if (device == "cpu") != interpreting:
@@ -384,7 +384,7 @@ def test_every_output_and_gradient_element_written(dtype, deterministic, device,
     accumulators are overwritten by their first chunk): the results equal those of zeroed
     allocations, bit for bit, with several token chunks, several vocabulary chunks and
     padding rows (the triton backend's interpreter config on CPU)."""
-    from lp_kernels._matmul import scratch
+    from lp_kernels.core.matmul import scratch
 
     p = make_problem(
         131, 32, 2300, dtype=dtype, device=device, seed=9, ignore_frac=0.1, padded_vocab=2432
@@ -414,7 +414,7 @@ def test_dlogits_buffer_is_exactly_zero_past_the_chunk(deterministic, device, mo
     rows are written."""
     import lp_kernels.backends.triton.deterministic as tdet
     import lp_kernels.backends.triton.function as tfn
-    from lp_kernels._matmul import scratch
+    from lp_kernels.core.matmul import scratch
 
     monkeypatch.setattr(scratch, "poison", True)
     seen = []  # (v_count, rows r0:r1, the block with its padded columns)

@@ -530,8 +530,8 @@ def test_every_layout_makes_the_single_process_grad_weight_calls(tile, chunk):
     and every piece of that plan must be computed. Pure bookkeeping, on many layouts."""
     import dataclasses
 
-    from lp_kernels._types import LogprobParams
     from lp_kernels.backends.triton.deterministic import backward_spans
+    from lp_kernels.core.types import LogprobParams
 
     vocab = 248320 if tile > 1000 else 1000
     base = LogprobParams(

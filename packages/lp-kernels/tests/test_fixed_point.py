@@ -1,4 +1,4 @@
-"""The fixed-point grad_hidden of deterministic=True (lp_kernels._fixed_point)."""
+"""The fixed-point grad_hidden of deterministic=True (lp_kernels.core.fixed_point)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import contextlib
 import pytest
 import torch
 
-from lp_kernels import _fixed_point
-from lp_kernels._types import LogprobParams
+from lp_kernels.core import fixed_point as _fixed_point
+from lp_kernels.core.types import LogprobParams
 from lp_testing import assert_bitwise_equal, make_problem, reference_all
 
 
@@ -94,8 +94,8 @@ def test_triton_row_scales_match_row_exponents(case, dtype, device, backend):
     non-finite head."""
     if backend != "triton":
         pytest.skip("the triton backend's row-scales kernel")
-    from lp_kernels._stats import ignored_rows, masked_upstream
     from lp_kernels.backends.triton.fixed_point import row_scales
+    from lp_kernels.core.stats import ignored_rows, masked_upstream
 
     gen = torch.Generator().manual_seed(3)
     n, h, v = 37, 70, 50

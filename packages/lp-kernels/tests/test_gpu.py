@@ -425,7 +425,7 @@ def test_nccl_deterministic_bitwise_across_tp(dtype, backend):
 
 # The S2 head of docs/benchmarks.md (vocabulary 248320), padded as Megatron pads it for
 # TP 8 (a multiple of 128 x 8), so that every TP degree up to 8 splits the same weight
-# evenly on 128-column bounds. Issue 8: TP 4 and 8 run where that many GPUs are present.
+# evenly on 128-column bounds. TP 4 and 8 run where that many GPUs are present.
 S2_HEAD = {"n": 1031, "h": 1024, "v": 248320, "v_padded": 248832}
 
 

@@ -1,6 +1,6 @@
-"""Non-finite inputs and extreme logits (issue 7).
+"""Non-finite inputs and extreme logits.
 
-The contract (docs/errors.md, "Non-finite inputs"):
+The contract (docs/design.md, "Non-finite inputs"):
 
 - a NaN or inf in a row's hidden state makes that row's outputs NaN (every field) and
   leaves every other row's outputs and grad_hidden rows bitwise unchanged;
@@ -137,7 +137,7 @@ def test_merge_kernel_masks_its_outputs_like_masked_outputs(entropy, device):
     rows ignored too."""
     import os
 
-    from lp_kernels._stats import masked_outputs, merge_stats
+    from lp_kernels.core.stats import masked_outputs, merge_stats
 
     if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         pytest.skip("triton on CPU needs TRITON_INTERPRET=1 (set when no GPU is present)")

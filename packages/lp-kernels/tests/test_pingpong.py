@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from lp_kernels._types import LogprobParams
+from lp_kernels.core.types import LogprobParams
 
 pytest.importorskip("triton")
 

@@ -325,7 +325,7 @@ def test_group_of_size_one_equals_no_group():
 
 
 def _padding_shard_rank(rank, world, problem, deterministic):
-    from lp_kernels._matmul import scratch
+    from lp_kernels.core.matmul import scratch
 
     scratch.poison = True  # every unwritten scratch element reads as NaN
     start, size = split_vocab(problem.v_padded, world, mode="even")[rank]

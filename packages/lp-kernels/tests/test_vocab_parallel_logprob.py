@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lp_kernels import vocab_parallel_logprob
-from lp_kernels._matmul import scratch
+from lp_kernels.core.matmul import scratch
 from lp_testing import DTYPES, assert_close, assert_zero, make_problem, reference_from_logits
 
 

@@ -16,12 +16,10 @@ Public API:
   whose grid holds the shards of TP degrees up to a maximum.
 """
 
-from lp_kernels._types import LogProbOutput, LossOutput
+from lp_kernels.core.tiles import default_deterministic_tile, deterministic_tile_for
+from lp_kernels.core.types import LogProbOutput, LossOutput
 from lp_kernels.distributed.layout import clear_layout_cache
-from lp_kernels.linear_logprob import linear_logprob
-from lp_kernels.linear_logprob_loss import linear_logprob_loss
-from lp_kernels.tiles import default_deterministic_tile, deterministic_tile_for
-from lp_kernels.vocab_parallel_logprob import vocab_parallel_logprob
+from lp_kernels.ops import linear_logprob, linear_logprob_loss, vocab_parallel_logprob
 
 __all__ = [
     "LogProbOutput",

@@ -9,13 +9,12 @@ collective, and is skipped with ``validate=False``.
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any
 
 import torch
 
-from lp_kernels.tiles import DETERMINISTIC_TILE
+from lp_kernels.core.tiles import DETERMINISTIC_TILE
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -104,20 +103,15 @@ def check_targets(
 
 def check_options(
     *,
-    temperature: Any,
     ignore_index: Any,
     chunk_size: Any,
     backend: Any,
     vocab_start: Any,
     vocab_size: Any,
     tp_group: Any,
-) -> float:
-    """Check scalar options; returns the temperature as a float."""
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-        raise TypeError(f"temperature must be a Python float, got {type(temperature).__name__}")
-    temperature = float(temperature)
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+) -> None:
+    """Check scalar options (the logit transform's are checked by
+    ``LogitTransform.checked``)."""
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if not INT64_MIN <= ignore_index <= INT64_MAX:
@@ -142,7 +136,6 @@ def check_options(
             f"vocab_start={vocab_start} needs tp_group: without it the weight is the whole "
             "vocabulary and starts at id 0"
         )
-    return temperature
 
 
 def check_deterministic_tile(tile: Any, *, allow_none: bool = False) -> int | None:
@@ -158,20 +151,6 @@ def check_deterministic_tile(tile: Any, *, allow_none: bool = False) -> int | No
             f"deterministic_tile must be a positive multiple of {DETERMINISTIC_TILE}, got {tile}"
         )
     return tile
-
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-
-def check_softcap(softcap: Any) -> float | None:
-    """``softcap``: None, or a finite Python number > 0 (returned as a float)."""
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, int | float):
-        raise TypeError(f"softcap must be None or a Python float, got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be None or finite and > 0, got {softcap}")
-    return float(softcap)
 
 
 def check_ignore_index(ignore_index: int) -> None:

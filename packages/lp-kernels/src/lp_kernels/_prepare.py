@@ -1,5 +1,5 @@
 """The one argument-preparation path of both public ops: checks -> autocast -> layout ->
-:class:`~lp_kernels._types.LogprobParams`.
+:class:`~lp_kernels.core.types.LogprobParams`.
 
 ``linear_logprob`` passes ``hidden [*, H]`` and its weight shard, ``vocab_parallel_logprob``
 its logits ``[*, V_local]`` (``weight=None``). Checks that depend only on arguments every
@@ -22,23 +22,16 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from lp_kernels import _amp, _checks
-from lp_kernels._matmul import common_operands
-from lp_kernels._types import LogProbOutput, LogprobParams
-from lp_kernels.backends.torch.linear import default_chunk_rows
+from lp_kernels import _checks
+from lp_kernels.core import amp as _amp
+from lp_kernels.core.chunks import chunk_tiles, default_chunk_rows
+from lp_kernels.core.matmul import common_operands
+from lp_kernels.core.tiles import DETERMINISTIC_TILE, default_deterministic_tile
+from lp_kernels.core.transform import LogitTransform
+from lp_kernels.core.types import LogProbOutput, LogprobParams
 from lp_kernels.distributed.contract import call_fields, exchange_call_record
 from lp_kernels.distributed.dtensor import local_args
 from lp_kernels.distributed.layout import layout_key, resolve_vocab
-from lp_kernels.tiles import DETERMINISTIC_TILE, default_deterministic_tile
-
-GROUP_COLUMNS = 16384
-"""``vocab_parallel_logprob(deterministic=True)``: its reductions take this many columns
-(``GROUP_COLUMNS // tile`` whole tiles, at least one) per call."""
-
-
-def group_tiles(tile: int) -> int:
-    """Tiles per group of :data:`GROUP_COLUMNS` columns (at least one)."""
-    return max(1, GROUP_COLUMNS // tile)
 
 
 class Prepared(NamedTuple):
@@ -61,8 +54,8 @@ def prepare(
     inputs: torch.Tensor,
     weight: torch.Tensor | None,
     targets: torch.Tensor,
+    transform: LogitTransform,
     *,
-    temperature: Any = 1.0,
     ignore_index: Any = -100,
     return_entropy: bool = False,
     return_lse: bool = False,
@@ -77,7 +70,6 @@ def prepare(
     validate: bool = True,
     tile_config: Any = None,
     bias: Any = None,
-    softcap: Any = None,
     hint: str | None = None,
     loss: bool = False,
 ) -> Prepared:
@@ -109,7 +101,7 @@ def prepare(
                 local.hidden,
                 local.weight,
                 local.targets,
-                temperature=temperature,
+                transform,
                 ignore_index=ignore_index,
                 return_entropy=return_entropy,
                 return_lse=return_lse,
@@ -124,7 +116,6 @@ def prepare(
                 validate=validate,
                 tile_config=tile_config,
                 bias=local.bias,
-                softcap=softcap,
                 hint=hint,
                 loss=loss,
             )
@@ -141,8 +132,7 @@ def prepare(
             _checks.check_tensor(bias, "bias")
             (bias,) = _amp.autocast_inputs(bias)
     _checks.check_targets(targets, inputs.shape[:-1], inputs.device, name)
-    temperature = _checks.check_options(
-        temperature=temperature,
+    _checks.check_options(
         ignore_index=ignore_index,
         chunk_size=chunk_size,
         backend=backend,
@@ -150,7 +140,6 @@ def prepare(
         vocab_size=vocab_size,
         tp_group=tp_group,
     )
-    softcap = _checks.check_softcap(softcap)
     deterministic_tile = _checks.check_deterministic_tile(deterministic_tile, allow_none=linear)
     width = inputs.shape[-1]  # H, or V_local for logits
     if linear:
@@ -195,13 +184,12 @@ def prepare(
                 return_entropy=bool(return_entropy),
                 return_lse=bool(return_lse),
                 reduce_grad_hidden=bool(reduce_grad_hidden),
-                temperature=temperature,
+                transform=transform,
                 ignore_index=ignore_index,
                 inputs_grad=inputs.requires_grad,
                 weight_grad=linear and weight.requires_grad,
                 backend=backend,
                 device=inputs.device,
-                softcap=softcap,
                 bias=bias,
                 loss=loss,
                 chunk_size=chunk_size,
@@ -225,9 +213,9 @@ def prepare(
     # so that its GEMMs and reductions have the same shapes on every layout
     chunk_width = max(0, min(v_local, vocab_size - vocab_start))
     if deterministic:
-        chunk_width = deterministic_tile * (1 if linear else group_tiles(deterministic_tile))
+        chunk_width = deterministic_tile * (1 if linear else chunk_tiles(deterministic_tile))
     params = LogprobParams(
-        temperature=temperature,
+        transform=transform,
         ignore_index=ignore_index,
         return_entropy=bool(return_entropy),
         return_lse=bool(return_lse),
@@ -244,7 +232,6 @@ def prepare(
         deterministic=bool(deterministic),
         deterministic_tile=deterministic_tile,
         tile_config=tile_config,
-        softcap=softcap,
     )
     lead = targets.shape
     return Prepared(inputs.reshape(-1, width), weight, targets.reshape(-1), params, lead, bias)

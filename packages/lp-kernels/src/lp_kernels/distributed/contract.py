@@ -9,8 +9,8 @@ before any size-dependent collective::
 
     each rank:  record = layout key (LAYOUT_FIELDS: shard size, start, vocab_size, H,
                          dtype, deterministic, tile, alignment, weight-problem code)
-                       + the call (N, op, flags, temperature and softcap as float64
-                         bits, ignore_index, requires_grad of each input, whether a
+                       + the call (N, op, flags, the logit transform's fields as
+                         float64 bits, ignore_index, requires_grad of each input, whether a
                          bias is passed, grad mode, backend, device type)
                        + its targets, reduced on device: an order-sensitive checksum,
                          the smallest and the largest id that is not ignore_index
@@ -43,12 +43,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lp_kernels.core.transform import LogitTransform
 from lp_kernels.distributed.layout import LAYOUT_FIELDS, ShardLayout, cache_layout, check_table
 
 _Q = 2**31 - 1  # a prime: the checksum's modulus
 _NO_TARGET = (2**62, -(2**62))  # (smallest, largest) when every target is ignore_index
 _BACKENDS = ("auto", "torch", "triton")
 _OPS = ("linear_logprob", "vocab_parallel_logprob", "linear_logprob_loss")
+# The logit transform's fields (float64 bits; 0 for None: every field is > 0 when set).
+TRANSFORM_FIELDS = tuple(name for name, _ in LogitTransform().record())
 
 # The per-call fields after the layout key, in order, with how a message names each.
 _CALL = (
@@ -58,8 +61,7 @@ _CALL = (
     ("return_entropy", "return_entropy"),
     ("return_lse", "return_lse"),
     ("reduce_grad_hidden", "reduce_grad_hidden"),
-    ("temperature", "temperature"),
-    ("softcap", "softcap"),
+    *((name, name) for name in TRANSFORM_FIELDS),
     ("ignore_index", "ignore_index"),
     ("inputs_grad", "whether {inputs} requires grad"),
     ("weight_grad", "whether weight requires grad"),
@@ -106,13 +108,12 @@ def call_fields(
     return_entropy: bool,
     return_lse: bool,
     reduce_grad_hidden: bool,
-    temperature: float,
+    transform: LogitTransform,
     ignore_index: int,
     inputs_grad: bool,
     weight_grad: bool,
     backend: str,
     device: torch.device,
-    softcap: float | None = None,
     bias: torch.Tensor | None = None,
     loss: bool = False,
     chunk_size: int | None = None,
@@ -127,8 +128,7 @@ def call_fields(
         int(return_entropy),
         int(return_lse),
         int(reduce_grad_hidden),
-        _float_bits(temperature),
-        0 if softcap is None else _float_bits(softcap),  # a cap is > 0: 0 means none
+        *(0 if x is None else _float_bits(x) for _, x in transform.record()),
         ignore_index,
         int(inputs_grad),
         int(weight_grad),
@@ -140,9 +140,7 @@ def call_fields(
 
 
 def _shown(field: str, value: int) -> str:
-    if field == "temperature":
-        return repr(_bits_float(value))
-    if field == "softcap":
+    if field in TRANSFORM_FIELDS:
         return "None" if value == 0 else repr(_bits_float(value))
     if field == "chunk_size":
         return "None" if value == 0 else str(value)

@@ -10,56 +10,12 @@ Point-to-point sends only; every rank derives the same plan from the layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class TileOwnership:
-    """Which global ``deterministic_tile``-column tiles one rank computes, and what it
-    needs from the ranks after it (``deterministic=True`` of ``linear_logprob``).
-
-    Tiles lie on a global grid from column 0 (the last one cut by ``vocab_size``). A rank
-    computes every tile that *starts* in its shard, whole: the tiles partition the
-    vocabulary in rank order, whatever the layout, and each tile's numbers come from one
-    computation over all of its columns. A tile that runs past the shard's end needs the
-    weight rows of the next shard(s) up to its end: the *halo*, sent by their owners
-    (:func:`exchange_halo`). The shard's first ``skip`` columns belong to a tile that
-    starts on an earlier rank: this rank computes them only for its own grad_weight rows.
-    """
-
-    skip: int
-    """Columns at the shard's start that belong to an earlier rank's tile."""
-    ext: int
-    """Columns of the owned tiles, from column ``skip`` of the shard (halo included)."""
-    halo: int
-    """Weight rows past this shard's real rows that the owned tiles need."""
-    tiles: int
-    """Owned tiles."""
-    max_tiles: int
-    """The most tiles any rank of the layout owns (sizes the exchange of tile partials)."""
-
-
-def _owned(start: int, real: int, vocab_size: int, tile: int) -> tuple[int, int, int, int]:
-    first = -(-start // tile) * tile  # the first tile edge at or after the shard's start
-    if real <= 0 or first >= start + real:
-        return max(real, 0), 0, 0, 0
-    last_end = min(((start + real - 1) // tile + 1) * tile, vocab_size)
-    ext = last_end - first
-    return first - start, ext, max(0, last_end - start - real), -(-ext // tile)
-
-
-def tile_ownership(starts, sizes, vocab_size: int, tile: int, rank: int) -> TileOwnership:
-    """:class:`TileOwnership` of ``rank`` in the layout ``(starts, sizes)``."""
-    owned = [
-        _owned(st, min(sz, vocab_size - st), vocab_size, tile)
-        for st, sz in zip(starts, sizes, strict=True)
-    ]
-    skip, ext, halo, tiles = owned[rank]
-    return TileOwnership(skip, ext, halo, tiles, max(o[3] for o in owned))
+from lp_kernels.core.tiles import TileOwnership, owned_columns
 
 
 def _halo_plan(starts, sizes, vocab_size: int, tile: int, rank: int):
@@ -70,7 +26,7 @@ def _halo_plan(starts, sizes, vocab_size: int, tile: int, rank: int):
     reals = [max(0, min(sz, vocab_size - st)) for st, sz in zip(starts, sizes, strict=True)]
     need = []  # per rank: the global rows [lo, hi) of its halo
     for r, st in enumerate(starts):
-        halo = _owned(st, reals[r], vocab_size, tile)[2]
+        halo = owned_columns(st, reals[r], vocab_size, tile)[2]
         need.append((st + reals[r], st + reals[r] + halo))
     lo, hi = need[rank]
     mine = starts[rank]

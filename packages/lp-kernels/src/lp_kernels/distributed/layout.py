@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lp_kernels._checks import WEIGHT_PROBLEMS
-from lp_kernels.tiles import DETERMINISTIC_TILE
+from lp_kernels.core.tiles import DETERMINISTIC_TILE
 
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _DTYPE_NAMES = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}

@@ -30,7 +30,7 @@ layout), and C is a function of the tile, not of the shard (``linear_logprob`` p
 order from the shape, so the same tile gets the same kernel, and the same bits, on every
 layout. Element-wise ops do not depend on the shape. The fixed-point scale per row comes
 from a bound that every rank computes alike
-(``lp_kernels._fixed_point``, shared with the triton backend).
+(``lp_kernels.core.fixed_point``, shared with the triton backend).
 
 Not batch-invariant on CUDA (a row's bits may depend on the other rows of its chunk, as
 for the default torch path there); on CPU it is.
@@ -43,24 +43,22 @@ import warnings
 
 import torch
 
-from lp_kernels._compile import backend_backward
-from lp_kernels._fixed_point import from_fixed_point, row_exponents
-from lp_kernels._matmul import addmm_f32_, mm_f32
-from lp_kernels._stats import N_STATS, masked_outputs, masked_upstream, target_columns
-from lp_kernels._types import LogprobParams
-from lp_kernels.backends.torch.linear import (
+from lp_kernels.backends.torch.linear import Grads, dlogits_chunks, logits_chunks
+from lp_kernels.core.chunks import padded_rows
+from lp_kernels.core.compile import backend_backward
+from lp_kernels.core.fixed_point import from_fixed_point, row_exponents
+from lp_kernels.core.matmul import addmm_f32_, mm_f32
+from lp_kernels.core.stats import (
+    N_STATS,
     bias_grad,
-    logits_grad_chunks,
-    padded_rows,
-    scaled_logits_chunks,
+    masked_outputs,
+    masked_upstream,
+    target_columns,
 )
-from lp_kernels.distributed.collectives import RowSums, gather_stats
-from lp_kernels.distributed.halo import (
-    bias_halo,
-    owned_halo,
-    return_halo_grad,
-    tile_ownership,
-)
+from lp_kernels.core.tiles import tile_ownership
+from lp_kernels.core.types import LogprobParams
+from lp_kernels.distributed.collectives import RowSums, gather_stats, global_abs_max
+from lp_kernels.distributed.halo import bias_halo, owned_halo, return_halo_grad
 
 MANY_TILES = 128
 """A CUDA call with more owned tiles than this warns: each tile makes its own calls."""
@@ -97,7 +95,7 @@ def _tile_stats(z: torch.Tensor, t_rel, hit, tile: int, *, entropy: bool) -> tor
 
 
 def _merge_tiles(stats: torch.Tensor, *, entropy: bool):
-    """Merge ``[N, T, 4]`` tile partials over the tile axis (see lp_kernels._stats)."""
+    """Merge ``[N, T, 4]`` tile partials over the tile axis (see lp_kernels.core.stats)."""
     m, s, a, t = stats.unbind(dim=2)
     big_m = m.amax(dim=1)
     w = torch.exp(m - big_m[:, None])
@@ -170,115 +168,146 @@ def _tile_biases(b_real, b_halo, own, tile: int, count: int) -> list:
     return [b for _, b in _owned_tiles(b_real, b_halo, own, tile)]
 
 
+def forward(hidden, weight, bias, targets, p: LogprobParams):
+    """``((logprob, entropy, lse), lse, E, halo, bias halo)``: the outputs (masked), the raw
+    statistics and the halo rows the backward reads (see the module docstring)."""
+    n = hidden.shape[0]
+    v_real = p.local_real_columns(weight.shape[0])
+    own, halo = owned_halo(weight[:v_real], p)
+    b_real, b_halo = bias_halo(bias, v_real, p)
+    if hidden.is_cuda and own.tiles > MANY_TILES:
+        warnings.warn(
+            f"deterministic=True with backend='torch' on CUDA makes its GEMMs and "
+            f"reductions tile by tile: this shard has {own.tiles} tiles of "
+            f"deterministic_tile={p.deterministic_tile} columns, and the step is bound by "
+            "kernel launches. Use the default tile (deterministic_tile=None) or "
+            "backend='triton'",
+            skip_file_prefixes=_NOT_THE_CALLER,  # point at the caller's line
+        )
+    t_own, in_own, ignored = target_columns(
+        targets, p.ignore_index, p.vocab_start + own.skip, own.ext
+    )
+    tiles = _owned_tiles(weight[:v_real], halo, own, p.deterministic_tile)
+    b_tiles = _tile_biases(b_real, b_halo, own, p.deterministic_tile, len(tiles))
+    chunks = (
+        (r0, r1, rows, j, 1, z)
+        for j, ((_, w_j), b_j) in enumerate(zip(tiles, b_tiles, strict=True))
+        for r0, r1, rows, _, z, _ in logits_chunks(hidden, w_j, p, b_real=b_j)
+    )
+    lse, mean_z, zt, ent = merged_tile_stats(chunks, t_own, in_own, n, p, hidden.device)
+    outputs = masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
+    return outputs, lse, mean_z, halo, b_halo
+
+
+def backward(saved, upstream: Grads, needs: tuple[bool, bool, bool], p: LogprobParams) -> Grads:
+    """``(grad_hidden, grad_weight, grad_bias)`` from the forward's saved tensors ``(hidden,
+    weight, bias, targets, lse, E, halo, bias halo)`` and the upstream gradients."""
+    hidden, weight, bias, targets, lse, mean_z, halo, b_halo = saved
+    need_h, need_w, need_b = needs
+    h_dim = hidden.shape[1]
+    dev = hidden.device
+    v_real = p.local_real_columns(weight.shape[0])
+    w_real = weight[:v_real]
+    own = p.tile_ownership()
+    tiles = _owned_tiles(w_real, halo, own, p.deterministic_tile)
+    b_real = None if bias is None else bias[:v_real].float()
+    b_tiles = _tile_biases(b_real, b_halo, own, p.deterministic_tile, len(tiles))
+    # grad_bias over this shard's real columns, then the halo's (sent back like grad_W)
+    acc_b = torch.zeros(v_real + own.halo, dtype=torch.float32, device=dev) if need_b else None
+    sum_h = FixedPointRows(hidden, w_real, b_real, lse, targets, upstream, p) if need_h else None
+    acc_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+    # the halo's grad_W rows are computed here, with their tile, and go back to the ranks
+    # that hold them; this shard's first `skip` rows arrive from their owner
+    back = need_w and p.tp_size > 1
+    grad_halo = torch.zeros((own.halo, h_dim), dtype=torch.float32, device=dev) if back else None
+    for j, (begin, w_j) in enumerate(tiles):
+        rows_here = min(w_j.shape[0], v_real - begin)  # the rest are halo rows
+        acc = None
+        if need_w:
+            acc = acc_w[begin : begin + w_j.shape[0]]
+            if rows_here < w_j.shape[0]:
+                acc = torch.zeros((w_j.shape[0], h_dim), dtype=torch.float32, device=dev)
+        acc_bj = None if acc_b is None else acc_b[begin : begin + w_j.shape[0]]
+        for r0, r1, h_c, dl in dlogits_chunks(
+            hidden, w_j, targets, lse, mean_z, upstream, p, first_id=p.vocab_start + begin,
+            b_real=b_tiles[j], grad_bias=acc_bj,
+        ):  # fmt: skip
+            if sum_h is not None:
+                sum_h.add(r0, r1, dl, w_j, last=j == len(tiles) - 1)
+            if need_w:
+                addmm_f32_(acc, dl.T, h_c)
+        if need_w and rows_here < w_j.shape[0]:
+            acc_w[begin:v_real] = acc[:rows_here]
+            grad_halo.copy_(acc[rows_here:])
+    grad_h = None if sum_h is None else sum_h.finish()
+    if back:  # after every all-reduce: the same order of collectives on every rank
+        return_halo_grad(
+            grad_halo, acc_w, p.shard_starts, p.shard_sizes, p.vocab_size,
+            p.deterministic_tile, p.tp_rank, p.tp_group,
+        )  # fmt: skip
+    if need_b and p.tp_size > 1:  # the halo's entries to their shards, as for grad_W
+        head = acc_b[:v_real].clone()
+        return_halo_grad(
+            acc_b[v_real:, None], head[:, None], p.shard_starts, p.shard_sizes,
+            p.vocab_size, p.deterministic_tile, p.tp_rank, p.tp_group,
+        )  # fmt: skip
+        acc_b = head
+    grad_w = acc_w.to(weight.dtype) if need_w else None
+    grad_b = bias_grad(None if acc_b is None else acc_b[:v_real], bias)
+    return grad_h, grad_w, grad_b
+
+
+class FixedPointRows:
+    """grad_hidden as an exact int64 sum (lp_kernels.core.fixed_point): each tile's fp32
+    ``d l @ W_j``, from zero, scaled by the row's ``2^e_n`` and rounded, then added; the
+    rows' tensor-parallel sum (int64, exact) starts as the last tile finishes them."""
+
+    def __init__(self, hidden, w_real, b_real, lse, targets, upstream: Grads, p):
+        n, h_dim = hidden.shape
+        ignored = targets.long() == p.ignore_index
+        g_lp, g_ent, g_lse = masked_upstream(ignored, *upstream)
+        w_abs = global_abs_max(w_real, p.tp_group, p.tp_size)
+        b_abs = None if b_real is None else global_abs_max(b_real, p.tp_group, p.tp_size)
+        self.scale, self.bad = row_exponents(
+            hidden, w_abs, lse, ignored, g_lp, g_ent, g_lse, p, b_abs=b_abs
+        )
+        self.acc = torch.zeros((n, h_dim), dtype=torch.int64, device=hidden.device)
+        self.dtype = hidden.dtype
+        self.sums = RowSums(self.acc, p.tp_group, p.tp_size, enabled=p.reduce_grad_hidden)
+
+    def add(self, r0: int, r1: int, dl: torch.Tensor, w_j: torch.Tensor, *, last: bool):
+        """Tile ``w_j``'s contribution to rows ``[r0, r1)`` (``dl`` padded to its chunk);
+        ``last``: no tile follows, so rows ``[0, r1)`` are final."""
+        # 2^e_n is an fp32 power of two (|e_n| <= 126) and |leaf| 2^e_n < 2^61 (the
+        # bound): the scaling is exact in fp32, the integers those of fp64
+        exp2 = torch.exp2(padded_rows(self.scale, r0, r1, dl.shape[0])).float()
+        leaf = mm_f32(dl, w_j).mul_(exp2[:, None]).round_()
+        self.acc[r0:r1] += leaf[: r1 - r0].to(torch.int64)
+        if last:
+            self.sums.ready(r1)
+
+    def finish(self) -> torch.Tensor:
+        """grad_hidden in the hidden dtype (one rounding; NaN rows where the bound is not
+        finite)."""
+        self.sums.finish()
+        return from_fixed_point(self.acc, self.scale, self.bad, self.dtype)
+
+
 class LinearLogprobTorchDeterministic(torch.autograd.Function):
-    """TP-invariant torch implementation; see the module docstring."""
+    """TP-invariant torch implementation: saves the inputs, the statistics and the halo,
+    calls :func:`forward` and :func:`backward`."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, p: LogprobParams):
         ctx.set_materialize_grads(False)
-        n = hidden.shape[0]
-        v_real = p.local_real_columns(weight.shape[0])
-        own, halo = owned_halo(weight[:v_real], p)
-        b_real, b_halo = bias_halo(bias, v_real, p)
-        if hidden.is_cuda and own.tiles > MANY_TILES:
-            warnings.warn(
-                f"deterministic=True with backend='torch' on CUDA makes its GEMMs and "
-                f"reductions tile by tile: this shard has {own.tiles} tiles of "
-                f"deterministic_tile={p.deterministic_tile} columns, and the step is bound by "
-                "kernel launches. Use the default tile (deterministic_tile=None) or "
-                "backend='triton'",
-                skip_file_prefixes=_NOT_THE_CALLER,  # point at the caller's line
-            )
-        t_own, in_own, ignored = target_columns(
-            targets, p.ignore_index, p.vocab_start + own.skip, own.ext
-        )
-        tiles = _owned_tiles(weight[:v_real], halo, own, p.deterministic_tile)
-        b_tiles = _tile_biases(b_real, b_halo, own, p.deterministic_tile, len(tiles))
-        blocks = (
-            (r0, r1, rows, j, 1, z)
-            for j, ((_, w_j), b_j) in enumerate(zip(tiles, b_tiles, strict=True))
-            for r0, r1, rows, _, z in scaled_logits_chunks(hidden, w_j, p, b_real=b_j)
-        )
-        lse, mean_z, zt, ent = merged_tile_stats(blocks, t_own, in_own, n, p, hidden.device)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_z, halo, b_halo)
+        outputs, *stats = forward(hidden, weight, bias, targets, p)
+        ctx.save_for_backward(hidden, weight, bias, targets, *stats)
         ctx.params = p
-        return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
+        return outputs
 
     @staticmethod
     @backend_backward
     def backward(ctx, g_lp, g_ent, g_lse):
-        hidden, weight, bias, targets, lse, mean_z, halo, b_halo = ctx.saved_tensors
-        p: LogprobParams = ctx.params
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        n, h_dim = hidden.shape
-        dev = hidden.device
-        v_real = p.local_real_columns(weight.shape[0])
-        w_real = weight[:v_real]
-        own = p.tile_ownership()
-        tiles = _owned_tiles(w_real, halo, own, p.deterministic_tile)
-        b_real = None if bias is None else bias[:v_real].float()
-        b_tiles = _tile_biases(b_real, b_halo, own, p.deterministic_tile, len(tiles))
-        # grad_bias over this shard's real columns, then the halo's (sent back like grad_W)
-        acc_b = None
-        if need_b:
-            acc_b = torch.zeros(v_real + own.halo, dtype=torch.float32, device=dev)
-        ignored = targets.long() == p.ignore_index
-        g_lp_, g_ent_, g_lse_ = masked_upstream(ignored, g_lp, g_ent, g_lse)
-        scale = bad = acc_h = None
-        if need_h:
-            scale, bad = row_exponents(
-                hidden, w_real, lse, ignored, g_lp_, g_ent_, g_lse_, p, b_real=b_real
-            )
-            acc_h = torch.zeros((n, h_dim), dtype=torch.int64, device=dev)
-        acc_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        # the halo's grad_W rows are computed here, with their tile, and go back to the
-        # ranks that hold them; this shard's first `skip` rows arrive from their owner
-        back = need_w and p.tp_size > 1
-        grad_halo = None
-        if back:
-            grad_halo = torch.zeros((own.halo, h_dim), dtype=torch.float32, device=dev)
-        sums = RowSums(acc_h, p.tp_group, p.tp_size, enabled=p.reduce_grad_hidden)
-        for j, (begin, w_j) in enumerate(tiles):
-            rows_here = min(w_j.shape[0], v_real - begin)  # the rest are halo rows
-            if need_w:
-                acc = acc_w[begin : begin + w_j.shape[0]]
-                if rows_here < w_j.shape[0]:
-                    acc = torch.zeros((w_j.shape[0], h_dim), dtype=torch.float32, device=dev)
-            last = j == len(tiles) - 1
-            acc_bj = None if acc_b is None else acc_b[begin : begin + w_j.shape[0]]
-            for r0, r1, h_c, dl in logits_grad_chunks(
-                hidden, w_j, targets, lse, mean_z, (g_lp, g_ent, g_lse), p, p.vocab_start + begin,
-                b_real=b_tiles[j], grad_bias=acc_bj,
-            ):  # fmt: skip
-                if need_h:
-                    # 2^e_n is an fp32 power of two (|e_n| <= 126) and |leaf| 2^e_n < 2^61
-                    # (the bound): the scaling is exact in fp32, the integers those of fp64
-                    exp2 = torch.exp2(padded_rows(scale, r0, r1, dl.shape[0])).float()
-                    leaf = mm_f32(dl, w_j).mul_(exp2[:, None]).round_()
-                    acc_h[r0:r1] += leaf[: r1 - r0].to(torch.int64)
-                    if last:
-                        sums.ready(r1)  # rows [0, r1) are final
-                if need_w:
-                    addmm_f32_(acc, dl.T, h_c)
-            if need_w and rows_here < w_j.shape[0]:
-                acc_w[begin:v_real] = acc[:rows_here]
-                grad_halo.copy_(acc[rows_here:])
-        grad_h = None
-        if need_h:
-            sums.finish()
-            grad_h = from_fixed_point(acc_h, scale, bad, hidden.dtype)
-        if back:  # after every all-reduce: the same order of collectives on every rank
-            return_halo_grad(
-                grad_halo, acc_w, p.shard_starts, p.shard_sizes, p.vocab_size,
-                p.deterministic_tile, p.tp_rank, p.tp_group,
-            )  # fmt: skip
-        if need_b and p.tp_size > 1:  # the halo's entries to their shards, as for grad_W
-            head = acc_b[:v_real].clone()
-            return_halo_grad(
-                acc_b[v_real:, None], head[:, None], p.shard_starts, p.shard_sizes,
-                p.vocab_size, p.deterministic_tile, p.tp_rank, p.tp_group,
-            )  # fmt: skip
-            acc_b = head
-        grad_w = acc_w.to(weight.dtype) if need_w else None
-        grad_b = bias_grad(None if acc_b is None else acc_b[:v_real], bias)
-        return grad_h, grad_w, grad_b, None, None
+        needs = tuple(ctx.needs_input_grad[:3])
+        grads = backward(ctx.saved_tensors, (g_lp, g_ent, g_lse), needs, ctx.params)
+        return (*grads, None, None)

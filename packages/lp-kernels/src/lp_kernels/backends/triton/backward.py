@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lp_kernels._matmul import mm_f32, scratch
-from lp_kernels._types import LogprobParams
 from lp_kernels.backends.triton.config import (
     TileConfig,
     cap_args,
@@ -35,6 +33,8 @@ from lp_kernels.backends.triton.tl_utils import (
     logits_tile,
     target_codes,
 )
+from lp_kernels.core.matmul import mm_f32, scratch
+from lp_kernels.core.types import LogprobParams
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -301,13 +301,13 @@ def dlogits(
     dlogits_kernel[(blocks_n * triton.cdiv(v_store, cfg.block_v),)](
         h_src, w_src, targets, lse, mean if mean is not None else lse, g_lp, g_ent, g_lse, out,
         lse if b_real is None else b_real, lse if db is None else db,
-        n, h_dim, v_begin, v_count, v_store, p.ignore_index, first_id, p.inv_temperature,
+        n, h_dim, v_begin, v_count, v_store, p.ignore_index, first_id, p.transform.inv_temperature,
         *cap_args(p), group_size(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=grads[1] is not None, HAS_LP=grads[0] is not None,
         HAS_LSE=grads[2] is not None, IGNORED=IGNORED, TMA=tma,
-        HAS_BIAS=b_real is not None, BIAS_GRAD=db is not None, SOFTCAP=p.softcap is not None,
+        HAS_BIAS=b_real is not None, BIAS_GRAD=db is not None, SOFTCAP=p.transform.softcap is not None,
         **logit_flags(hidden, cfg), **launch_opts(cfg, hidden.device),
     )  # fmt: skip
 

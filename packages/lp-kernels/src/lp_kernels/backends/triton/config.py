@@ -16,7 +16,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from lp_kernels._types import LogprobParams
+from lp_kernels.core.types import LogprobParams
 
 
 @dataclass(frozen=True)
@@ -238,4 +238,8 @@ def pad128(x: int) -> int:
 
 def cap_args(p: LogprobParams) -> tuple[float, float]:
     """``(cap, 1 / cap)`` of the kernels' ``SOFTCAP`` path (unused without a cap)."""
-    return (p.softcap, 1.0 / p.softcap) if p.softcap is not None else (1.0, 1.0)
+    return (
+        (p.transform.softcap, 1.0 / p.transform.softcap)
+        if p.transform.softcap is not None
+        else (1.0, 1.0)
+    )

@@ -46,7 +46,7 @@ tile needs (the halo) arrive by point-to-point sends (``distributed.halo.tile_ow
               the int64 sums are exact, so neither the tile order nor the TP all-reduce
               (int64) can change the bits; grad_h = acc * 2^-e_n, one rounding
               (fixed_point.from_fixed_point; the scales from fixed_point.row_scales,
-              lp_kernels._fixed_point's bound)
+              lp_kernels.core.fixed_point's bound)
 
 Cost: each tile's partial statistics and each tile's rounding of an [N, H] product are
 the price of invariance, so wider tiles cost less: with the default tile the mode runs
@@ -69,11 +69,6 @@ import dataclasses
 import torch
 import triton
 
-from lp_kernels._compile import backend_backward
-from lp_kernels._matmul import addmm_f32_, scratch
-from lp_kernels._stats import N_STATS
-from lp_kernels._types import LogprobParams
-from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
     dlogits_blocks,
     grad_weight_buffer,
@@ -98,9 +93,13 @@ from lp_kernels.backends.triton.forward import (
     tile_splits,
 )
 from lp_kernels.backends.triton.gemm import matmul_acc
+from lp_kernels.core.compile import backend_backward
+from lp_kernels.core.matmul import addmm_f32_, scratch
+from lp_kernels.core.stats import N_STATS, bias_grad
+from lp_kernels.core.tiles import DETERMINISTIC_TILE as TILE
+from lp_kernels.core.types import LogprobParams
 from lp_kernels.distributed.collectives import RowSums
 from lp_kernels.distributed.halo import bias_halo, owned_halo, return_halo_grad, with_halo
-from lp_kernels.tiles import DETERMINISTIC_TILE as TILE
 
 # Tiles wider than half a vocabulary chunk (the default tile's plan): the memory that the
 # fp32 products waiting to be rounded (TileConfig.round_group tiles, each its own [N, H]

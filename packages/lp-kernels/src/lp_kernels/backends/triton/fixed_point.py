@@ -4,14 +4,14 @@ Each global tile's contribution to ``grad_hidden`` (a "leaf": an fp32 product co
 from zero over the tile's columns) is scaled by the row's power of two ``2^e_n`` and
 rounded to int64 (ties to even); integer addition is associative, so neither the tile
 order nor the TP all-reduce can change the bits. One rounding back at the end. The
-scale's bound is ``lp_kernels._fixed_point``'s (shared with the torch backend).
+scale's bound is ``lp_kernels.core.fixed_point``'s (shared with the torch backend).
 
 - ``matmul_fixed_kernel``: ``C += round(s * (A[:, leaf] @ B[leaf]))`` per leaf, one loop
   over K steps that rounds at each leaf's end (tiles of up to half a vocabulary chunk).
 - ``round_into_kernel``: rounds the fp32 products of wider tiles, summed by lp's fp32
   GEMM, into the int64 sum (several tiles per pass).
 - ``from_fixed_kernel``: int64 -> float32, with NaN rows.
-- ``row_scales_kernel``: each row's ``2^e_n`` (``lp_kernels._fixed_point.row_exponents``'
+- ``row_scales_kernel``: each row's ``2^e_n`` (``lp_kernels.core.fixed_point.row_exponents``'
   bound, the same float64 operations in the same order) in one launch.
 """
 
@@ -26,8 +26,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from lp_kernels._fixed_point import E_MAX, E_MIN, MARGIN
-from lp_kernels._types import LogprobParams
 from lp_kernels.backends.triton.config import (
     TileConfig,
     compile_opts,
@@ -37,8 +35,10 @@ from lp_kernels.backends.triton.config import (
 )
 from lp_kernels.backends.triton.gemm import gemm_sources
 from lp_kernels.backends.triton.tl_utils import gemm_step, grouped, operand_ptrs
+from lp_kernels.core.fixed_point import E_MAX, E_MIN, MARGIN
+from lp_kernels.core.tiles import DETERMINISTIC_TILE as TILE
+from lp_kernels.core.types import LogprobParams
 from lp_kernels.distributed.collectives import global_abs_max, local_abs_max
-from lp_kernels.tiles import DETERMINISTIC_TILE as TILE
 
 # Every column tile is one global vocabulary tile. The fixed-point GEMM keeps an int64
 # and an fp32 accumulator per output element (chosen by benchmarks/sweep_tiles.py).
@@ -192,7 +192,7 @@ def from_fixed_kernel(acc_ptr, s_ptr, bad_ptr, out_ptr, numel, H, BLOCK: tl.cons
 
 def from_fixed_point(acc, inv_scale, bad, dtype):
     """``acc [N, H]`` int64 in units of ``2^-e_n`` -> ``dtype``, NaN on ``bad`` rows (the
-    triton backend's :func:`lp_kernels._fixed_point.from_fixed_point`, without float64
+    triton backend's :func:`lp_kernels.core.fixed_point.from_fixed_point`, without float64
     temporaries). ``inv_scale``: float64 ``2^-e_n``; ``bad``: int8 or bool ``[N]``.
 
     The kernel stops at float32 and torch rounds to the input dtype: Triton may fold the
@@ -226,7 +226,7 @@ def row_scales_kernel(
     SOFTCAP: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Per row: ``scale = 2^e`` (fp32), ``inv = 2^-e`` (fp64) and ``bad`` (int8) of
-    ``lp_kernels._fixed_point.row_exponents``, whose float64 operations this repeats one
+    ``lp_kernels.core.fixed_point.row_exponents``, whose float64 operations this repeats one
     by one in the same order (compiled without FMA contraction, as torch evaluates them;
     ``log2`` and ``floor`` are libdevice's, as torch's on CUDA; numpy's under the
     interpreter, which has no libdevice). The float64 constants
@@ -314,7 +314,7 @@ def row_scales(
     p: LogprobParams,
     w_abs: torch.Tensor | None = None,
 ) -> RowScales:
-    """:func:`lp_kernels._fixed_point.row_exponents` as :class:`RowScales`, in one launch
+    """:func:`lp_kernels.core.fixed_point.row_exponents` as :class:`RowScales`, in one launch
     after ``max |W|`` (and ``max |b|``) over the group: the same exponents and NaN rows.
 
     ``targets``: the raw ids (contiguous); ``grads``: the upstream ``(g_lp, g_ent,
@@ -332,18 +332,20 @@ def row_scales(
     if n == 0:
         return RowScales(scale, inv, bad)
     g_lp, g_ent, g_lse = (lse if g is None else g for g in grads)
-    cap_t = 0.0 if p.softcap is None else p.softcap * p.inv_temperature
+    cap_t = (
+        0.0 if p.transform.softcap is None else p.transform.softcap * p.transform.inv_temperature
+    )
     block_n, block_h = (16, 256) if dev.type != "cpu" else (16, 64)
     opts = compile_opts(dev)
     if opts:  # no FMA contraction: torch's float64 operations, one rounding each
         opts = dict(opts, enable_fp_fusion=False)
     row_scales_kernel[(triton.cdiv(n, block_n),)](
         hidden, lse, targets, g_lp, g_ent, g_lse, w_abs, w_abs if b_abs is None else b_abs,
-        scale, inv, bad, n, h_dim, hidden.stride(0), p.ignore_index, _bits(p.inv_temperature),
+        scale, inv, bad, n, h_dim, hidden.stride(0), p.ignore_index, _bits(p.transform.inv_temperature),
         _bits(cap_t), _bits(MARGIN),
         BLOCK_N=block_n, BLOCK_H=block_h, HAS_LP=grads[0] is not None,
         HAS_ENT=grads[1] is not None, HAS_LSE=grads[2] is not None,
-        HAS_BIAS=b_abs is not None, SOFTCAP=p.softcap is not None, E_LO=E_MIN, E_HI=E_MAX,
+        HAS_BIAS=b_abs is not None, SOFTCAP=p.transform.softcap is not None, E_LO=E_MIN, E_HI=E_MAX,
         INTERPRET=dev.type == "cpu", **opts,
     )  # fmt: skip
     return RowScales(scale, inv, bad)

@@ -10,9 +10,9 @@ Under tensor parallel a rank's S partials, and with ``deterministic=True`` each 
 are merged into one first (``group_merge_kernel``, :func:`gather_partials`), then
 all-gathered. ``merge_kernel`` visits the partials of each row in (rank, partial) order
 -> lse and E (the backward's), and the op's logprob, entropy and lse, masked as
-``lp_kernels._stats.masked_outputs`` masks them (one launch instead of a handful of
+``lp_kernels.core.stats.masked_outputs`` masks them (one launch instead of a handful of
 elementwise torch ops, each of which costs host time before a forward-only call's first
-kernel). The algebra is ``lp_kernels._stats``'.
+kernel). The algebra is ``lp_kernels.core.stats``'.
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lp_kernels._matmul import scratch
-from lp_kernels._stats import N_STATS
-from lp_kernels._types import LogprobParams
 from lp_kernels.backends.triton.config import (
     TileConfig,
     cap_args,
@@ -47,6 +44,9 @@ from lp_kernels.backends.triton.tl_utils import (
     softcap,
     target_codes,
 )
+from lp_kernels.core.matmul import scratch
+from lp_kernels.core.stats import N_STATS
+from lp_kernels.core.types import LogprobParams
 from lp_kernels.distributed.collectives import gather_stats
 
 # ----------------------------------------------------------------------------- kernels
@@ -204,7 +204,7 @@ def _partials_sum(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ENTROPY: tl.constexpr, EMPTY: tl.constexpr,
 ):  # fmt: skip
     """``(S, B, T)``: the partials ``[k_begin, k_end)`` of a block of rows rescaled to their
-    maximum ``b_big_m`` and added in order (``lp_kernels._stats``' algebra; B only with
+    maximum ``b_big_m`` and added in order (``lp_kernels.core.stats``' algebra; B only with
     ``ENTROPY``). ``BLOCK_K`` partials' loads are in flight together, each still added in
     its turn; the slots past ``k_end`` add exact zeros. ``EMPTY``: where the maximum is
     -inf (no column of the range has mass) the weights are 0, not e^(-inf + inf) = NaN, so
@@ -264,11 +264,11 @@ def merge_kernel(
     stats_ptr, lse_ptr, mean_ptr, zt_ptr, ent_ptr, t_ptr, lseo_ptr, K, N, ignore_index,
     BLOCK_N: tl.constexpr, ENTROPY: tl.constexpr, LSE_OUT: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Merge K partials per row in order (see lp_kernels._stats for the algebra).
+    """Merge K partials per row in order (see lp_kernels.core.stats for the algebra).
 
     ``lse_ptr`` and ``mean_ptr`` receive the raw log-sum-exp and E (the backward's);
     ``zt_ptr``, ``ent_ptr`` and ``lseo_ptr`` (``LSE_OUT``) the op's logprob ``t - lse``,
-    entropy and log-sum-exp as ``lp_kernels._stats.masked_outputs`` makes them: exact
+    entropy and log-sum-exp as ``lp_kernels.core.stats.masked_outputs`` makes them: exact
     zeros on the rows whose raw target id (``t_ptr``, int32 or int64) is ``ignore_index``,
     NaN where the log-sum-exp is not finite."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -344,13 +344,13 @@ def forward_stats(
     fwd_stats_kernel[(blocks_n * splits,)](
         h_src, w_src, targets, stats, stats if b_real is None else b_real,
         stats if l_out is None else logits_out(l_out, n, v_real, cfg, tma),
-        n, h_dim, v_real, p.ignore_index, first_id, p.inv_temperature, *cap_args(p), splits,
+        n, h_dim, v_real, p.ignore_index, first_id, p.transform.inv_temperature, *cap_args(p), splits,
         group_size(cfg, blocks_n),
         hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1),
         0 if l_out is None else l_out.stride(0),
         V_SPLIT=width, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         ENTROPY=p.return_entropy, TMA=tma, HAS_BIAS=b_real is not None,
-        SOFTCAP=p.softcap is not None, STORE_L=l_out is not None, IGNORED=IGNORED, TILE_W=tile,
+        SOFTCAP=p.transform.softcap is not None, STORE_L=l_out is not None, IGNORED=IGNORED, TILE_W=tile,
         **logit_flags(hidden, cfg),
         **launch_opts(cfg, hidden.device),
     )  # fmt: skip
@@ -407,7 +407,7 @@ def merge_outputs(
     """Merge ``[K, N, 4]`` partials per row in order, and make the op's outputs in the same
     launch: ``(lse, E or None, (logprob, entropy or None, lse or None))``. The first two
     are raw (what the backward reads); the outputs are exactly what
-    ``lp_kernels._stats.masked_outputs`` makes of the merged statistics (ignored rows:
+    ``lp_kernels.core.stats.masked_outputs`` makes of the merged statistics (ignored rows:
     those of the raw ``[N]`` ids ``targets``, contiguous, that equal ``ignore_index``)."""
     k, n, _ = stats.shape
     dev = stats.device

@@ -32,7 +32,7 @@ of bounds) when :func:`tma_ok` allows, else through masked pointer loads; both f
 same ``tl.dot`` sequence, and tests check the bits are equal.
 
 Numerics. Every dot accumulates in fp32 (``input_precision="ieee"`` for fp32 inputs,
-never TF32). The partial statistics follow ``lp_kernels._stats``: exponents relative
+never TF32). The partial statistics follow ``lp_kernels.core.stats``: exponents relative
 to a running maximum seeded with -inf, entropy assembled from ``z - m``. The merge
 visits partials in (rank, partial) order in one program per row block.
 
@@ -60,16 +60,8 @@ The GPU path keeps half-precision tensor-core dots.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from lp_kernels import _amp
-from lp_kernels._compile import backend_backward, eager_under_compile
-from lp_kernels._matmul import addmm_f32_, scratch
-from lp_kernels._prepare import prepare, shaped
-from lp_kernels._types import LogProbOutput, LogprobParams
-from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
     chunk_group,
     dlogits_blocks,
@@ -78,10 +70,13 @@ from lp_kernels.backends.triton.backward import (
     kernel_inputs,
     upstream,
 )
-from lp_kernels.backends.triton.config import TileConfig, config_for, pad128
-from lp_kernels.backends.triton.deterministic import LinearLogprobTritonDeterministic
+from lp_kernels.backends.triton.config import config_for, pad128
 from lp_kernels.backends.triton.forward import forward_stats, gather_partials, merge_outputs
 from lp_kernels.backends.triton.gemm import matmul_acc
+from lp_kernels.core.compile import backend_backward
+from lp_kernels.core.matmul import addmm_f32_, scratch
+from lp_kernels.core.stats import bias_grad
+from lp_kernels.core.types import LogprobParams
 from lp_kernels.distributed.collectives import RowSums
 
 # ----------------------------------------------------------------------------- autograd
@@ -169,37 +164,3 @@ class LinearLogprobTriton(torch.autograd.Function):
             sums.finish()
             grad_h = grad_h32.to(hidden.dtype)
         return grad_h, grad_w, bias_grad(acc_b, bias), None, None
-
-
-@eager_under_compile
-def linear_logprob_with_config(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    config: TileConfig,
-    **options: Any,
-) -> LogProbOutput:
-    """``lp_kernels.linear_logprob(..., backend="triton")`` under another launch ``config``
-    than the pinned ``config_for(device, dtype)``: how a tile sweep times a config.
-
-    Another tile is another summation order, so the bits are those of ``config``, not of
-    lp's pinned one (launch choices such as ``group``, ``tma``, ``narrow_cost`` and
-    ``round_group`` never change them). ``deterministic=True`` derives its config from
-    ``config`` (and takes its fixed-point GEMM tiles from ``config.fixed_tiles``).
-
-    Args:
-        hidden, weight, targets: as for :func:`lp_kernels.linear_logprob`.
-        config: the launch configuration of every kernel of the call.
-        **options: ``linear_logprob``'s keyword options (``backend`` must be absent or
-            ``"triton"``).
-    """
-    if not isinstance(config, TileConfig):
-        raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
-    if options.pop("backend", "triton") != "triton":
-        raise ValueError("linear_logprob_with_config runs the triton backend only")
-    prep = prepare(hidden, weight, targets, backend="triton", tile_config=config, **options)
-    det = prep.params.deterministic
-    function = LinearLogprobTritonDeterministic if det else LinearLogprobTriton
-    with _amp.autocast_off(prep.inputs.device):
-        out = function.apply(prep.inputs, prep.weight, prep.bias, prep.targets, prep.params)
-    return shaped(out, prep.lead)

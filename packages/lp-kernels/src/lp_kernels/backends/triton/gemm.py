@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lp_kernels._matmul import scratch
 from lp_kernels.backends.triton.config import (
     TileConfig,
     compile_opts,
@@ -24,6 +23,7 @@ from lp_kernels.backends.triton.config import (
     tma_ok,
 )
 from lp_kernels.backends.triton.tl_utils import gemm_step, grouped, operand_ptrs
+from lp_kernels.core.matmul import scratch
 
 # ----------------------------------------------------------------------------- kernels
 

@@ -24,27 +24,11 @@ unlike ``linear_logprob``'s they are not batch-invariant.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from lp_kernels._compile import eager_under_compile
-from lp_kernels._loss import (
-    FinishedGradients,
-    LossSpec,
-    apply_fused,
-    block_loss,
-    block_values,
-    finish,
-    resolve_entropy,
-)
-from lp_kernels._matmul import addmm_f32_, mm_f32, scratch
-from lp_kernels._prepare import prepare
-from lp_kernels._stats import ignored_rows
-from lp_kernels._types import LogprobParams, LossOutput
-from lp_kernels.backends.torch.linear import bias_grad
 from lp_kernels.backends.triton.backward import (
     add_column_sums,
     dlogits_rows,
@@ -71,6 +55,10 @@ from lp_kernels.backends.triton.forward import (
     shard_splits,
 )
 from lp_kernels.backends.triton.tl_utils import IGNORED, target_codes
+from lp_kernels.core.loss import FinishedGradients, LossSpec, block_loss, block_values, finish
+from lp_kernels.core.matmul import addmm_f32_, mm_f32, scratch
+from lp_kernels.core.stats import bias_grad, ignored_rows
+from lp_kernels.core.types import LogprobParams
 from lp_kernels.distributed.collectives import RowSums
 
 
@@ -139,11 +127,11 @@ def dlogits_from_logits(
     dlogits_l_kernel[(triton.cdiv(k, block_n), triton.cdiv(v, block_v * tiles))](
         logits, targets, lse, mean if mean is not None else lse, g_lp, g_ent, g_lse, out,
         lse if db is None else db,
-        k, v, p.ignore_index, p.vocab_start, p.inv_temperature, *cap_args(p), logits.stride(0),
+        k, v, p.ignore_index, p.vocab_start, p.transform.inv_temperature, *cap_args(p), logits.stride(0),
         out.stride(0),
         BLOCK_N=block_n, BLOCK_V=block_v, TILES=tiles, ENTROPY=grads[1] is not None,
         HAS_LP=grads[0] is not None, HAS_LSE=grads[2] is not None, IGNORED=IGNORED,
-        BIAS_GRAD=db is not None, SOFTCAP=p.softcap is not None,
+        BIAS_GRAD=db is not None, SOFTCAP=p.transform.softcap is not None,
         INTERPRET=logits.device.type == "cpu", **opts,
     )  # fmt: skip
 
@@ -317,29 +305,3 @@ class LinearLogprobLossTriton(FinishedGradients):
         grads = (grad_h, grad_w, bias_grad(acc_b, bias))
         ctx.scale = scale_on_device_
         return finish(ctx, (token_loss, logprob, entropy, lse), grads, spec)
-
-
-@eager_under_compile
-def linear_logprob_loss_with_config(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    loss_fn: Any,
-    config: TileConfig,
-    **options: Any,
-) -> LossOutput:
-    """``lp_kernels.linear_logprob_loss(..., backend="triton")`` under another launch
-    ``config`` than the pinned one (``deterministic`` must be False): how a sweep times
-    the block rows (``loss_rows``, ``loss_grad_rows``) or the forward's tiles."""
-    if not isinstance(config, TileConfig):
-        raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
-    if options.pop("backend", "triton") != "triton" or options.get("deterministic"):
-        raise ValueError("linear_logprob_loss_with_config runs the triton default mode only")
-    per_token = options.pop("per_token", None)
-    chunk_size = options.get("chunk_size")
-    entropy = resolve_entropy(options.pop("return_entropy", None), loss_fn)
-    prep = prepare(
-        hidden, weight, targets, backend="triton", tile_config=config, return_entropy=entropy,
-        return_lse=True, loss=True, **options,
-    )  # fmt: skip
-    return apply_fused(LinearLogprobLossTriton, prep, loss_fn, per_token, chunk_size)

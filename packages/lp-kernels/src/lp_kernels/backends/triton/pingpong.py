@@ -53,7 +53,6 @@ try:  # Gluon ships with Triton >= 3.5; these names are those of 3.6 to 3.9
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-from lp_kernels._types import LogprobParams
 from lp_kernels.backends.triton.config import (
     TileConfig,
     cap_args,
@@ -71,6 +70,7 @@ from lp_kernels.backends.triton.tl_utils import (
     softcap,
     target_codes,
 )
+from lp_kernels.core.types import LogprobParams
 
 HALF = 64
 """Rows of a warpgroup's tile (half of the Triton kernel's ``block_n``)."""
@@ -358,10 +358,10 @@ def pingpong_stats(
     blocks_n = triton.cdiv(n, 2 * HALF)
     pingpong_stats_kernel[(min(sm_count(hidden.device), blocks_n * splits),)](
         h_desc, w_desc, targets, stats, stats if b_real is None else b_real,
-        n, h_dim, v_real, p.ignore_index, first_id, p.inv_temperature, *cap_args(p), splits,
+        n, h_dim, v_real, p.ignore_index, first_id, p.transform.inv_temperature, *cap_args(p), splits,
         group_size(cfg, blocks_n),
         V_SPLIT=width, NSTAGES=STAGES, IGNORED=IGNORED, HAS_BIAS=b_real is not None,
-        SOFTCAP=p.softcap is not None, REGS=CONSUMER_REGS, num_warps=4,
+        SOFTCAP=p.transform.softcap is not None, REGS=CONSUMER_REGS, num_warps=4,
         **compile_opts(hidden.device),
     )  # fmt: skip
     return stats

@@ -149,7 +149,7 @@ def with_sign_of(t, x):
 @triton.jit
 def softcap(l, cap, inv_cap, INTERPRET: tl.constexpr = False):
     """``(c tanh(l / c), 1 - tanh^2(l / c))`` of fp32 ``l``, from ``exp2`` and one reciprocal
-    (the formula of ``lp_kernels._softcap``): ``e = exp(-2|x|)``, ``r = 1 / (1 + e)``,
+    (the formula of ``lp_kernels.core.transform``): ``e = exp(-2|x|)``, ``r = 1 / (1 + e)``,
     ``tanh = sign(x) (r - e r)``, its series below ``|x| = 1/8``, slope ``4 e r^2``;
     non-finite logits pass through.
 

@@ -17,17 +17,13 @@ inputs there, and then masked out: their loss is exactly 0 and so is their gradi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from lp_kernels import _amp
-from lp_kernels._compile import backend_backward
-from lp_kernels._types import LossOutput
-from lp_kernels.backends.torch.linear import default_chunk_rows
+from lp_kernels.core.compile import backend_backward
 
 RESERVED = ("logprob", "entropy", "lse")
 
@@ -265,32 +261,3 @@ def composed(out, spec: LossSpec, ignored: torch.Tensor):
         spec.loss_fn(out.logprob, out.entropy, out.lse, **values), ignored
     )
     return token_loss.sum(), token_loss.detach()
-
-
-def apply_fused(function, prep, loss_fn, per_token, chunk_size) -> LossOutput:
-    """Run a fused loss Function (``function``) on prepared arguments ``prep``
-    (``lp_kernels._prepare.Prepared``) and shape its outputs like the targets."""
-    values = check_per_token(per_token, prep.lead, prep.inputs.device)
-    p = prep.params
-    if chunk_size is None:  # from a width every rank shares: the blocks' exchanges match
-        width = max(0, min(p.max_v_local, p.vocab_size))
-        p = dataclasses.replace(p, chunk_size=default_chunk_rows(width, prep.inputs.device))
-    grad = torch.is_grad_enabled()
-    needs = (
-        grad and prep.inputs.requires_grad,
-        grad and prep.weight.requires_grad,
-        grad and prep.bias is not None and prep.bias.requires_grad,
-    )
-    spec = LossSpec(loss_fn, values, needs, chunk_size)
-    with _amp.autocast_off(prep.inputs.device):
-        loss, token_loss, logprob, entropy, lse = function.apply(
-            prep.inputs, prep.weight, prep.bias, prep.targets, p, spec
-        )
-    lead = prep.lead
-    return LossOutput(
-        loss,
-        token_loss.view(lead),
-        logprob.view(lead),
-        None if entropy is None else entropy.view(lead),
-        lse.view(lead),
-    )

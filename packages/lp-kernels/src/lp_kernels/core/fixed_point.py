@@ -10,12 +10,13 @@ The exponent comes from a bound on ``|grad_hidden[n, j]|`` built only from quant
 every rank computes bit-identically, whatever the TP degree and whatever the other rows:
 maxima (exact in any order) and per-row float64 arithmetic::
 
-    sum_v |d l[n, v]| <= (|g_lse - g_lp| + |g_lp| + 2 |g_ent| zmax_n) / T
-    zmax_n = (H * max_j |h[n, j]| * max |W| + max |b|) / T   (>= max_v |z[n, v]|; b: the bias)
+    sum_v |d l[n, v]| <= (|g_lse - g_lp| + |g_lp| + 2 |g_ent| zmax_n) * gain
+    zmax_n = z_bound(H * max_j |h[n, j]| * max |W| + max |b|)   (>= max_v |z[n, v]|)
     |grad_hidden[n, j]| <= sum_v |d l[n, v]| * max |W|
 
-With a softcap ``c``, ``|z| <= c / T`` bounds ``zmax_n`` too, and ``|d l| <= |d z| / T``
-(the cap's slope is at most 1). ``max |W|`` is a MAX all-reduce over the group. With a
+``gain`` bounds ``|dz / dl|`` and ``z_bound`` maps a bound on ``|l|`` to one on ``|z|``
+(:class:`lp_kernels.core.transform.LogitTransform`: ``1 / T``, and at most ``c / T`` under
+a softcap ``c``); b is the bias. ``max |W|`` is a MAX all-reduce over the group. With a
 2.02x margin for roundings,
 ``e_n = floor(60 - log2(2.02 * bound))`` keeps every partial sum below ``2^60`` (int64
 holds ``2^63``); the quantum ``2^-e_n`` is ``~bound * 2^-60``, far below fp32 resolution
@@ -34,8 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from lp_kernels._types import LogprobParams
-from lp_kernels.distributed.collectives import global_abs_max
+from lp_kernels.core.types import LogprobParams
 
 E_MIN, E_MAX = -126, 126
 MARGIN = 2.02  # the bound's margin for roundings (see above)
@@ -44,7 +44,7 @@ CONVERT_ELEMENTS = 1 << 24  # float64 elements per block of the final conversion
 
 def row_exponents(
     hidden: torch.Tensor,
-    w_real: torch.Tensor,
+    w_abs: torch.Tensor,
     lse: torch.Tensor,
     ignored: torch.Tensor,
     g_lp: torch.Tensor | None,
@@ -52,38 +52,35 @@ def row_exponents(
     g_lse: torch.Tensor | None,
     p: LogprobParams,
     *,
-    b_real: torch.Tensor | None = None,
+    b_abs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(e, bad)``: per-row exponents (float64 holding integers) and non-finite rows.
 
-    Upstream gradients are fp32 per row, zero on ignored rows, or None. ``b_real``: the
-    shard's bias (its ``max |b|`` over the group joins the logit bound), or None.
+    ``w_abs``: ``max |W|`` over every rank's real rows (float64, 0-d); ``b_abs``: ``max |b|``
+    likewise for a bias (it joins the logit bound), or None. Upstream gradients are fp32
+    per row, zero on ignored rows, or None.
     """
     n, h_dim = hidden.shape
     dev = hidden.device
-    w_abs = global_abs_max(w_real, p.tp_group, p.tp_size)
     zero = torch.zeros(n, dtype=torch.float64, device=dev)
     g_lp64 = zero if g_lp is None else g_lp.double()
     g_lse64 = zero if g_lse is None else g_lse.double()
     g_ent64 = zero if g_ent is None else g_ent.double()
-    inv_t = p.inv_temperature
+    t = p.transform
     if h_dim > 0:
         h_lo, h_hi = torch.aminmax(hidden, dim=1)
         h_abs = torch.maximum(-h_lo.double(), h_hi.double())
     else:
         h_abs = zero
     head_ok = torch.isfinite(w_abs)  # a non-finite weight (or bias) entry: every row NaN
-    if b_real is None:
-        zmax = h_dim * h_abs * w_abs * inv_t
-    else:  # |l| <= H max|h| max|W| + max|b|
-        b_abs = global_abs_max(b_real, p.tp_group, p.tp_size)
-        zmax = (h_dim * h_abs * w_abs + b_abs) * inv_t
+    l_abs = h_dim * h_abs * w_abs  # |l| <= H max|h| max|W| (+ max|b|)
+    if b_abs is not None:
+        l_abs = l_abs + b_abs
         head_ok = head_ok & torch.isfinite(b_abs)
-    if p.softcap is not None:  # |z| <= c / T; d l = d z (1 - tanh^2) / T, no larger
-        zmax = torch.clamp(zmax, max=p.softcap * inv_t)
+    zmax = t.z_bound(l_abs)
     ent_term = torch.where(g_ent64 != 0, 2 * g_ent64.abs() * zmax, 0.0)
     bound = (g_lse64 - g_lp64).abs() + g_lp64.abs() + ent_term
-    bound = torch.where(bound != 0, MARGIN * bound * inv_t * w_abs, 0.0)
+    bound = torch.where(bound != 0, MARGIN * bound * t.gain * w_abs, 0.0)
     bad = ~torch.isfinite(bound) | ~head_ok
     bad |= ~ignored & (~torch.isfinite(h_abs) | ~torch.isfinite(lse))
     e = torch.where(bound > 0, torch.floor(60 - torch.log2(bound)), 0.0)

@@ -12,7 +12,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lp_kernels.distributed.halo import TileOwnership, tile_ownership
+from lp_kernels.core.tiles import TileOwnership, tile_ownership
+from lp_kernels.core.transform import LogitTransform
 
 
 class LogProbOutput(NamedTuple):
@@ -54,8 +55,8 @@ class LossOutput(NamedTuple):
 class LogprobParams:
     """Resolved, validated options of one call (internal; built by the public functions)."""
 
-    temperature: float
-    """Divides the logits; > 0 and finite."""
+    transform: LogitTransform
+    """The map from a raw logit to the softmax argument (temperature, softcap)."""
     ignore_index: int
     """Target value marking rows that produce zeros and no gradient."""
     return_entropy: bool
@@ -89,16 +90,10 @@ class LogprobParams:
     deterministic_tile: int = 128
     """Width of the global vocabulary tiles of ``deterministic=True`` (a multiple of 128):
     the unit of the forward's ordered merge and of grad_hidden's fixed-point sum."""
-    softcap: float | None = None
-    """Final-logit cap ``c > 0`` (``z = c tanh(l / c) / T`` on the raw logits ``l``), or None."""
     tile_config: Any = None
     """The triton backend's launch configuration (a
     ``lp_kernels.backends.triton.config.TileConfig``), or None: the pinned
     ``config_for(device, dtype)``. Set only by ``linear_logprob_with_config`` (tile sweeps)."""
-
-    @property
-    def inv_temperature(self) -> float:
-        return 1.0 / self.temperature
 
     def tile_ownership(self) -> TileOwnership:
         """This rank's :class:`~lp_kernels.distributed.halo.TileOwnership`

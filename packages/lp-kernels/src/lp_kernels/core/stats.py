@@ -200,3 +200,13 @@ def target_columns(targets: torch.Tensor, ignore_index: int, vocab_start: int, v
     t_local = targets - vocab_start
     in_shard = (~ignored) & (t_local >= 0) & (t_local < v_real)
     return t_local, in_shard, ignored
+
+
+def bias_grad(acc_b: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """grad_bias in the bias' dtype from its fp32 sum over the real columns (zero past them:
+    padding columns)."""
+    if acc_b is None:
+        return None
+    out = torch.zeros_like(bias)
+    out[: acc_b.shape[0]] = acc_b
+    return out

@@ -29,14 +29,14 @@ from typing import ParamSpec, TypeVar
 import torch
 from torch.autograd.function import once_differentiable
 
-from lp_kernels._amp import backward_without_autocast
+from lp_kernels.core.amp import backward_without_autocast
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 _REASON = (
     "lp runs its ops eagerly under torch.compile: tracing them would change the bits "
-    "that lp keeps reproducible (see lp_kernels._compile)"
+    "that lp keeps reproducible (see lp_kernels.core.compile)"
 )
 _TAKES_REASON = "reason" in inspect.signature(torch.compiler.disable).parameters
 _DISABLED: dict[str, Callable] = {}
@@ -94,7 +94,7 @@ def differentiable_once(fn: Callable) -> Callable:
 def backend_backward(fn: Callable) -> Callable:
     """Decorator for a backend Function's ``backward``: differentiable once
     (:func:`differentiable_once`, then ``once_differentiable``), autocast off
-    (:func:`lp_kernels._amp.backward_without_autocast`), eager under ``torch.compile``."""
+    (:func:`lp_kernels.core.amp.backward_without_autocast`), eager under ``torch.compile``."""
     return eager_under_compile(
         backward_without_autocast(differentiable_once(once_differentiable(fn)))
     )
