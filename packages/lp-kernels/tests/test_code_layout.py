@@ -181,7 +181,7 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle_in_lp_kernels():
     edges = _graph()
-    assert "lp_kernels.linear_logprob" in edges  # the scan found the package
+    assert "lp_kernels.ops" in edges  # the scan found the package
     cycle = _cycle(edges)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
@@ -223,3 +223,99 @@ def test_no_package_init_shadows_a_module_it_uses_with_a_subpackage():
         }
         clash = sorted(imported & subpackages)
         assert not clash, f"{init.relative_to(ROOT)} imports {clash}, also its subpackage names"
+
+
+# ----------------------------------------------------------------------------- lp_kernels' shape
+
+KERNELS = ROOT / "packages" / "lp-kernels" / "src" / "lp_kernels"
+MAX_FUNCTION_LINES = 80
+"""The most lines of code (its docstring, blank and comment lines aside) of a function in
+lp_kernels that is not a ``@triton.jit`` / ``@gluon.jit`` kernel."""
+MAX_SOFTCAP_FILES = 4
+"""The files of lp_kernels that may name the softcap: the logit transform is one abstraction
+(``core.transform`` on the host, ``backends.triton.softmax`` in the kernels)."""
+
+
+def _is_kernel(node: ast.FunctionDef) -> bool:
+    for dec in node.decorator_list:
+        target = dec.func if isinstance(dec, ast.Call) else dec
+        if isinstance(target, ast.Attribute) and target.attr == "jit":
+            return True
+    return False
+
+
+def _code_lines(path: Path, node: ast.FunctionDef) -> int:
+    body = node.body
+    first = body[0]
+    docstring = isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant)
+    start = (body[1].lineno if len(body) > 1 else node.end_lineno + 1) if docstring else first.lineno
+    lines = path.read_text().splitlines()[start - 1 : node.end_lineno]
+    return sum(1 for line in lines if line.strip() and not line.strip().startswith("#"))
+
+
+def test_functions_are_short():
+    """Host code is plain functions that read top to bottom: none longer than
+    MAX_FUNCTION_LINES lines of code. Split a longer one into named steps."""
+    long = []
+    for path in sorted(KERNELS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and not _is_kernel(node):
+                n = _code_lines(path, node)
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, "functions over the limit:\n" + "\n".join(long)
+
+
+def test_function_length_counts_code_only(tmp_path):
+    """The counter itself: the docstring, blank lines and comments do not count."""
+    src = 'def f():\n    """doc\n\n    more"""\n    # note\n\n    a = 1\n    return a\n'
+    path = tmp_path / "m.py"
+    path.write_text(src)
+    node = ast.parse(src).body[0]
+    assert _code_lines(path, node) == 2 and not _is_kernel(node)
+
+
+def test_softcap_lives_in_few_files():
+    """A logit option is one abstraction, not a flag threaded through every kernel: the
+    word is in at most MAX_SOFTCAP_FILES files of lp_kernels (the public ops, the host's
+    transform, the kernels' transform helpers)."""
+    files = sorted(
+        str(p.relative_to(KERNELS)) for p in KERNELS.rglob("*.py") if "softcap" in p.read_text()
+    )
+    assert len(files) <= MAX_SOFTCAP_FILES, files
+
+
+# Layers of lp_kernels, bottom to top; a module imports only from its own layer or below.
+# The backends are siblings: neither imports the other (``backends.resolve`` chooses
+# between them, and ``backends.platform`` is shared).
+LAYERS = {"core": 0, "distributed": 1, "backends": 2}
+TOP = 3
+
+
+def _layer(module: str) -> tuple[int, str | None]:
+    """``(layer, backend)`` of an lp_kernels module."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] not in LAYERS:
+        return TOP, None
+    backend = parts[2] if parts[1] == "backends" and len(parts) > 2 else None
+    return LAYERS[parts[1]], backend if backend in ("torch", "triton") else None
+
+
+def test_layers_import_downward():
+    bad = []
+    for module, deps in _graph().items():
+        layer, backend = _layer(module)
+        for dep in deps:
+            dep_layer, dep_backend = _layer(dep)
+            if dep_layer > layer:
+                bad.append(f"{module} imports {dep} (a layer above it)")
+            elif backend and dep_backend and backend != dep_backend:
+                bad.append(f"{module} imports {dep} (another backend)")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_layer_check_sees_upward_and_sibling_imports():
+    assert _layer("lp_kernels.core.stats") == (0, None)
+    assert _layer("lp_kernels.backends.triton.loss") == (2, "triton")
+    assert _layer("lp_kernels.backends.resolve") == (2, None)
+    assert _layer("lp_kernels.ops") == (TOP, None)

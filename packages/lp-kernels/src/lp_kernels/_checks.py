@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lp_kernels.core.tiles import DETERMINISTIC_TILE
+from lp_kernels.distributed.layout import WEIGHT_PROBLEMS
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -176,17 +177,6 @@ def validate_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) 
             f"{n_bad} target(s) are outside [0, {vocab_size}) and not ignore_index={ignore_index} "
             f"(flat index=value: {examples})"
         )
-
-
-# Codes for rank-local weight problems; under tp_group they travel in the layout
-# record so that every rank raises, not just the one with the bad shard.
-WEIGHT_PROBLEMS = {
-    1: "its dtype is not float32, bfloat16 or float16",
-    3: "it is on a different device than hidden",
-    4: "its hidden size (dim 1) differs from hidden's last dimension",
-    5: "its bias must be 1-D [V_local], one entry per weight row",
-    6: "its bias must be float32, bfloat16 or float16, on weight's device",
-}
 
 
 def bias_problem(bias: torch.Tensor | None, weight: torch.Tensor) -> int:

@@ -64,22 +64,23 @@ _DTYPES = {
 
 # The triton backend's modules: a patched name is replaced in each that holds it.
 _TRITON = "lp_kernels.backends.triton"
-_MODULES = ("config", "tl_utils", "forward", "backward", "gemm", "fixed_point", "function",
-            "deterministic", "loss")  # fmt: skip
+_MODULES = ("config", "tl_utils", "softmax", "forward", "backward", "gemm", "fixed_point",
+            "linear", "deterministic", "loss")  # fmt: skip
 # Streaming multiprocessors of the pretend GPU (triton.config.sm_count): H200's. With it
 # the small problems below take the GEMM's narrow output tile (triton.gemm.mm_block_n);
 # the "wide" variant prices the narrow tile out, so they take the pinned one.
 SMS = 132
 
-# Launch variants compiled by ``--variants all``: name -> ``{"config": TileConfig fields
-# replaced in every pinned config, "patch": [(name, function of the old value)]}``.
+# Launch variants compiled by ``--variants all``: name -> ``{"config": KernelConfig phase
+# fields replaced in every pinned config (``KernelConfig.replace``), "patch": [(name,
+# function of the old value)]}``.
 EXPERIMENTS = {
-    "wide": {"config": {"narrow_cost": float("inf")}},
-    "group2": {"patch": [("chunk_group", lambda old: lambda *args: 2)]},
-    # the grouped GEMM in one program per output tile (MULTI) where it would split the chunks
-    "group2-multi": {
+    "wide": {"config": {"gemm": {"narrow_cost": float("inf")}}},
+    "two-chunks": {"patch": [("chunks_per_launch", lambda old: lambda *args: 2)]},
+    # two chunks per launch in one program per output block (MULTI) where they would split
+    "two-chunks-multi": {
         "patch": [
-            ("chunk_group", lambda old: lambda *args: 2),
+            ("chunks_per_launch", lambda old: lambda *args: 2),
             ("split_chunks", lambda old: lambda *args: False),
         ]
     },
@@ -142,6 +143,8 @@ def _specialize(param, value) -> tuple[str, object]:
     ``do_not_specialize`` (``do_not_specialize_on_alignment``) keep all (their alignment).
     Without it the compiled code would assume nothing of strides and addresses and
     vectorize no store: not what the GPU runs."""
+    if value is None:  # an absent optional pointer: a constexpr None
+        return "constexpr", None
     if param.do_not_specialize or isinstance(value, bool):
         return "plain", None
     if isinstance(value, int) and value == 1:
@@ -171,8 +174,6 @@ def _record(fn, args, kwargs) -> Launch:
                 raise TypeError(f"{fn.__name__}: no value recorded for {p.name}")
             values[p.name] = p.default
         value = values[p.name]
-        if p.name == "INTERPRET":
-            value = False  # the recorded launch ran on CPU; compile the GPU code path
         kind, fixed = ("constexpr", value) if p.is_constexpr else _specialize(p, value)
         if kind == "constexpr":
             signature.append((p.name, "constexpr"))
@@ -199,11 +200,11 @@ def gpu_launches(tier: str = "large", config_fields: dict | None = None) -> Iter
     import lp_kernels.backends.triton.fixed_point as fixed_point
     import lp_kernels.backends.triton.tl_utils as tl_utils
 
-    if not isinstance(tl_utils.grouped, JITFunction):
+    if not isinstance(tl_utils.swizzle, JITFunction):
         raise RuntimeError("lp_testing.aot needs TRITON_INTERPRET unset (it compiles the kernels)")
     fake = types.SimpleNamespace(type="cuda", index=0)
     launches: list = []
-    pinned, fixed_for = config.config_for, fixed_point.fixed_tiles_for
+    pinned, fixed_for = config.config_for, fixed_point.fixed_blocks_for
     opts, compile_opts = config.launch_opts, config.compile_opts
     fields = dict(config_fields or {})
 
@@ -212,15 +213,15 @@ def gpu_launches(tier: str = "large", config_fields: dict | None = None) -> Iter
 
     def config_for(device, dtype=torch.bfloat16):
         cfg = pinned(fake, dtype)
-        return dataclasses.replace(cfg, **fields) if fields else cfg
+        return cfg.replace(**fields) if fields else cfg
 
     settings = [(JITFunction, "run", run), (backends, "triton_interpreting", lambda: True)]
     for name, value in (
         ("gpu_tier", lambda device: tier),
         ("sm_count", lambda device: SMS),
         ("config_for", config_for),
-        ("fixed_tiles_for", lambda device, dtype: fixed_for(fake, dtype)),
-        ("launch_opts", lambda cfg, device: opts(cfg, fake)),
+        ("fixed_blocks_for", lambda device, dtype: fixed_for(fake, dtype)),
+        ("launch_opts", lambda phase, device: opts(phase, fake)),
         ("compile_opts", lambda device: compile_opts(fake)),
         ("full_stages", lambda a: a.element_size() <= 2 and tier == "large"),
     ):

@@ -1,4 +1,4 @@
-"""The choice of a backend (and the one place lp reads ``TRITON_INTERPRET``).
+"""The choice of a backend.
 
 - ``torch`` (:mod:`lp_kernels.backends.torch`): chunked torch ops, on every device.
 - ``triton`` (:mod:`lp_kernels.backends.triton`): the fused kernels, on CUDA; on CPU only
@@ -7,24 +7,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
+from lp_kernels.backends.platform import triton_importable, triton_interpreting
 from lp_kernels.backends.torch.deterministic import LinearLogprobTorchDeterministic
 from lp_kernels.backends.torch.linear import LinearLogprobTorch
 from lp_kernels.backends.torch.loss import LinearLogprobLossTorch
-
-
-def triton_interpreting() -> bool:
-    """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def triton_importable() -> bool:
-    """Whether the triton package is installed (it ships with CUDA builds of torch)."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def concrete_backend(backend: str, device: torch.device) -> str:
@@ -63,7 +51,7 @@ def resolve_backend(
         from lp_kernels.backends.triton.deterministic import LinearLogprobTritonDeterministic
 
         return LinearLogprobTritonDeterministic
-    from lp_kernels.backends.triton.function import LinearLogprobTriton
+    from lp_kernels.backends.triton.linear import LinearLogprobTriton
 
     return LinearLogprobTriton
 

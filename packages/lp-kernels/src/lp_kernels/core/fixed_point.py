@@ -16,7 +16,7 @@ maxima (exact in any order) and per-row float64 arithmetic::
 
 ``gain`` bounds ``|dz / dl|`` and ``z_bound`` maps a bound on ``|l|`` to one on ``|z|``
 (:class:`lp_kernels.core.transform.LogitTransform`: ``1 / T``, and at most ``c / T`` under
-a softcap ``c``); b is the bias. ``max |W|`` is a MAX all-reduce over the group. With a
+a cap ``c``); b is the bias. ``max |W|`` is a MAX all-reduce over the group. With a
 2.02x margin for roundings,
 ``e_n = floor(60 - log2(2.02 * bound))`` keeps every partial sum below ``2^60`` (int64
 holds ``2^63``); the quantum ``2^-e_n`` is ``~bound * 2^-60``, far below fp32 resolution

@@ -56,7 +56,7 @@ class LogprobParams:
     """Resolved, validated options of one call (internal; built by the public functions)."""
 
     transform: LogitTransform
-    """The map from a raw logit to the softmax argument (temperature, softcap)."""
+    """The map from a raw logit to the softmax argument (``core.transform``)."""
     ignore_index: int
     """Target value marking rows that produce zeros and no gradient."""
     return_entropy: bool
@@ -90,10 +90,6 @@ class LogprobParams:
     deterministic_tile: int = 128
     """Width of the global vocabulary tiles of ``deterministic=True`` (a multiple of 128):
     the unit of the forward's ordered merge and of grad_hidden's fixed-point sum."""
-    tile_config: Any = None
-    """The triton backend's launch configuration (a
-    ``lp_kernels.backends.triton.config.TileConfig``), or None: the pinned
-    ``config_for(device, dtype)``. Set only by ``linear_logprob_with_config`` (tile sweeps)."""
 
     def tile_ownership(self) -> TileOwnership:
         """This rank's :class:`~lp_kernels.distributed.halo.TileOwnership`

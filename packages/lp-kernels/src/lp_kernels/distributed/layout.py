@@ -21,9 +21,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lp_kernels._checks import WEIGHT_PROBLEMS
 from lp_kernels.core.tiles import DETERMINISTIC_TILE
 
+WEIGHT_PROBLEMS = {
+    1: "its dtype is not float32, bfloat16 or float16",
+    3: "it is on a different device than hidden",
+    4: "its hidden size (dim 1) differs from hidden's last dimension",
+    5: "its bias must be 1-D [V_local], one entry per weight row",
+    6: "its bias must be float32, bfloat16 or float16, on weight's device",
+}
+"""Codes of a rank's weight (and bias) problems; under tp_group they travel in the layout
+record so that every rank raises, not just the one with the bad shard."""
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _DTYPE_NAMES = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
 _UNSET = -1
@@ -196,14 +204,24 @@ def resolve_vocab(
 def check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:
     """Validate the gathered per-rank records; every rank runs this on the same rows."""
     recs = [dict(zip(LAYOUT_FIELDS, r, strict=True)) for r in rows]
-    world = len(recs)
+    _check_records(recs)
+    _check_agreement(recs)
+    starts, sizes = _shard_starts(recs)
+    total = starts[-1] + sizes[-1]
+    vocab_size = recs[0]["vocab_size"]
+    if vocab_size == _UNSET:
+        vocab_size = total
+    if not 1 <= vocab_size <= total:
+        raise ValueError(
+            f"vocab_size must be in [1, {total}] (the shards cover {total} ids), got {vocab_size}"
+        )
+    if recs[0]["deterministic"]:
+        _check_alignment(starts, sizes, recs[0]["tile"], recs[0]["align"])
+    return ShardLayout(starts=starts, sizes=sizes, vocab_size=vocab_size, rank=rank)
 
-    def first_disagreement(field: str) -> str | None:
-        vals = [r[field] for r in recs]
-        if len(set(vals)) == 1:
-            return None
-        return ", ".join(f"rank {i}: {v}" for i, v in enumerate(vals))
 
+def _check_records(recs: list[dict]) -> None:
+    """Each rank's own record: a weight that fits, at least one row, a supported dtype."""
     for r, rec in enumerate(recs):
         if rec["problem"]:
             raise ValueError(
@@ -217,6 +235,10 @@ def check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:
             )
         if rec["dtype"] == 0:
             raise ValueError(f"rank {r} passed an unsupported dtype")
+
+
+def _check_agreement(recs: list[dict]) -> None:
+    """The fields every rank must pass alike."""
     for field, what in (
         ("hidden", "hidden size H"),
         ("dtype", "dtype"),
@@ -225,14 +247,20 @@ def check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:
         ("align", "shard alignment (linear_logprob against vocab_parallel_logprob)"),
         ("vocab_size", "vocab_size"),
     ):
-        diff = first_disagreement(field)
-        if diff is not None:
-            if field == "dtype":
-                diff = ", ".join(
-                    f"rank {i}: {_DTYPE_NAMES.get(r['dtype'], '?')}" for i, r in enumerate(recs)
-                )
-            raise ValueError(f"tensor-parallel ranks disagree on the {what}: {diff}")
+        if len({r[field] for r in recs}) == 1:
+            continue
+        if field == "dtype":
+            diff = ", ".join(
+                f"rank {i}: {_DTYPE_NAMES.get(r['dtype'], '?')}" for i, r in enumerate(recs)
+            )
+        else:
+            diff = ", ".join(f"rank {i}: {r[field]}" for i, r in enumerate(recs))
+        raise ValueError(f"tensor-parallel ranks disagree on the {what}: {diff}")
 
+
+def _shard_starts(recs: list[dict]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(starts, sizes)`` of the shards: the given starts, contiguous in rank order from 0,
+    or, where no rank gives one, even shards."""
     given = [r["vocab_start"] != _UNSET for r in recs]
     sizes = tuple(r["v_local"] for r in recs)
     if not any(given):
@@ -241,44 +269,39 @@ def check_table(rows: list[tuple[int, ...]], rank: int) -> ShardLayout:
                 "uneven vocabulary shards need an explicit vocab_start on every rank "
                 f"(shard sizes: {list(sizes)})"
             )
-        starts = tuple(i * sizes[0] for i in range(world))
-    elif not all(given):
+        return tuple(i * sizes[0] for i in range(len(recs))), sizes
+    if not all(given):
         missing = [i for i, g in enumerate(given) if not g]
         raise ValueError(
             f"vocab_start must be given on every rank or on none; missing on {missing}"
         )
-    else:
-        starts = tuple(r["vocab_start"] for r in recs)
-        expected = 0
-        for i, (st, sz) in enumerate(zip(starts, sizes, strict=True)):
-            if st != expected:
-                raise ValueError(
-                    f"vocabulary shards must be contiguous in rank order starting at 0: rank {i} "
-                    f"starts at {st}, expected {expected} (starts {list(starts)}, "
-                    f"sizes {list(sizes)})"
-                )
-            expected = st + sz
-    total = starts[-1] + sizes[-1]
-    vocab_size = recs[0]["vocab_size"]
-    if vocab_size == _UNSET:
-        vocab_size = total
-    if not 1 <= vocab_size <= total:
-        raise ValueError(
-            f"vocab_size must be in [1, {total}] (the shards cover {total} ids), got {vocab_size}"
-        )
-    if recs[0]["deterministic"]:
-        tile, align = recs[0]["tile"], recs[0]["align"]
-        for i, (st, sz) in enumerate(zip(starts, sizes, strict=True)):
-            end_ok = i == world - 1 or (st + sz) % align == 0
-            if st % align or not end_ok:
-                hint = (
-                    "Megatron pads the vocabulary so"
-                    if align == DETERMINISTIC_TILE
-                    else f"deterministic_tile={tile} here; linear_logprob takes any "
-                    f"multiple of {DETERMINISTIC_TILE}"
-                )
-                raise ValueError(
-                    f"deterministic=True needs shard bounds on multiples of {align} "
-                    f"({hint}): rank {i} holds [{st}, {st + sz})"
-                )
-    return ShardLayout(starts=starts, sizes=sizes, vocab_size=vocab_size, rank=rank)
+    starts = tuple(r["vocab_start"] for r in recs)
+    expected = 0
+    for i, (st, sz) in enumerate(zip(starts, sizes, strict=True)):
+        if st != expected:
+            raise ValueError(
+                f"vocabulary shards must be contiguous in rank order starting at 0: rank {i} "
+                f"starts at {st}, expected {expected} (starts {list(starts)}, "
+                f"sizes {list(sizes)})"
+            )
+        expected = st + sz
+    return starts, sizes
+
+
+def _check_alignment(starts, sizes, tile: int, align: int) -> None:
+    """``deterministic=True``: every shard bound (but the vocabulary's end) on a multiple of
+    ``align``."""
+    world = len(starts)
+    for i, (st, sz) in enumerate(zip(starts, sizes, strict=True)):
+        end_ok = i == world - 1 or (st + sz) % align == 0
+        if st % align or not end_ok:
+            hint = (
+                "Megatron pads the vocabulary so"
+                if align == DETERMINISTIC_TILE
+                else f"deterministic_tile={tile} here; linear_logprob takes any "
+                f"multiple of {DETERMINISTIC_TILE}"
+            )
+            raise ValueError(
+                f"deterministic=True needs shard bounds on multiples of {align} "
+                f"({hint}): rank {i} holds [{st}, {st + sz})"
+            )

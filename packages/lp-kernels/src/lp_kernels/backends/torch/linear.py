@@ -62,7 +62,7 @@ def logits_chunks(
 ) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """Yield ``(r0, r1, rows, h_c, z, s)`` per chunk: hidden rows ``[r0, r1)`` padded to
     ``rows``, ``z = transform(h_c W_r^T + b)`` (fp32 ``[rows, V_r]``; ``b_real``: the fp32 bias
-    of ``w_real``'s rows, or None) and the transform's slope ``s`` (``slope`` and a softcap;
+    of ``w_real``'s rows, or None) and the transform's slope ``s`` (``slope`` and a cap;
     else None).
 
     Rows flagged in ``zero_rows [N]`` get the logits of a zero hidden row (``h_c`` itself is

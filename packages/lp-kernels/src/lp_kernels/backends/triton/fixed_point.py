@@ -17,7 +17,6 @@ scale's bound is ``lp_kernels.core.fixed_point``'s (shared with the torch backen
 
 from __future__ import annotations
 
-import dataclasses
 import struct
 from typing import NamedTuple
 
@@ -27,40 +26,40 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from lp_kernels.backends.triton.config import (
-    TileConfig,
+    KernelConfig,
     compile_opts,
     gpu_tier,
-    group_size,
     launch_opts,
+    swizzle_rows,
 )
 from lp_kernels.backends.triton.gemm import gemm_sources
-from lp_kernels.backends.triton.tl_utils import gemm_step, grouped, operand_ptrs
+from lp_kernels.backends.triton.tl_utils import INTERPRET, gemm_step, operand_ptrs, swizzle
 from lp_kernels.core.fixed_point import E_MAX, E_MIN, MARGIN
 from lp_kernels.core.tiles import DETERMINISTIC_TILE as TILE
 from lp_kernels.core.types import LogprobParams
 from lp_kernels.distributed.collectives import global_abs_max, local_abs_max
 
 # Every column tile is one global vocabulary tile. The fixed-point GEMM keeps an int64
-# and an fp32 accumulator per output element (chosen by benchmarks/sweep_tiles.py).
+# and an fp32 accumulator per output element (chosen by the tile sweep).
 FIXED_GPU = (128, 128, 64)  # BLOCK_M, BLOCK_N, BLOCK_K of matmul_fixed_kernel (2-byte)
-FIXED_GPU_4BYTE = (64, 128, 16)  # fp32 inputs (FMA dots; see config.FP32_TILES)
+FIXED_GPU_4BYTE = (64, 128, 16)  # fp32 inputs (FMA dots; see config.FP32_GEMM)
 FIXED_SMALL, FIXED_SMALL_4BYTE = (64, 128, 64), (32, 64, 32)  # less shared memory
 FIXED_INTERPRET = (64, 64, TILE)
 # Pipeline stages of the fixed-point GEMM for leaves wider than 128 columns (2-byte inputs,
-# Hopper-class shared memory: 4 x 32 KiB). Its 128 x 128 tiles (the int64 sum needs the
+# Hopper-class shared memory: 4 x 32 KiB). Its 128 x 128 blocks (the int64 sum needs the
 # registers of a wider one) give each stage half the MMAs of the fp32 GEMM's 128 x 256,
-# so more stages cover the same load latency (docs/benchmarks.md). At 128-column leaves
-# the rounding dominates: those take the config's stages.
+# so more stages cover the same load latency. At 128-column leaves the rounding dominates:
+# those take the config's stages.
 FIXED_WIDE_STAGES = 4
 ELEMENTWISE_BLOCK = 1024  # elements per program of the two elementwise kernels (4 warps)
 
 
-def fixed_tiles_for(device: torch.device, dtype: torch.dtype) -> tuple[int, int, int]:
+def fixed_blocks_for(device: torch.device, dtype: torch.dtype) -> tuple[int, int, int]:
     """The pinned ``(BLOCK_M, BLOCK_N, BLOCK_K)`` of the fixed-point GEMM.
 
     A pipeline stage holds a whole 128-column leaf of A and B: (BLOCK_M + BLOCK_N) x 128
-    elements. 4-byte inputs: smaller tiles and two stages (see :func:`matmul_fixed`); GPUs
-    with less shared memory than Hopper: half the tile (a quarter for fp32), two stages
+    elements. 4-byte inputs: smaller blocks and two stages (see :func:`matmul_fixed`); GPUs
+    with less shared memory than Hopper: half the block (a quarter for fp32), two stages
     (untested)."""
     if device.type == "cpu":
         return FIXED_INTERPRET
@@ -73,7 +72,7 @@ def fixed_tiles_for(device: torch.device, dtype: torch.dtype) -> tuple[int, int,
 
 
 @triton.jit
-def round_to_int64(x, INTERPRET: tl.constexpr):
+def round_to_int64(x):
     """Round to the nearest integer, ties to even (as ``torch.round``), as int64.
 
     One conversion instruction on the GPU (``cvt.rni.s64.f32``); the interpreter has no
@@ -88,12 +87,12 @@ def round_to_int64(x, INTERPRET: tl.constexpr):
         return libdevice.llrint(x)
 
 
-@triton.jit(do_not_specialize=["M", "K", "K_B", "group"])
+@triton.jit(do_not_specialize=["M", "K", "K_B", "rows"])
 def matmul_fixed_kernel(
-    a_src, b_src, c_ptr, s_ptr, M, N, K, K_A, K_B, group,
+    a_src, b_src, c_ptr, s_ptr, M, N, K, K_A, K_B, rows,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, ACC: tl.constexpr,
+    TMA: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """C (int64) += sum over LEAF-wide K tiles of round(s_m * (A[:, tile] @ B[tile])).
 
@@ -105,7 +104,7 @@ def matmul_fixed_kernel(
     vectorize alike on every shard), B up to its K_B real rows; with TMA ``a_src`` /
     ``b_src`` are tensor descriptors with those bounds. K > 0.
     """
-    i_m, i_n = grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), group)
+    i_m, i_n = swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), rows)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
@@ -130,10 +129,10 @@ def matmul_fixed_kernel(
     for k0 in range(0, K, BLOCK_K):
         b_leaf = gemm_step(
             b_leaf, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_m, m_n, o_k, K_A, K_B,
-            stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, False,
+            stride_ak, stride_bk, BLOCK_M, BLOCK_N, TMA, False,
         )  # fmt: skip
         if ((k0 + BLOCK_K) % LEAF == 0) | (k0 + BLOCK_K >= K):
-            b_acc += round_to_int64(b_leaf * b_scale[:, None], INTERPRET)
+            b_acc += round_to_int64(b_leaf * b_scale[:, None])
             b_leaf = b_zero
     tl.store(p_c, b_acc, mask=m_c)
 
@@ -141,7 +140,7 @@ def matmul_fixed_kernel(
 @triton.jit(do_not_specialize=["numel", "stride_f"])
 def round_into_kernel(
     f_ptr, c_ptr, s_ptr, numel, H, stride_f,
-    BLOCK: tl.constexpr, INTERPRET: tl.constexpr, ACC: tl.constexpr, COUNT: tl.constexpr,
+    BLOCK: tl.constexpr, ACC: tl.constexpr, COUNT: tl.constexpr,
 ):  # fmt: skip
     """C (int64) += round(s_row * F_0) + ... + round(s_row * F_{COUNT-1}) for the fp32
     products F_i of COUNT tiles, ``stride_f`` elements apart (``ACC=False``: C = ...);
@@ -156,7 +155,7 @@ def round_into_kernel(
         b_q = tl.zeros([BLOCK], dtype=tl.int64)
     for i in tl.static_range(COUNT):
         b_f = tl.load(f_ptr + stride_f.to(tl.int64) * i + offs, mask=m, other=0.0)
-        b_q += round_to_int64(b_f * b_s, INTERPRET)
+        b_q += round_to_int64(b_f * b_s)
     tl.store(c_ptr + offs, b_q, mask=m)
 
 
@@ -169,10 +168,17 @@ def round_into(c, f, scale, *, accumulate: bool) -> None:
     if c.numel() == 0:
         return
     round_into_kernel[(triton.cdiv(c.numel(), ELEMENTWISE_BLOCK),)](
-        f, c, scale, c.numel(), c.shape[1], f.stride(0), BLOCK=ELEMENTWISE_BLOCK,
-        INTERPRET=c.device.type == "cpu", ACC=accumulate, COUNT=f.shape[0],
+        f_ptr=f,
+        c_ptr=c,
+        s_ptr=scale,
+        numel=c.numel(),
+        H=c.shape[1],
+        stride_f=f.stride(0),
+        BLOCK=ELEMENTWISE_BLOCK,
+        ACC=accumulate,
+        COUNT=f.shape[0],
         **compile_opts(c.device),
-    )  # fmt: skip
+    )
 
 
 @triton.jit(do_not_specialize=["numel"])
@@ -204,9 +210,15 @@ def from_fixed_point(acc, inv_scale, bad, dtype):
         return out.to(dtype)
     bad = bad.to(torch.int8) if bad.dtype == torch.bool else bad
     from_fixed_kernel[(triton.cdiv(acc.numel(), ELEMENTWISE_BLOCK),)](
-        acc, inv_scale, bad, out, acc.numel(), acc.shape[1], BLOCK=ELEMENTWISE_BLOCK,
+        acc_ptr=acc,
+        s_ptr=inv_scale,
+        bad_ptr=bad,
+        out_ptr=out,
+        numel=acc.numel(),
+        H=acc.shape[1],
+        BLOCK=ELEMENTWISE_BLOCK,
         **compile_opts(acc.device),
-    )  # fmt: skip
+    )
     return out.to(dtype)
 
 
@@ -216,14 +228,14 @@ def _nonfinite(x):
     return tl.where(tl.abs(x) < float("inf"), 0, 1)
 
 
-@triton.jit(do_not_specialize=["N", "H", "ignore_index", "inv_t_bits", "cap_t_bits", "margin_bits"])
+@triton.jit(do_not_specialize=["N", "H", "ignore_index", "gain_bits", "zmax_bits", "margin_bits"])
 def row_scales_kernel(
     h_ptr, lse_ptr, t_ptr, glp_ptr, gent_ptr, glse_ptr, wabs_ptr, babs_ptr,
     scale_ptr, inv_ptr, bad_ptr,
-    N, H, stride_hn, ignore_index, inv_t_bits, cap_t_bits, margin_bits,
+    N, H, stride_hn, ignore_index, gain_bits, zmax_bits, margin_bits,
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, HAS_LP: tl.constexpr,
     HAS_ENT: tl.constexpr, HAS_LSE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SOFTCAP: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr, INTERPRET: tl.constexpr,
+    ZMAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
 ):  # fmt: skip
     """Per row: ``scale = 2^e`` (fp32), ``inv = 2^-e`` (fp64) and ``bad`` (int8) of
     ``lp_kernels.core.fixed_point.row_exponents``, whose float64 operations this repeats one
@@ -232,7 +244,8 @@ def row_scales_kernel(
     interpreter, which has no libdevice). The float64 constants
     arrive as their int64 bit patterns (Triton passes a float argument as fp32).
     Upstream gradients are read raw (fp32 ``[N]``) and zeroed on ignored rows, whose
-    targets (raw ids) equal ``ignore_index``."""
+    targets (raw ids) equal ``ignore_index``. ``gain`` and ``zmax`` are the logit transform's
+    (``LogitTransform.gain`` and ``z_max``; ``ZMAX``: there is one)."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     # max |h| of each row; NaN when the row holds one (as torch's aminmax)
@@ -246,7 +259,7 @@ def row_scales_kernel(
         b_max = tl.maximum(b_max, tl.max(tl.abs(b_h), axis=1))
         b_nan = tl.maximum(b_nan, tl.max((b_h != b_h).to(tl.int32), axis=1))
     h_abs = tl.where(b_nan > 0, float("nan"), b_max.to(tl.float64))
-    inv_t = inv_t_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    gain = gain_bits.to(tl.int64).to(tl.float64, bitcast=True)
     w_abs = tl.load(wabs_ptr)
     head_bad = _nonfinite(w_abs)
     zmax = H.to(tl.float64) * h_abs * w_abs
@@ -254,10 +267,10 @@ def row_scales_kernel(
         b_abs = tl.load(babs_ptr)
         zmax = zmax + b_abs
         head_bad = head_bad | _nonfinite(b_abs)
-    zmax = zmax * inv_t
-    if SOFTCAP:  # clamp(max=c / T); NaN stays NaN
-        cap_t = cap_t_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        zmax = tl.where(zmax > cap_t, cap_t, zmax)
+    zmax = zmax * gain
+    if ZMAX:  # clamp(max=z_max); NaN stays NaN
+        z_max = zmax_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        zmax = tl.where(zmax > z_max, z_max, zmax)
     b_t = tl.load(t_ptr + o_n, mask=m_n, other=0).to(tl.int64)
     dead = b_t == ignore_index
     g_lp = tl.zeros([BLOCK_N], dtype=tl.float64)
@@ -272,7 +285,7 @@ def row_scales_kernel(
     ent_term = tl.where(g_ent != 0, 2.0 * tl.abs(g_ent) * zmax, 0.0)
     bound = tl.abs(g_lse - g_lp) + tl.abs(g_lp) + ent_term
     margin = margin_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    bound = tl.where(bound != 0, margin * bound * inv_t * w_abs, 0.0)
+    bound = tl.where(bound != 0, margin * bound * gain * w_abs, 0.0)
     lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0)
     live = tl.where(dead, 0, 1)
     bad = _nonfinite(bound) | head_bad | (live & (_nonfinite(h_abs) | _nonfinite(lse)))
@@ -331,23 +344,42 @@ def row_scales(
     bad = torch.empty(n, dtype=torch.int8, device=dev)
     if n == 0:
         return RowScales(scale, inv, bad)
-    g_lp, g_ent, g_lse = (lse if g is None else g for g in grads)
-    cap_t = (
-        0.0 if p.transform.softcap is None else p.transform.softcap * p.transform.inv_temperature
-    )
+    g_lp, g_ent, g_lse = grads
+    t = p.transform
     block_n, block_h = (16, 256) if dev.type != "cpu" else (16, 64)
     opts = compile_opts(dev)
     if opts:  # no FMA contraction: torch's float64 operations, one rounding each
         opts = dict(opts, enable_fp_fusion=False)
     row_scales_kernel[(triton.cdiv(n, block_n),)](
-        hidden, lse, targets, g_lp, g_ent, g_lse, w_abs, w_abs if b_abs is None else b_abs,
-        scale, inv, bad, n, h_dim, hidden.stride(0), p.ignore_index, _bits(p.transform.inv_temperature),
-        _bits(cap_t), _bits(MARGIN),
-        BLOCK_N=block_n, BLOCK_H=block_h, HAS_LP=grads[0] is not None,
-        HAS_ENT=grads[1] is not None, HAS_LSE=grads[2] is not None,
-        HAS_BIAS=b_abs is not None, SOFTCAP=p.transform.softcap is not None, E_LO=E_MIN, E_HI=E_MAX,
-        INTERPRET=dev.type == "cpu", **opts,
-    )  # fmt: skip
+        h_ptr=hidden,
+        lse_ptr=lse,
+        t_ptr=targets,
+        glp_ptr=g_lp,
+        gent_ptr=g_ent,
+        glse_ptr=g_lse,
+        wabs_ptr=w_abs,
+        babs_ptr=b_abs,
+        scale_ptr=scale,
+        inv_ptr=inv,
+        bad_ptr=bad,
+        N=n,
+        H=h_dim,
+        stride_hn=hidden.stride(0),
+        ignore_index=p.ignore_index,
+        gain_bits=_bits(t.gain),
+        zmax_bits=_bits(0.0 if t.z_max is None else t.z_max),
+        margin_bits=_bits(MARGIN),
+        BLOCK_N=block_n,
+        BLOCK_H=block_h,
+        HAS_LP=g_lp is not None,
+        HAS_ENT=g_ent is not None,
+        HAS_LSE=g_lse is not None,
+        HAS_BIAS=b_abs is not None,
+        ZMAX=t.z_max is not None,
+        E_LO=E_MIN,
+        E_HI=E_MAX,
+        **opts,
+    )
     return RowScales(scale, inv, bad)
 
 
@@ -391,12 +423,12 @@ class HeadAbsMax:
 
 def full_stages(a: torch.Tensor) -> bool:
     """Whether the fixed-point GEMM keeps the config's pipeline depth: 2-byte inputs on a
-    GPU with Hopper-class shared memory (elsewhere two stages, see fixed_tiles_for)."""
+    GPU with Hopper-class shared memory (elsewhere two stages, see fixed_blocks_for)."""
     return a.device.type == "cuda" and a.element_size() <= 2 and gpu_tier(a.device) == "large"
 
 
 def matmul_fixed(
-    c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: TileConfig, *,
+    c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: KernelConfig, *,
     leaf: int = TILE, accumulate: bool = True,
 ):  # fmt: skip
     """``c (int64) += fixed-point(a @ b)`` per ``leaf``-column tile; ``a`` has zeros up to
@@ -404,21 +436,34 @@ def matmul_fixed(
     m, k = a.shape
     n = b.shape[1]
     block_m, block_n, block_k = fixed
+    stages = min(cfg.gemm.num_stages, 2)
+    if full_stages(a):
+        stages = FIXED_WIDE_STAGES if leaf > TILE else cfg.gemm.num_stages
+    mm_cfg = cfg.replace(gemm={"block_m": block_m, "block_k": block_k, "num_stages": stages})
+    a_src, b_src, tma = gemm_sources(a, b, m, k_a, False, mm_cfg, block_n)
     blocks_m = triton.cdiv(m, block_m)
-    mm_cfg = dataclasses.replace(
-        cfg,
-        mm_block_k=block_k,
-        num_stages=(
-            (FIXED_WIDE_STAGES if leaf > TILE else cfg.num_stages)
-            if full_stages(a)
-            else min(cfg.num_stages, 2)
-        ),
-    )
-    a_src, b_src, tma = gemm_sources(a, b, m, k_a, False, mm_cfg, block_m, block_n)
     matmul_fixed_kernel[(blocks_m * triton.cdiv(n, block_n),)](
-        a_src, b_src, c, scale, m, n, k_a, k_a, k, group_size(cfg, blocks_m),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        LEAF=leaf, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, ACC=accumulate,
-        **launch_opts(mm_cfg, a.device),
-    )  # fmt: skip
+        a_src=a_src,
+        b_src=b_src,
+        c_ptr=c,
+        s_ptr=scale,
+        M=m,
+        N=n,
+        K=k_a,
+        K_A=k_a,
+        K_B=k,
+        rows=swizzle_rows(cfg, blocks_m),
+        stride_am=a.stride(0),
+        stride_ak=a.stride(1),
+        stride_bk=b.stride(0),
+        stride_bn=b.stride(1),
+        stride_cm=c.stride(0),
+        stride_cn=c.stride(1),
+        LEAF=leaf,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        TMA=tma,
+        ACC=accumulate,
+        **launch_opts(mm_cfg.gemm, a.device),
+    )

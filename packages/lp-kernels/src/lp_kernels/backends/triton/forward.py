@@ -1,18 +1,17 @@
 """The forward of the triton backend: partial softmax statistics per (row block, split),
 and their merge in order.
 
-``fwd_stats_kernel``, one program per (row block, split): for each ``BLOCK_V`` tile of the
-split, ``z = (h W^T) / T`` on chip (fp32 accumulation), online ``(m, s, a, t)`` per row
--> ``stats [S, N, 4]`` (the logits are never stored). On Hopper, calls without entropy
-at ``H <= TileConfig.pingpong_max_h`` launch ``pingpong.pingpong_stats_kernel`` instead:
-the same partials, bit for bit, with the epilogue beside the other warpgroup's MMAs.
-Under tensor parallel a rank's S partials, and with ``deterministic=True`` each tile's,
-are merged into one first (``group_merge_kernel``, :func:`gather_partials`), then
-all-gathered. ``merge_kernel`` visits the partials of each row in (rank, partial) order
--> lse and E (the backward's), and the op's logprob, entropy and lse, masked as
-``lp_kernels.core.stats.masked_outputs`` masks them (one launch instead of a handful of
-elementwise torch ops, each of which costs host time before a forward-only call's first
-kernel). The algebra is ``lp_kernels.core.stats``'.
+``fwd_stats_kernel``, one program per (row block, split): for each ``BLOCK_V`` block of the
+split, the raw logits ``l = h W^T (+ b)`` on chip (fp32 accumulation), then the online
+``(m, s, a, t)`` of each row (``softmax.softmax_update``) -> ``stats [S, N, 4]`` (the logits
+are never stored, unless the fused loss asks for them). On Hopper, calls without entropy at
+``H <= ForwardConfig.pingpong_max_h`` launch ``pingpong.pingpong_stats_kernel`` instead: the
+same partials, bit for bit. Under tensor parallel a rank's S partials, and with
+``deterministic=True`` each tile's, are merged into one first (``merge_runs_kernel``), then
+all-gathered. ``merge_kernel`` visits the partials of each row in (rank, partial) order ->
+lse and E (the backward's), and the op's logprob, entropy and lse, masked as
+``lp_kernels.core.stats.masked_outputs`` masks them, in one launch. The algebra is
+``lp_kernels.core.stats``'.
 """
 
 from __future__ import annotations
@@ -22,28 +21,23 @@ import triton
 import triton.language as tl
 
 from lp_kernels.backends.triton.config import (
-    TileConfig,
-    cap_args,
+    KernelConfig,
     compile_opts,
     descriptor,
-    group_size,
+    even_h,
     launch_opts,
-    logit_flags,
     split_width,
+    swizzle_rows,
     tma_ok,
 )
 from lp_kernels.backends.triton.pingpong import pingpong_ok, pingpong_stats
-from lp_kernels.backends.triton.tl_utils import (
-    IGNORED,
-    capped_m,
-    capped_x,
-    capped_z,
-    exp_ftz,
-    grouped,
-    logits_tile,
-    softcap,
-    target_codes,
+from lp_kernels.backends.triton.softmax import (
+    cap_constants,
+    softmax_finish,
+    softmax_update,
+    transform_args,
 )
+from lp_kernels.backends.triton.tl_utils import IGNORED, logits_block, swizzle, target_codes
 from lp_kernels.core.matmul import scratch
 from lp_kernels.core.stats import N_STATS
 from lp_kernels.core.types import LogprobParams
@@ -52,39 +46,26 @@ from lp_kernels.distributed.collectives import gather_stats
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit
-def stats_terms(z, m):
-    """``(e^(z - m), e^(z - m) (z - m))`` of a block or one element: the capped path's
-    online-softmax terms with entropy (see ``tl_utils.capped_z``)."""
-    d = z - m
-    e = tl.exp(d)
-    return e, e * d
-
-
-@triton.jit(do_not_specialize=["N", "V_real", "ignore_index", "col0", "splits", "group"])
+@triton.jit(do_not_specialize=["N", "V_real", "ignore_index", "col0", "splits", "rows"])
 def fwd_stats_kernel(
     h_src, w_src, t_ptr, stats_ptr, b_ptr, l_ptr,
-    N, H, V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, group,
-    stride_hn, stride_hh, stride_wv, stride_wh, stride_ln,
+    N, H, V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, rows,
+    stride_hn, stride_hh, stride_wv, stride_wh, stride_ln, scale,
     V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, STORE_L: tl.constexpr,
-    IGNORED: tl.constexpr, TILE_W: tl.constexpr = 0,
+    ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    STORE_L: tl.constexpr, IGNORED: tl.constexpr, CAP: tl.constexpr, SCALE: tl.constexpr,
+    TILE_W: tl.constexpr = 0,
 ):  # fmt: skip
     """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target],
-    with z = softcap(h W^T (+ b)) / T (``SOFTCAP``: c tanh(l / c); the target's z from
-    ``softcap``, the softmax terms' from ``tl_utils.capped_z``, or without entropy as
-    ``2^(x - b)`` with ``x`` from ``tl_utils.capped_x``, the running max held as ``b = (m +
-    c / T) log2(e)`` and m stored as ``b ln(2) - c / T``).
-    ``t_ptr``: the raw target ids, ``col0`` the id of the weight's first row
-    (``tl_utils.target_codes``; ``IGNORED``: an ignored row's code). ``STORE_L``: also
-    store the raw logits l = h W^T (+ b) (fp32, the real columns) to ``l_ptr`` (row
-    stride ``stride_ln``).
+    with z the transformed logits (``softmax``). ``t_ptr``: the raw target ids, ``col0`` the
+    id of the weight's first row (``tl_utils.target_codes``; ``IGNORED``: an ignored row's
+    code). ``STORE_L``: also store the raw logits l = h W^T (+ b) (fp32, the real columns) to
+    ``l_ptr`` (row stride ``stride_ln``). ``rows``: the launch order's band (``swizzle``).
 
     Splits are ``V_SPLIT`` columns from column 0, or, with ``TILE_W`` (``deterministic=True``'s
     tile width), ``V_SPLIT`` columns from each ``TILE_W``-wide tile's first column, the
     tile's last split cut at its end: ``cdiv(TILE_W, V_SPLIT)`` splits per tile, in order."""
-    i_n, i_s = grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group)
+    i_n, i_s = swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, rows)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     # the target's column in this weight, -1 if elsewhere, IGNORED if ignored
@@ -92,11 +73,8 @@ def fwd_stats_kernel(
     b_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_a = tl.zeros([BLOCK_N], dtype=tl.float32)
-    b_zt = tl.zeros([BLOCK_N], dtype=tl.float32)  # the target's raw logit l
-    k_e = inv_cap * -2.8853900817779268  # -2 log2(e) / c
-    k_z = cap * inv_t
-    k_a = k_z * 2.8853900817779268  # 2 log2(e) c / T
-    k_t = inv_t * 1.4426950408889634  # log2(e) / T
+    b_lt = tl.zeros([BLOCK_N], dtype=tl.float32)  # the target's raw logit l
+    k_e, k_z, k_a, k_t = cap_constants(cap, inv_cap, inv_t)
     if TILE_W > 0:
         SUBS: tl.constexpr = (TILE_W + V_SPLIT - 1) // V_SPLIT
         i_t = i_s // SUBS
@@ -108,76 +86,37 @@ def fwd_stats_kernel(
     for v0 in tl.range(v_begin, v_end, BLOCK_V):
         o_v = v0 + tl.arange(0, BLOCK_V)
         m_v = o_v < v_end
-        b_z = logits_tile(
+        # [BLOCK_N, BLOCK_V]
+        b_l = logits_block(
             h_src, w_src, b_ptr, i_n * BLOCK_N, v0, m_n, m_v, H, stride_hn, stride_hh,
-            stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, INTERPRET, PRECISION, TMA,
-            HAS_BIAS,
+            stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, TMA, HAS_BIAS,
         )  # fmt: skip
         if STORE_L:
-            if TMA:  # a tensor descriptor over [N, V_real]: the tile's out-of-bounds part is cut
+            if TMA:  # a tensor descriptor over [N, V_real]: the block's out-of-bounds part is cut
                 b_l0, b_l1 = tl.split(
-                    tl.permute(tl.reshape(b_z, [BLOCK_N, 2, BLOCK_V // 2]), [0, 2, 1])
+                    tl.permute(tl.reshape(b_l, [BLOCK_N, 2, BLOCK_V // 2]), [0, 2, 1])
                 )
                 l_ptr.store([i_n * BLOCK_N, v0], b_l0)
                 l_ptr.store([i_n * BLOCK_N, v0 + BLOCK_V // 2], b_l1)
-            else:  # int32 offsets within the tile from one int64 base per tile
+            else:  # int32 offsets within the block from one int64 base per block
                 p_l = l_ptr + (i_n * BLOCK_N).to(tl.int64) * stride_ln + v0
                 o_l = tl.arange(0, BLOCK_N)[:, None] * stride_ln + tl.arange(0, BLOCK_V)[None, :]
-                tl.store(p_l + o_l, b_z, mask=m_n[:, None] & m_v[None, :])
+                tl.store(p_l + o_l, b_l, mask=m_n[:, None] & m_v[None, :])
         # the target's column: masked past the split (a split that is not a multiple of
-        # BLOCK_V, deterministic_tile, ends inside a tile whose last columns belong to the
-        # next); without a bias as an int32 offset in the tile, one compare per element
-        # (with one, ptxas spills the tile that way; docs/history.md)
+        # BLOCK_V, deterministic_tile, ends inside a block whose last columns belong to the
+        # next); without a bias as an int32 offset in the block, one compare per element
+        # (with one, ptxas spills the block that way)
         if HAS_BIAS:
             m_t = (o_v[None, :] == b_t[:, None]) & m_v[None, :]
         else:
             b_trel = tl.where(b_t < v_end, b_t - v0, -1).to(tl.int32)
             m_t = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
-        b_zt += tl.sum(tl.where(m_t, b_z, 0.0), axis=1)  # raw: scaled after the loop
-        partial = v0 + BLOCK_V > v_end  # the split's last tile, cut: the selects only there
-        if SOFTCAP and not ENTROPY:  # x = (z + c / T) log2(e), element by element on the GPU
-            if INTERPRET:
-                b_z = capped_x(b_z, k_e, k_a, k_t, INTERPRET)
-            else:
-                b_z = tl.map_elementwise(capped_x, b_z, k_e, k_a, k_t)
-        elif SOFTCAP:  # element by element on the GPU (see tl_utils.capped_z)
-            if INTERPRET:
-                b_z = capped_z(b_z, k_e, k_z, inv_t, INTERPRET)
-            else:
-                b_z = tl.map_elementwise(capped_z, b_z, k_e, k_z, inv_t)
-        else:
-            b_z = b_z * inv_t
-        if partial:
-            b_z = tl.where(m_v[None, :], b_z, float("-inf"))
-        # online update; the first tile turns m from -inf into a finite maximum
-        b_mn = tl.maximum(b_m, tl.max(b_z, axis=1))
-        if SOFTCAP and not ENTROPY:  # b_m holds b = (m + c / T) log2(e): terms 2^(x - b)
-            b_alpha = tl.math.exp2(b_m - b_mn)
-            b_e = tl.math.exp2(b_z - b_mn[:, None])
-        else:
-            b_alpha = exp_ftz(b_m - b_mn, INTERPRET)
-            if SOFTCAP:  # with entropy: element by element on the GPU (tl_utils.capped_z)
-                if INTERPRET:
-                    b_e, b_ed = stats_terms(b_z, b_mn[:, None])
-                else:
-                    b_e, b_ed = tl.map_elementwise(stats_terms, b_z, b_mn[:, None])
-            else:
-                b_d = b_z - b_mn[:, None]
-                b_e = exp_ftz(b_d, INTERPRET)
-                if ENTROPY:
-                    b_ed = b_e * b_d
-        if ENTROPY:
-            if partial:  # masked columns: e = 0, d = -inf
-                b_ed = tl.where(m_v[None, :], b_ed, 0.0)
-            b_shift = tl.where(b_s > 0, b_m - b_mn, 0.0)
-            b_a = b_alpha * (b_a + b_shift * b_s) + tl.sum(b_ed, axis=1)
-        b_s = b_s * b_alpha + tl.sum(b_e, axis=1)
-        b_m = b_mn
-    if SOFTCAP:  # the target's z with the series (0 where the target is elsewhere)
-        b_zt = softcap(b_zt, cap, inv_cap, INTERPRET)[0]
-        if not ENTROPY:  # m from b (-inf and +inf stay)
-            b_m = capped_m(b_m, k_z)
-    b_zt = b_zt * inv_t
+        b_lt += tl.sum(tl.where(m_t, b_l, 0.0), axis=1)  # raw: transformed after the loop
+        b_m, b_s, b_a = softmax_update(
+            b_m, b_s, b_a, b_l, m_v, None, v0, v_end, scale, inv_t, k_e, k_z, k_a, k_t, ENTROPY,
+            CAP, SCALE,
+        )  # fmt: skip
+    b_m, b_zt = softmax_finish(b_m, b_lt, scale, cap, inv_cap, inv_t, k_z, ENTROPY, CAP, SCALE)
     p_out = stats_ptr + (i_s.to(tl.int64) * N + o_n) * 4
     tl.store(p_out + 0, b_m, mask=m_n)
     tl.store(p_out + 1, b_s, mask=m_n)
@@ -232,14 +171,14 @@ def _partials_sum(
 
 
 @triton.jit(do_not_specialize=["K", "N", "G"])
-def group_merge_kernel(
+def merge_runs_kernel(
     stats_ptr, out_ptr, K, N, G,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ENTROPY: tl.constexpr,
 ):  # fmt: skip
-    """Merge each group of ``G`` consecutive partials (of K) into one partial: program
-    (row block, group) -> ``out[group, rows] = (M, S, B, T)``, the group's maximum, its sums
+    """Merge each run of ``G`` consecutive partials (of K) into one partial: program
+    (row block, run) -> ``out[run, rows] = (M, S, B, T)``, the run's maximum, its sums
     rescaled to it (B: its a relative to M; without ``ENTROPY``, 0) and its target terms.
-    A group with no mass (M = -inf) gives ``(-inf, 0, 0, T)``, as an empty split does."""
+    A run with no mass (M = -inf) gives ``(-inf, 0, 0, T)``, as an empty split does."""
     i_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
     i_g = tl.program_id(0) // tl.cdiv(N, BLOCK_N)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -266,11 +205,11 @@ def merge_kernel(
 ):  # fmt: skip
     """Merge K partials per row in order (see lp_kernels.core.stats for the algebra).
 
-    ``lse_ptr`` and ``mean_ptr`` receive the raw log-sum-exp and E (the backward's);
-    ``zt_ptr``, ``ent_ptr`` and ``lseo_ptr`` (``LSE_OUT``) the op's logprob ``t - lse``,
-    entropy and log-sum-exp as ``lp_kernels.core.stats.masked_outputs`` makes them: exact
-    zeros on the rows whose raw target id (``t_ptr``, int32 or int64) is ``ignore_index``,
-    NaN where the log-sum-exp is not finite."""
+    ``lse_ptr`` and ``mean_ptr`` (``ENTROPY``) receive the raw log-sum-exp and E (the
+    backward's); ``zt_ptr``, ``ent_ptr`` (``ENTROPY``) and ``lseo_ptr`` (``LSE_OUT``) the op's
+    logprob ``t - lse``, entropy and log-sum-exp as ``lp_kernels.core.stats.masked_outputs``
+    makes them: exact zeros on the rows whose raw target id (``t_ptr``, int32 or int64) is
+    ``ignore_index``, NaN where the log-sum-exp is not finite."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     p_n = stats_ptr + o_n.to(tl.int64) * 4
@@ -309,28 +248,28 @@ def forward_stats(
     targets: torch.Tensor,
     first_id: int,
     p: LogprobParams,
-    cfg: TileConfig,
+    cfg: KernelConfig,
     b_real: torch.Tensor | None = None,
     l_out: torch.Tensor | None = None,
     tile: int = 0,
 ) -> torch.Tensor:
     """``[S, N, 4]`` fp32 partial statistics of this shard's splits. ``targets``: the raw
     ``[N]`` ids (contiguous; ``p.ignore_index`` marks ignored rows), ``first_id``: the
-    vocabulary id of ``w_real``'s first row; ``b_real``: the fp32 bias of ``w_real``'s
-    rows, or None. ``l_out``: None, or an fp32 ``[N, >= V_real]``
-    buffer (unit column stride) that receives the raw logits ``h W^T (+ b)`` of the real
-    columns (before the cap and the temperature). ``tile``: 0 (splits of
-    :func:`~lp_kernels.backends.triton.config.split_width` columns of the group's widest
-    shard), or the width of the tiles that the splits cut from their first columns
-    (``cfg.v_split`` each, :func:`tile_splits` per tile; ``deterministic=True``).
+    vocabulary id of ``w_real``'s first row; ``b_real``: the fp32 bias of ``w_real``'s rows,
+    or None. ``l_out``: None, or an fp32 ``[N, >= V_real]`` buffer (unit column stride) that
+    receives the raw logits ``h W^T (+ b)`` of the real columns (before the transform).
+    ``tile``: 0 (splits of :func:`~lp_kernels.backends.triton.config.split_width` columns
+    of the group's widest shard), or the width of the tiles that the splits cut from their
+    first columns (``forward.v_split`` each, :func:`tile_splits` per tile;
+    ``deterministic=True``).
 
-    S is set by the largest shard of the group, so that every rank makes the same
-    partials; splits past this shard's end report ``m = -inf, s = a = t = 0``.
+    S is set by the largest shard of the group, so that every rank makes the same partials;
+    splits past this shard's end report ``m = -inf, s = a = t = 0``.
     """
     n, h_dim = hidden.shape
     v_real = w_real.shape[0]
     if tile:
-        width = cfg.v_split  # deterministic_config's, from the tile's width
+        width = cfg.forward.v_split  # deterministic_config's, from the tile's width
         splits = triton.cdiv(max(p.max_v_local, v_real), tile) * tile_splits(tile, cfg)
     else:
         width, splits = shard_splits(v_real, p, cfg)
@@ -339,25 +278,45 @@ def forward_stats(
         return stats
     if not tile and l_out is None and pingpong_ok(hidden, w_real, p, cfg):
         return pingpong_stats(hidden, w_real, targets, first_id, p, cfg, stats, width, b_real)
-    blocks_n = triton.cdiv(n, cfg.block_n)
+    blocks_n = triton.cdiv(n, cfg.logits.block_n)
     h_src, w_src, tma = logits_sources(hidden, w_real, cfg)
     fwd_stats_kernel[(blocks_n * splits,)](
-        h_src, w_src, targets, stats, stats if b_real is None else b_real,
-        stats if l_out is None else logits_out(l_out, n, v_real, cfg, tma),
-        n, h_dim, v_real, p.ignore_index, first_id, p.transform.inv_temperature, *cap_args(p), splits,
-        group_size(cfg, blocks_n),
-        hidden.stride(0), hidden.stride(1), w_real.stride(0), w_real.stride(1),
-        0 if l_out is None else l_out.stride(0),
-        V_SPLIT=width, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
-        ENTROPY=p.return_entropy, TMA=tma, HAS_BIAS=b_real is not None,
-        SOFTCAP=p.transform.softcap is not None, STORE_L=l_out is not None, IGNORED=IGNORED, TILE_W=tile,
-        **logit_flags(hidden, cfg),
-        **launch_opts(cfg, hidden.device),
-    )  # fmt: skip
+        h_src=h_src,
+        w_src=w_src,
+        t_ptr=targets,
+        stats_ptr=stats,
+        b_ptr=b_real,
+        l_ptr=None if l_out is None else logits_out(l_out, n, v_real, cfg, tma),
+        N=n,
+        H=h_dim,
+        V_real=v_real,
+        ignore_index=p.ignore_index,
+        col0=first_id,
+        splits=splits,
+        rows=swizzle_rows(cfg, blocks_n),
+        stride_hn=hidden.stride(0),
+        stride_hh=hidden.stride(1),
+        stride_wv=w_real.stride(0),
+        stride_wh=w_real.stride(1),
+        stride_ln=0 if l_out is None else l_out.stride(0),
+        V_SPLIT=width,
+        BLOCK_N=cfg.logits.block_n,
+        BLOCK_V=cfg.logits.block_v,
+        BLOCK_H=cfg.logits.block_h,
+        ENTROPY=p.return_entropy,
+        EVEN_H=even_h(hidden, cfg),
+        TMA=tma,
+        HAS_BIAS=b_real is not None,
+        STORE_L=l_out is not None,
+        IGNORED=IGNORED,
+        TILE_W=tile,
+        **transform_args(p.transform),
+        **launch_opts(cfg.logits, hidden.device),
+    )
     return stats
 
 
-def shard_splits(v_real: int, p: LogprobParams, cfg: TileConfig) -> tuple[int, int]:
+def shard_splits(v_real: int, p: LogprobParams, cfg: KernelConfig) -> tuple[int, int]:
     """``(width, count)`` of a shard's forward splits outside ``deterministic=True``: the
     width from the group's widest shard (:func:`split_width`), so every rank cuts alike,
     and as many splits as that shard needs."""
@@ -366,20 +325,21 @@ def shard_splits(v_real: int, p: LogprobParams, cfg: TileConfig) -> tuple[int, i
     return width, triton.cdiv(cols, width)
 
 
-def tile_splits(tile: int, cfg: TileConfig) -> int:
-    """Forward splits per ``tile``-column tile: ``cfg.v_split`` columns each from the
+def tile_splits(tile: int, cfg: KernelConfig) -> int:
+    """Forward splits per ``tile``-column tile: ``forward.v_split`` columns each from the
     tile's first column, the last cut at the tile's end."""
-    return triton.cdiv(tile, cfg.v_split)
+    return triton.cdiv(tile, cfg.forward.v_split)
 
 
-def logits_out(l_out: torch.Tensor, n: int, v_real: int, cfg: TileConfig, tma: bool):
+def logits_out(l_out: torch.Tensor, n: int, v_real: int, cfg: KernelConfig, tma: bool):
     """``fwd_stats_kernel``'s ``l_ptr``: a tensor descriptor over ``l_out[:n, :v_real]`` when
-    the kernel runs on descriptors (the store needs no pointer block beside the tile's
+    the kernel runs on descriptors (the store needs no pointer block beside the block's
     registers), else the tensor."""
-    return descriptor(l_out, n, v_real, (cfg.block_n, cfg.block_v // 2)) if tma else l_out
+    block = (cfg.logits.block_n, cfg.logits.block_v // 2)
+    return descriptor(l_out, n, v_real, block) if tma else l_out
 
 
-def logits_sources(hidden: torch.Tensor, w_real: torch.Tensor, cfg: TileConfig):
+def logits_sources(hidden: torch.Tensor, w_real: torch.Tensor, cfg: KernelConfig):
     """``(h_src, w_src, tma)``: tensor descriptors over hidden and the shard's real rows when
     the config asks for them and both tensors allow them, else the tensors themselves.
 
@@ -388,9 +348,10 @@ def logits_sources(hidden: torch.Tensor, w_real: torch.Tensor, cfg: TileConfig):
     """
     if cfg.tma and w_real.shape[0] > 0 and tma_ok(hidden, w_real):
         n, h_dim = hidden.shape
+        lc = cfg.logits
         return (
-            descriptor(hidden, n, h_dim, (cfg.block_n, cfg.block_h)),
-            descriptor(w_real, w_real.shape[0], h_dim, (cfg.block_v, cfg.block_h)),
+            descriptor(hidden, n, h_dim, (lc.block_n, lc.block_h)),
+            descriptor(w_real, w_real.shape[0], h_dim, (lc.block_v, lc.block_h)),
             True,
         )
     return hidden, w_real, False
@@ -422,54 +383,68 @@ def merge_outputs(
         return lse, mean, (zt, ent, lse_out)
     block = 128 if dev.type != "cpu" else 256
     merge_kernel[(triton.cdiv(n, block),)](
-        stats.contiguous(), lse, mean if entropy else lse, zt, ent if entropy else lse,
-        targets, lse if lse_out is None else lse_out, k, n, ignore_index,
-        BLOCK_N=block, ENTROPY=entropy, LSE_OUT=lse_out is not None,
-        BLOCK_K=merge_block_k(entropy, dev), **compile_opts(dev),
-    )  # fmt: skip
+        stats_ptr=stats.contiguous(),
+        lse_ptr=lse,
+        mean_ptr=mean,
+        zt_ptr=zt,
+        ent_ptr=ent,
+        t_ptr=targets,
+        lseo_ptr=lse_out,
+        K=k,
+        N=n,
+        ignore_index=ignore_index,
+        BLOCK_N=block,
+        ENTROPY=entropy,
+        LSE_OUT=lse_out is not None,
+        BLOCK_K=merge_block_k(entropy, dev),
+        **compile_opts(dev),
+    )
     return lse, mean, (zt, ent, lse_out)
 
 
 def merge_block_k(entropy: bool, device: torch.device) -> int:
     """Partials whose loads the merges keep in flight at a time (a launch choice: each
-    partial is still added in its turn). On H200 16 without entropy and 4 with it (four
-    loads per partial) timed best (docs/benchmarks.md)."""
+    partial is still added in its turn): 16 without entropy and 4 with it (four loads per
+    partial) timed best on the GPU."""
     if device.type == "cpu":
         return 4
     return 4 if entropy else 16
 
 
-def gather_partials(
-    stats: torch.Tensor, p: LogprobParams, group: int | None = None
-) -> torch.Tensor:
-    """This rank's ``[K, N, 4]`` partials merged in runs of ``group`` (:func:`merge_groups`;
-    1: as they are; None: all K into one under tensor parallel, none on one GPU, where the
-    final merge takes them as they are), all-gathered over the tensor-parallel group:
-    ``[P * K', N, 4]`` in (rank, partial) order, the final merge's input."""
-    if group is None:
-        group = stats.shape[0] if p.tp_size > 1 else 1
-    if group > 1 and stats.shape[0] > 1:
-        stats = merge_groups(stats, group, p.return_entropy)
+def gather_partials(stats: torch.Tensor, p: LogprobParams, run: int | None = None) -> torch.Tensor:
+    """This rank's ``[K, N, 4]`` partials merged in runs of ``run`` (:func:`merge_runs`; 1: as
+    they are; None: all K into one under tensor parallel, none on one GPU, where the final
+    merge takes them as they are), all-gathered over the tensor-parallel group: ``[P * K',
+    N, 4]`` in (rank, partial) order, the final merge's input."""
+    if run is None:
+        run = stats.shape[0] if p.tp_size > 1 else 1
+    if run > 1 and stats.shape[0] > 1:
+        stats = merge_runs(stats, run, p.return_entropy)
     return gather_stats(stats, p.tp_group, p.tp_size).flatten(0, 1)
 
 
-def merge_groups(stats: torch.Tensor, group: int, entropy: bool) -> torch.Tensor:
-    """``[K, N, 4]`` partials -> ``[cdiv(K, group), N, 4]``: each run of ``group``
-    consecutive partials merged into one (``group_merge_kernel``), in order. A rank's
-    splits become one partial per rank (tensor parallel) or per tile
-    (``deterministic=True``) before the all-gather, so the bytes exchanged do not grow
-    with the number of splits; the final merge then visits the groups' partials in order.
-    Without ``entropy`` the B column is 0."""
+def merge_runs(stats: torch.Tensor, run: int, entropy: bool) -> torch.Tensor:
+    """``[K, N, 4]`` partials -> ``[cdiv(K, run), N, 4]``: each run of ``run`` consecutive
+    partials merged into one (``merge_runs_kernel``), in order. A rank's splits become one
+    partial per rank (tensor parallel) or per tile (``deterministic=True``) before the
+    all-gather, so the bytes exchanged do not grow with the number of splits. Without
+    ``entropy`` the B column is 0."""
     k, n, _ = stats.shape
-    groups = triton.cdiv(k, group) if k else 0
-    out = scratch.empty((groups, n, N_STATS), dtype=torch.float32, device=stats.device)
-    if n == 0 or groups == 0:
+    runs = triton.cdiv(k, run) if k else 0
+    out = scratch.empty((runs, n, N_STATS), dtype=torch.float32, device=stats.device)
+    if n == 0 or runs == 0:
         return out
     dev = stats.device
     block = 128 if dev.type != "cpu" else 256
-    group_merge_kernel[(triton.cdiv(n, block) * groups,)](
-        stats.contiguous(), out, k, n, group,
-        BLOCK_N=block, BLOCK_K=merge_block_k(entropy, dev), ENTROPY=entropy,
+    merge_runs_kernel[(triton.cdiv(n, block) * runs,)](
+        stats_ptr=stats.contiguous(),
+        out_ptr=out,
+        K=k,
+        N=n,
+        G=run,
+        BLOCK_N=block,
+        BLOCK_K=merge_block_k(entropy, dev),
+        ENTROPY=entropy,
         **compile_opts(dev),
-    )  # fmt: skip
+    )
     return out

@@ -14,25 +14,25 @@ import triton
 import triton.language as tl
 
 from lp_kernels.backends.triton.config import (
-    TileConfig,
+    KernelConfig,
     compile_opts,
     descriptor,
-    group_size,
     launch_opts,
     sm_count,
+    swizzle_rows,
     tma_ok,
 )
-from lp_kernels.backends.triton.tl_utils import gemm_step, grouped, operand_ptrs
+from lp_kernels.backends.triton.tl_utils import gemm_step, operand_ptrs, swizzle
 from lp_kernels.core.matmul import scratch
 
 # ----------------------------------------------------------------------------- kernels
 
 
 def matmul_acc_body(
-    a_src, b_src, c_ptr, M, M_A, N, K, K_A, K_B, group, chunk_k,
+    a_src, b_src, c_ptr, M, M_A, N, K, K_A, K_B, rows, chunk_k,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
+    TMA: tl.constexpr, A_T: tl.constexpr,
     ACC: tl.constexpr, C_TMA: tl.constexpr, MULTI: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     """C[:M] (fp32) = C + A @ B (``ACC``; else C = A @ B, without reading C). One program
@@ -56,7 +56,7 @@ def matmul_acc_body(
     descriptors with those bounds (``A_T``: ``a_src`` describes A^T, contiguous along M);
     with C_TMA (only with ACC), ``c_ptr`` is one over C's ``M x N`` elements.
     """
-    i_m, i_n = grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), group)
+    i_m, i_n = swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), rows)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
@@ -78,7 +78,7 @@ def matmul_acc_body(
     for k0 in range(k_lo, k_end, BLOCK_K):
         b_acc = gemm_step(
             b_acc, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B,
-            stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, A_T,
+            stride_ak, stride_bk, BLOCK_M, BLOCK_N, TMA, A_T,
         )  # fmt: skip
     # With ACC, C is read and written after the K loop through a tensor descriptor where
     # allowed (C_TMA): no [BLOCK_M, BLOCK_N] pointer block is then held in registers next
@@ -96,7 +96,7 @@ def matmul_acc_body(
             for k0 in range(k_lo, tl.minimum(k_lo + chunk_k, K), BLOCK_K):
                 b_part = gemm_step(
                     b_part, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B,
-                    stride_ak, stride_bk, BLOCK_M, BLOCK_N, INTERPRET, PRECISION, TMA, A_T,
+                    stride_ak, stride_bk, BLOCK_M, BLOCK_N, TMA, A_T,
                 )  # fmt: skip
             b_acc += b_part
     if C_TMA:
@@ -127,11 +127,11 @@ def ordered_sum_kernel(c_ptr, p_ptr, numel, parts, ACC: tl.constexpr, BLOCK: tl.
 # specialized; the padded bound of A's contiguous dimension is (it is always a multiple
 # of 128, so every call vectorizes alike).
 # A = d_logits [rows, cols] (grad_hidden): contiguous along K, bounded by K_A (padded).
-matmul_acc_kernel = triton.jit(do_not_specialize=["M", "M_A", "K", "K_B", "group", "chunk_k"])(
+matmul_acc_kernel = triton.jit(do_not_specialize=["M", "M_A", "K", "K_B", "rows", "chunk_k"])(
     matmul_acc_body
 )
 # A = d_logits^T [cols, rows] (grad_weight): contiguous along M, bounded by M_A (padded).
-matmul_acc_t_kernel = triton.jit(do_not_specialize=["M", "K", "K_A", "K_B", "group", "chunk_k"])(
+matmul_acc_t_kernel = triton.jit(do_not_specialize=["M", "K", "K_A", "K_B", "rows", "chunk_k"])(
     matmul_acc_body
 )
 
@@ -139,39 +139,40 @@ matmul_acc_t_kernel = triton.jit(do_not_specialize=["M", "K", "K_A", "K_B", "gro
 # ----------------------------------------------------------------------------- launchers
 
 
-def narrow_block_n(cfg: TileConfig) -> int:
-    """The GEMM's narrow output tile width: half the pinned 256, else the pinned width (the
+def narrow_block_n(cfg: KernelConfig) -> int:
+    """The GEMM's narrow output block width: half the pinned 256, else the pinned width (the
     configs of smaller GPUs, 4-byte inputs and the interpreter are narrow already)."""
-    return cfg.mm_block_n // 2 if cfg.mm_block_n >= 256 else cfg.mm_block_n
+    wide = cfg.gemm.block_n
+    return wide // 2 if wide >= 256 else wide
 
 
-def mm_block_n(cfg: TileConfig, m: int, n: int, device: torch.device) -> int:
-    """Output tile width of lp's GEMM ``C [m, n] (+)= A @ B``: the config's ``mm_block_n``, or
-    half of it where the pinned grid would leave much of the GPU idle in its last wave
-    (grad_hidden at about a thousand tokens and H = 2048 has 64 tiles of 128 x 256 for 132
-    SMs: half the GPU idles). The narrow tile wins when its waves, each costing
-    ``cfg.narrow_cost`` of a wide one, take less time (docs/benchmarks.md).
+def mm_block_n(cfg: KernelConfig, m: int, n: int, device: torch.device) -> int:
+    """Output block width of lp's GEMM ``C [m, n] (+)= A @ B``: the config's, or half of it
+    where the pinned grid would leave much of the GPU idle in its last wave (grad_hidden at
+    about a thousand rows and H = 2048 has 64 blocks of 128 x 256 for 132 SMs: half the GPU
+    idles). The narrow block wins when its waves, each costing ``gemm.narrow_cost`` of a
+    wide one, take less time.
 
-    Unlike every other tile of this backend, this one follows the sizes, because it does not
-    change the bits: each element of C gets the same MMAs in the same K order in a 128- or
-    a 256-wide tile (checked bitwise on H200, both modes, and tested: test_gpu.py). So a
-    row's grad_hidden stays the same whatever N, and batch invariance holds.
+    Unlike every other block of this backend, this one follows the sizes, because it does
+    not change the bits: each element of C gets the same MMAs in the same K order in a 128-
+    or a 256-wide block (tested: test_gpu.py). So a row's grad_hidden stays the same
+    whatever N, and batch invariance holds.
     """
-    wide, narrow = cfg.mm_block_n, narrow_block_n(cfg)
+    wide, narrow = cfg.gemm.block_n, narrow_block_n(cfg)
     sms = sm_count(device)
     if sms is None or narrow == wide:
         return wide
-    rows = triton.cdiv(m, cfg.mm_block_m)
+    rows = triton.cdiv(m, cfg.gemm.block_m)
     waves_wide = triton.cdiv(rows * triton.cdiv(n, wide), sms)
     waves_narrow = triton.cdiv(rows * triton.cdiv(n, narrow), sms)
-    return narrow if waves_narrow * cfg.narrow_cost < waves_wide else wide
+    return narrow if waves_narrow * cfg.gemm.narrow_cost < waves_wide else wide
 
 
 def matmul_acc(
     c: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
-    cfg: TileConfig,
+    cfg: KernelConfig,
     *,
     m_a: int | None = None,
     k_a: int | None = None,
@@ -185,60 +186,115 @@ def matmul_acc(
 
     ``chunk_k``: K is consecutive chunks of that many columns, and the result is bitwise
     that of one call per chunk in order (``c += a_0 @ b_0``, then ``c += a_1 @ b_1``, ..).
-    Where the output's waves take the narrow tile (:func:`mm_block_n`): the chunks side by
-    side on the pinned tile, then their ordered sum (``SPLIT``, where :func:`split_chunks`
-    allows), else one launch that holds C's tile and the chunk's sum (``MULTI``, on the
-    narrow tile, with tensor descriptors); otherwise the calls one by one, each on the tile
-    the waves pick (the pointer path with two fp32 tiles live would spill registers:
-    ``lp_testing.aot`` shows it). ``chunk_k`` is for grad_hidden's GEMM (no ``m_a``)."""
+    Where the output's waves take the narrow block (:func:`mm_block_n`): the chunks side by
+    side on the pinned block, then their ordered sum (``SPLIT``, where :func:`split_chunks`
+    allows), else one launch that holds C's block and the chunk's sum (``MULTI``, on the
+    narrow block, with tensor descriptors); otherwise the calls one by one, each on the
+    block the waves pick (the pointer path with two fp32 blocks live would spill registers).
+    ``chunk_k`` is for grad_hidden's GEMM (no ``m_a``)."""
     if chunk_k is not None and m_a is not None:
         raise ValueError("matmul_acc: chunk_k is for grad_hidden's GEMM (no m_a)")
     m, k = a.shape
     n = b.shape[1]
-    a_t = m_a is not None
-    kernel = matmul_acc_t_kernel if a_t else matmul_acc_kernel
-    m_a = m if m_a is None else m_a
     k_a = k if k_a is None else k_a
-    blocks_m = triton.cdiv(m, cfg.mm_block_m)
     multi = chunk_k is not None and max(k, k_a) > chunk_k
     block_n = mm_block_n(cfg, m, n, a.device)
     chunks = triton.cdiv(max(k, k_a), chunk_k) if multi else 1
-    split = multi and split_chunks(cfg, c, m, n, chunks, block_n)
-    if split:
-        block_n = cfg.mm_block_n
-    a_src, b_src, tma = gemm_sources(a, b, m_a, k_a, a_t, cfg, cfg.mm_block_m, block_n)
-    if split:
-        parts = scratch.empty((chunks, m, n), dtype=torch.float32, device=c.device)
-        kernel[(blocks_m * triton.cdiv(n, block_n), chunks)](
-            a_src, b_src, parts, m, m_a, n, max(k, k_a), k_a, k, group_size(cfg, blocks_m),
-            chunk_k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), n, 1,
-            BLOCK_M=cfg.mm_block_m, BLOCK_N=block_n, BLOCK_K=cfg.mm_block_k,
-            INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, A_T=False,
-            ACC=False, C_TMA=False, MULTI=False, SPLIT=True,
-            **launch_opts(cfg, a.device),
-        )  # fmt: skip
-        ordered_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
-            c, parts, m * n, chunks, ACC=accumulate, BLOCK=SUM_BLOCK, **compile_opts(c.device)
-        )
+    if multi and split_chunks(cfg, c, m, n, chunks, block_n):
+        _split_launch(c, a, b, cfg, k_a=k_a, chunk_k=chunk_k, chunks=chunks, acc=accumulate)
         return
-    if multi and not (tma and block_n == narrow_block_n(cfg)):
+    a_t = m_a is not None
+    if multi and not (cfg.tma and tma_ok(a, b) and block_n == narrow_block_n(cfg)):
         for k0 in range(0, max(k, k_a), chunk_k):
             matmul_acc(
                 c, a[:, k0 : k0 + chunk_k], b[k0 : k0 + chunk_k], cfg,
                 k_a=min(k_a - k0, chunk_k), accumulate=accumulate or k0 > 0,
             )  # fmt: skip
         return
+    m_a = m if m_a is None else m_a
+    a_src, b_src, tma = gemm_sources(a, b, m_a, k_a, a_t, cfg, block_n)
     c_tma = tma and accumulate and tma_ok(c)
-    c_arg = descriptor(c, m, n, (cfg.mm_block_m, block_n)) if c_tma else c
+    gc = cfg.gemm
+    blocks_m = triton.cdiv(m, gc.block_m)
+    kernel = matmul_acc_t_kernel if a_t else matmul_acc_kernel
     kernel[(blocks_m * triton.cdiv(n, block_n),)](
-        a_src, b_src, c_arg, m, m_a, n, max(k, k_a), k_a, k, group_size(cfg, blocks_m),
-        chunk_k if multi else max(k, k_a),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        BLOCK_M=cfg.mm_block_m, BLOCK_N=block_n, BLOCK_K=cfg.mm_block_k,
-        INTERPRET=a.device.type == "cpu", PRECISION="ieee", TMA=tma, A_T=a_t, ACC=accumulate,
-        C_TMA=c_tma, MULTI=multi, SPLIT=False,
-        **launch_opts(cfg, a.device),
-    )  # fmt: skip
+        a_src=a_src,
+        b_src=b_src,
+        c_ptr=descriptor(c, m, n, (gc.block_m, block_n)) if c_tma else c,
+        M=m,
+        M_A=m_a,
+        N=n,
+        K=max(k, k_a),
+        K_A=k_a,
+        K_B=k,
+        rows=swizzle_rows(cfg, blocks_m),
+        chunk_k=chunk_k if multi else max(k, k_a),
+        stride_am=a.stride(0),
+        stride_ak=a.stride(1),
+        stride_bk=b.stride(0),
+        stride_bn=b.stride(1),
+        stride_cm=c.stride(0),
+        stride_cn=c.stride(1),
+        BLOCK_M=gc.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=gc.block_k,
+        TMA=tma,
+        A_T=a_t,
+        ACC=accumulate,
+        C_TMA=c_tma,
+        MULTI=multi,
+        SPLIT=False,
+        **launch_opts(gc, a.device),
+    )
+
+
+def _split_launch(c, a, b, cfg: KernelConfig, *, k_a: int, chunk_k: int, chunks: int, acc: bool):
+    """:func:`matmul_acc`'s ``SPLIT``: each K chunk summed from +0.0 into its slab of an fp32
+    ``[chunks, M, N]`` scratch on the pinned block, then the slabs added in order."""
+    m, k = a.shape
+    n = b.shape[1]
+    gc = cfg.gemm
+    blocks_m = triton.cdiv(m, gc.block_m)
+    a_src, b_src, tma = gemm_sources(a, b, m, k_a, False, cfg, gc.block_n)
+    parts = scratch.empty((chunks, m, n), dtype=torch.float32, device=c.device)
+    matmul_acc_kernel[(blocks_m * triton.cdiv(n, gc.block_n), chunks)](
+        a_src=a_src,
+        b_src=b_src,
+        c_ptr=parts,
+        M=m,
+        M_A=m,
+        N=n,
+        K=max(k, k_a),
+        K_A=k_a,
+        K_B=k,
+        rows=swizzle_rows(cfg, blocks_m),
+        chunk_k=chunk_k,
+        stride_am=a.stride(0),
+        stride_ak=a.stride(1),
+        stride_bk=b.stride(0),
+        stride_bn=b.stride(1),
+        stride_cm=n,
+        stride_cn=1,
+        BLOCK_M=gc.block_m,
+        BLOCK_N=gc.block_n,
+        BLOCK_K=gc.block_k,
+        TMA=tma,
+        A_T=False,
+        ACC=False,
+        C_TMA=False,
+        MULTI=False,
+        SPLIT=True,
+        **launch_opts(gc, a.device),
+    )
+    ordered_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+        c_ptr=c,
+        p_ptr=parts,
+        numel=m * n,
+        parts=chunks,
+        ACC=acc,
+        BLOCK=SUM_BLOCK,
+        **compile_opts(c.device),
+    )
 
 
 SUM_BLOCK = 1024  # elements per program of ordered_sum_kernel
@@ -246,22 +302,22 @@ SPLIT_BYTES = 256 << 20
 """The most memory that :func:`matmul_acc`'s split chunks (fp32 ``[chunks, M, N]``) take."""
 
 
-def split_chunks(cfg: TileConfig, c: torch.Tensor, m: int, n: int, chunks: int, block_n: int):
+def split_chunks(cfg: KernelConfig, c: torch.Tensor, m: int, n: int, chunks: int, block_n: int):
     """Whether :func:`matmul_acc` computes its ``chunks`` K chunks side by side (``SPLIT``,
-    on the wide output tile, then :func:`ordered_sum_kernel`) rather than in one program
-    per output tile (``MULTI``): where the waves pick the narrow tile (the wide grid alone
+    on the wide output block, then :func:`ordered_sum_kernel`) rather than in one program
+    per output block (``MULTI``): where the waves pick the narrow block (the wide grid alone
     leaves SMs idle), the chunks' wide programs fill the GPU instead, within
     :data:`SPLIT_BYTES` of scratch, into a contiguous C. Either way, the same bits."""
     narrow = narrow_block_n(cfg)
     return (
         chunks > 1
-        and block_n == narrow != cfg.mm_block_n
+        and block_n == narrow != cfg.gemm.block_n
         and c.is_contiguous()
         and chunks * m * n * 4 <= SPLIT_BYTES
     )
 
 
-def gemm_sources(a, b, m_a: int, k_a: int, a_t: bool, cfg: TileConfig, block_m, block_n):
+def gemm_sources(a, b, m_a: int, k_a: int, a_t: bool, cfg: KernelConfig, block_n: int):
     """``(a_src, b_src, tma)`` for ``a @ b`` with ``a`` bounded by ``m_a x k_a`` (padded, see
     :func:`matmul_acc`): tensor descriptors when the config asks for them and both
     allow them, else the tensors. ``a_t``: ``a`` is the transpose of a row-major buffer."""
@@ -269,8 +325,9 @@ def gemm_sources(a, b, m_a: int, k_a: int, a_t: bool, cfg: TileConfig, block_m, 
     if not (cfg.tma and tma_ok(a_rm, b)):
         return a, b, False
     k_b, n = b.shape
+    block_m, block_k = cfg.gemm.block_m, cfg.gemm.block_k
     if a_t:
-        a_src = descriptor(a_rm, a.shape[1], m_a, (cfg.mm_block_k, block_m))
+        a_src = descriptor(a_rm, a.shape[1], m_a, (block_k, block_m))
     else:
-        a_src = descriptor(a_rm, m_a, k_a, (block_m, cfg.mm_block_k))
-    return a_src, descriptor(b, k_b, n, (cfg.mm_block_k, block_n)), True
+        a_src = descriptor(a_rm, m_a, k_a, (block_m, block_k))
+    return a_src, descriptor(b, k_b, n, (block_k, block_n)), True

@@ -1,30 +1,28 @@
 """The forward statistics on Hopper with the softmax epilogue off the tensor cores' path:
 two consumer warpgroups in ping-pong (Gluon).
 
-``forward.fwd_stats_kernel`` computes each 128 x 256 logits tile with 8 warps, two
+``forward.fwd_stats_kernel`` computes each 128 x 256 logits block with 8 warps, two
 warpgroups that issue their MMAs and then run the online-softmax epilogue together, while
 the tensor cores wait. :func:`pingpong_stats_kernel` is persistent (one program per SM) and
-splits that work by warpgroup: each owns the 64 rows of a tile that the same warpgroup owns
-in the Triton kernel, with its own operand stream. A one-warp TMA producer fills one ring
-of stages in the order (tile j of warpgroup 0, tile j of warpgroup 1, tile j + 1 of
+splits that work by warpgroup: each owns the 64 rows of a block that the same warpgroup
+owns in the Triton kernel, with its own operand stream. A one-warp TMA producer fills one
+ring of stages in the order (block j of warpgroup 0, block j of warpgroup 1, block j + 1 of
 warpgroup 0, ...); the warpgroups take their mainloops in turn (an mbarrier each), so that
 one's MMAs run while the other is in its epilogue.
 
-Every product, its K order and the epilogue's arithmetic are the Triton kernel's, and the
-row reductions run on the same accumulator layout (``instr_shape [16, 256, 16]``, each
-warp 16 rows), with a softcap (``tl_utils.capped_x`` element by element, the target's
-``tl_utils.softcap``) and a bias (added to the finished sums) as there; the launch order,
-target codes and cap come from the same ``@triton.jit`` helpers (``tl_utils``), which a
-Gluon kernel calls on its own layouts. The partials are bitwise those of
-``fwd_stats_kernel`` (GPU tests check it with ``torch.equal``). So the choice between the
-two kernels (:func:`pingpong_ok`) is a launch choice only, like a tile order.
+Every product, its K order and the epilogue are the Triton kernel's: the row reductions
+run on the same accumulator layout (``instr_shape [16, 256, 16]``, each warp 16 rows), a
+bias is added to the finished sums, and the online softmax is the same ``@triton.jit``
+helper (``softmax.softmax_update`` / ``softmax_finish``), called on this kernel's layouts,
+as are the launch order and the target codes (``tl_utils``). The partials are bitwise those
+of ``fwd_stats_kernel`` (GPU tests check it with ``torch.equal``), so the choice between the
+two kernels (:func:`pingpong_ok`) is a launch choice only, like a block order.
 
-Where it runs (measured on H200, docs/benchmarks.md "Ping-pong forward"): the Triton
-kernel's epilogue costs most at H <= 2048, where each tile's mainloop is short; there
-this kernel is faster. At H >= 3072 the per-warpgroup operand streams (each 64-row MMA
-step loads a whole weight tile) cost more than the epilogue it hides, and with entropy
-the epilogue does not fit the consumers' registers: those stay on the Triton kernel
-(:attr:`TileConfig.pingpong_max_h`).
+Where it runs: the Triton kernel's epilogue costs most at H <= 2048, where each block's
+mainloop is short; there this kernel is faster. At H >= 3072 the per-warpgroup operand
+streams (each 64-row MMA step loads a whole weight block) cost more than the epilogue it
+hides, and with entropy the epilogue does not fit the consumers' registers: those stay on
+the Triton kernel (``ForwardConfig.pingpong_max_h``; docs/history.md has the measurements).
 
 Gluon is Triton's explicit-layout dialect for Hopper and newer; it has no interpreter,
 so the CPU suite compiles this kernel for sm_90 instead of running it.
@@ -54,22 +52,19 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 from lp_kernels.backends.triton.config import (
-    TileConfig,
-    cap_args,
+    KernelConfig,
     compile_opts,
-    group_size,
     sm_count,
+    swizzle_rows,
     tma_ok,
 )
-from lp_kernels.backends.triton.tl_utils import (
-    IGNORED,
-    capped_m,
-    capped_x,
-    exp_ftz,
-    grouped,
-    softcap,
-    target_codes,
+from lp_kernels.backends.triton.softmax import (
+    cap_constants,
+    softmax_finish,
+    softmax_update,
+    transform_args,
 )
+from lp_kernels.backends.triton.tl_utils import IGNORED, swizzle, target_codes
 from lp_kernels.core.types import LogprobParams
 
 HALF = 64
@@ -87,7 +82,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(
-        h_desc, w_desc, h_bufs, w_bufs, ready, empty, N, H, V_real, splits, group,
+        h_desc, w_desc, h_bufs, w_bufs, ready, empty, N, H, V_real, splits, rows,
         V_SPLIT: gl.constexpr,
     ):  # fmt: skip
         """One warp: for each (row block, split) item of this program, each tile of the
@@ -102,7 +97,7 @@ if HAVE_GLUON:
         k_steps = gl.cdiv(H, BLOCK_H)
         pos = 0
         for item in range(gl.program_id(0), blocks_n * splits, gl.num_programs(0)):
-            i_n, i_s = grouped(item, blocks_n, splits, group)
+            i_n, i_s = swizzle(item, blocks_n, splits, rows)
             v_begin = i_s * V_SPLIT
             v_end = gl.minimum(v_begin + V_SPLIT, V_real)
             for v0 in range(v_begin, v_end, BLOCK_V):
@@ -120,13 +115,13 @@ if HAVE_GLUON:
     @gluon.jit
     def _consumer(
         h_bufs, w_bufs, ready, empty, order, t_ptr, stats_ptr, b_ptr,
-        N, H, V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, group,
+        N, H, V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, rows, scale,
         WG: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_H: gl.constexpr, V_SPLIT: gl.constexpr,
-        IGNORED: gl.constexpr, HAS_BIAS: gl.constexpr, SOFTCAP: gl.constexpr,
+        IGNORED: gl.constexpr, HAS_BIAS: gl.constexpr, CAP: gl.constexpr, SCALE: gl.constexpr,
     ):  # fmt: skip
         """Warpgroup ``WG``: rows ``[WG * HALF, +HALF)`` of each row block, the Triton
         kernel's MMAs (``HAS_BIAS``: and the bias) and online ``(m, s, a = 0, t)`` per row
-        (``SOFTCAP``: of the capped logits), then its partials."""
+        (``softmax.softmax_update``), then its partials."""
         NSTAGES: gl.constexpr = h_bufs.type.shape[0]
         HALF: gl.constexpr = h_bufs.type.shape[1]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -141,14 +136,11 @@ if HAVE_GLUON:
         bias_l: gl.constexpr = gl.BlockedLayout([BLOCK_V // 128], [32], [4], [0])
         blocks_n = gl.cdiv(N, 2 * HALF)
         k_steps = gl.cdiv(H, BLOCK_H)
-        k_e = inv_cap * -2.8853900817779268  # -2 log2(e) / c
-        k_z = cap * inv_t
-        k_a = k_z * 2.8853900817779268  # 2 log2(e) c / T
-        k_t = inv_t * 1.4426950408889634  # log2(e) / T
+        k_e, k_z, k_a, k_t = cap_constants(cap, inv_cap, inv_t)
         pos = 0
         n_tile = 0  # this warpgroup's tiles so far
         for item in range(gl.program_id(0), blocks_n * splits, gl.num_programs(0)):
-            i_n, i_s = grouped(item, blocks_n, splits, group)
+            i_n, i_s = swizzle(item, blocks_n, splits, rows)
             o_n = i_n * (2 * HALF) + WG * HALF + gl.arange(0, HALF, layout=rows_l)
             m_n = o_n < N
             b_t = target_codes(t_ptr, o_n, m_n, ignore_index, col0, V_real, IGNORED)
@@ -189,33 +181,19 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index((first + k_steps - 1) % NSTAGES), count=1)
                 pos += 2 * k_steps
 
-                if HAS_BIAS:  # tl_utils.logits_tile: the bias added to the finished sums
+                if HAS_BIAS:  # tl_utils.logits_block: the bias added to the finished sums
                     acc = acc + gl.convert_layout(b_b, cols_l)[None, :]
-                # fwd_stats_kernel's epilogue (no entropy), op for op
+                # the target's raw logit, then fwd_stats_kernel's online softmax
                 b_trel = gl.where(b_t < v_end, b_t - v0, -1).to(gl.int32)
-                m_t = gl.arange(0, BLOCK_V, layout=cols_l)[None, :] == b_trel[:, None]
-                b_zt += gl.sum(gl.where(m_t, acc, 0.0), axis=1)
-                # SOFTCAP: x = (z + c / T) log2(e), and b_m holds b, the largest x
-                if SOFTCAP:  # noqa: SIM108  (a constexpr branch)
-                    b_z = gl.map_elementwise(capped_x, acc, k_e, k_a, k_t)
-                else:
-                    b_z = acc * inv_t
-                if v0 + BLOCK_V > v_end:
-                    m_v = (v0 + gl.arange(0, BLOCK_V, layout=cols_l)) < v_end
-                    b_z = gl.where(m_v[None, :], b_z, float("-inf"))
-                b_mn = gl.maximum(b_m, gl.max(b_z, axis=1))
-                if SOFTCAP:  # terms 2^(x - b)
-                    b_alpha = gl.exp2(b_m - b_mn)
-                    b_e = gl.exp2(b_z - b_mn[:, None])
-                else:
-                    b_alpha = exp_ftz(b_m - b_mn)
-                    b_e = exp_ftz(b_z - b_mn[:, None])
-                b_s = b_s * b_alpha + gl.sum(b_e, axis=1)
-                b_m = b_mn
-            if SOFTCAP:  # the target's z with the series (0 where the target is elsewhere)
-                b_zt = softcap(b_zt, cap, inv_cap)[0]
-                b_m = capped_m(b_m, k_z)  # m from b
-            b_zt = b_zt * inv_t
+                b_cols = gl.arange(0, BLOCK_V, layout=cols_l)
+                b_zt += gl.sum(gl.where(b_cols[None, :] == b_trel[:, None], acc, 0.0), axis=1)
+                b_m, b_s, _ = softmax_update(
+                    b_m, b_s, b_s, acc, None, b_cols, v0, v_end, scale, inv_t, k_e, k_z, k_a,
+                    k_t, False, CAP, SCALE,
+                )  # fmt: skip
+            b_m, b_zt = softmax_finish(
+                b_m, b_zt, scale, cap, inv_cap, inv_t, k_z, False, CAP, SCALE
+            )
             p_out = stats_ptr + (i_s.to(gl.int64) * N + o_n) * 4
             gl.store(p_out + 0, b_m, mask=m_n)
             gl.store(p_out + 1, b_s, mask=m_n)
@@ -225,9 +203,9 @@ if HAVE_GLUON:
     @gluon.jit
     def pingpong_stats_kernel(
         h_desc, w_desc, t_ptr, stats_ptr, b_ptr,
-        N, H, V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, group,
+        N, H, V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, rows, scale,
         V_SPLIT: gl.constexpr, NSTAGES: gl.constexpr, IGNORED: gl.constexpr,
-        HAS_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, REGS: gl.constexpr,
+        HAS_BIAS: gl.constexpr, CAP: gl.constexpr, SCALE: gl.constexpr, REGS: gl.constexpr,
     ):  # fmt: skip
         """``fwd_stats_kernel``'s ``[S, N, 4]`` partials (``ENTROPY`` and ``STORE_L`` off,
         ``TILE_W = 0``), persistent: the default partition is warpgroup 0, a 4-warp worker
@@ -253,19 +231,19 @@ if HAVE_GLUON:
                 (
                     _consumer,
                     (h_bufs, w_bufs, ready, empty, order, t_ptr, stats_ptr, b_ptr, N, H,
-                     V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, group, 0,
-                     BLOCK_V, BLOCK_H, V_SPLIT, IGNORED, HAS_BIAS, SOFTCAP),
+                     V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, rows, scale, 0,
+                     BLOCK_V, BLOCK_H, V_SPLIT, IGNORED, HAS_BIAS, CAP, SCALE),
                 ),
                 (
                     _consumer,
                     (h_bufs, w_bufs, ready, empty, order, t_ptr, stats_ptr, b_ptr, N, H,
-                     V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, group, 1,
-                     BLOCK_V, BLOCK_H, V_SPLIT, IGNORED, HAS_BIAS, SOFTCAP),
+                     V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, rows, scale, 1,
+                     BLOCK_V, BLOCK_H, V_SPLIT, IGNORED, HAS_BIAS, CAP, SCALE),
                 ),
                 (
                     _producer,
                     (h_desc, w_desc, h_bufs, w_bufs, ready, empty, N, H, V_real, splits,
-                     group, V_SPLIT),
+                     rows, V_SPLIT),
                 ),
             ],
             [4, 1],
@@ -303,29 +281,27 @@ def pingpong_ok(
     hidden: torch.Tensor,
     w_real: torch.Tensor,
     p: LogprobParams,
-    cfg: TileConfig,
+    cfg: KernelConfig,
 ) -> bool:
     """Whether a call's forward statistics take :func:`pingpong_stats`: no entropy or
     ``deterministic=True`` in ``p`` (the caller checks its stored logits and tiles), a
     Hopper GPU (compute capability 9.x), Gluon, 2-byte inputs that back tensor
-    descriptors, the config's tile (``block_n`` 128, ``block_v`` 256) and
-    ``H <= cfg.pingpong_max_h``. Options, H, the dtype and the device decide it, never N
-    or the shard's width; both kernels give the same bits.
-
-    A softcap and a bias do not enter the rule: with either, both or neither, the
-    training step measured as fast as or faster than with the Triton forward on an H200
-    (docs/benchmarks.md, "Softcap and an LM-head bias")."""
+    descriptors, the config's logits block (128 x 256) and ``H <=
+    forward.pingpong_max_h``. Options, H, the dtype and the device decide it, never N or
+    the shard's width; both kernels give the same bits. The logit transform and a bias do
+    not enter the rule: with either the training step measured as fast as or faster than
+    with the Triton forward (docs/history.md)."""
     return (
         HAVE_GLUON
-        and cfg.pingpong_max_h > 0
+        and cfg.forward.pingpong_max_h > 0
         and not p.return_entropy
         and not p.deterministic
         and hidden.device.type == "cuda"
-        and hidden.shape[1] <= cfg.pingpong_max_h
+        and hidden.shape[1] <= cfg.forward.pingpong_max_h
         and hidden.dtype in (torch.bfloat16, torch.float16)
         and w_real.dtype == hidden.dtype
-        and cfg.block_n == 2 * HALF
-        and cfg.block_v == 256
+        and cfg.logits.block_n == 2 * HALF
+        and cfg.logits.block_v == 256
         and _major(hidden.device) == 9
         and tma_ok(hidden, w_real)
     )
@@ -337,7 +313,7 @@ def pingpong_stats(
     targets: torch.Tensor,
     first_id: int,
     p: LogprobParams,
-    cfg: TileConfig,
+    cfg: KernelConfig,
     stats: torch.Tensor,
     width: int,
     b_real: torch.Tensor | None = None,
@@ -348,20 +324,33 @@ def pingpong_stats(
     n, h_dim = hidden.shape
     v_real = w_real.shape[0]
     splits = stats.shape[0]
-    h_layout, w_layout = _layouts(cfg.block_h, cfg.block_v, hidden.dtype)
-    h_desc = GluonDescriptor(
-        hidden, [n, h_dim], [hidden.stride(0), 1], [HALF, cfg.block_h], h_layout
-    )
+    block_h, block_v = cfg.logits.block_h, cfg.logits.block_v
+    h_layout, w_layout = _layouts(block_h, block_v, hidden.dtype)
+    h_desc = GluonDescriptor(hidden, [n, h_dim], [hidden.stride(0), 1], [HALF, block_h], h_layout)
     w_desc = GluonDescriptor(
-        w_real, [v_real, h_dim], [w_real.stride(0), 1], [cfg.block_v, cfg.block_h], w_layout
+        w_real, [v_real, h_dim], [w_real.stride(0), 1], [block_v, block_h], w_layout
     )
     blocks_n = triton.cdiv(n, 2 * HALF)
     pingpong_stats_kernel[(min(sm_count(hidden.device), blocks_n * splits),)](
-        h_desc, w_desc, targets, stats, stats if b_real is None else b_real,
-        n, h_dim, v_real, p.ignore_index, first_id, p.transform.inv_temperature, *cap_args(p), splits,
-        group_size(cfg, blocks_n),
-        V_SPLIT=width, NSTAGES=STAGES, IGNORED=IGNORED, HAS_BIAS=b_real is not None,
-        SOFTCAP=p.transform.softcap is not None, REGS=CONSUMER_REGS, num_warps=4,
+        h_desc=h_desc,
+        w_desc=w_desc,
+        t_ptr=targets,
+        stats_ptr=stats,
+        b_ptr=b_real,
+        N=n,
+        H=h_dim,
+        V_real=v_real,
+        ignore_index=p.ignore_index,
+        col0=first_id,
+        splits=splits,
+        rows=swizzle_rows(cfg, blocks_n),
+        V_SPLIT=width,
+        NSTAGES=STAGES,
+        IGNORED=IGNORED,
+        HAS_BIAS=b_real is not None,
+        REGS=CONSUMER_REGS,
+        num_warps=4,
+        **transform_args(p.transform),
         **compile_opts(hidden.device),
-    )  # fmt: skip
+    )
     return stats

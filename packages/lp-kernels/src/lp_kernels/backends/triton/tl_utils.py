@@ -1,36 +1,42 @@
-"""Shared ``@triton.jit`` helpers of the triton backend's kernels.
+"""Generic ``@triton.jit`` helpers of the triton backend's kernels.
 
-- :func:`grouped`: the launch order (row blocks ``group`` at a time, rows fastest).
+- :func:`swizzle`: the launch order (row blocks a few at a time, rows fastest).
 - :func:`target_codes`: each row's target column in a weight operand, from the raw ids.
-- :func:`logits_tile`: one fp32 tile of ``h W^T`` (the forward and the d_logits kernel).
+- :func:`logits_block`: one fp32 block of ``h W^T (+ b)`` (the forward and d_logits).
 - :func:`operand_ptrs` and :func:`gemm_step`: one K step of lp's GEMMs (fp32 and fixed point).
-- :func:`exp_ftz`: ``e^x`` with subnormal results flushed (the plain softmax terms).
-- :func:`softcap`: final-logit softcapping of fp32 logits and its slope, with
-  :func:`reciprocal` (one ``MUFU`` on the GPU);
-  :func:`cap_r`: ``(1 + tanh) / 2`` of the cap for the softmax terms and d_logits' slope,
-  :func:`capped_z`: a capped logit's ``z`` for the forward's softmax terms with entropy,
-  :func:`capped_x`: its base-2 offset ``x`` for the terms without entropy, and
-  :func:`capped_m`: their partial's ``m``.
+- :func:`exp_ftz`: ``e^x`` with subnormal results flushed; :func:`reciprocal`: ``1 / x`` in
+  one ``MUFU`` on the GPU.
 
 Operands come through tensor descriptors (``TMA``) or masked pointer loads; both feed the
-same ``tl.dot`` sequence. Under the interpreter (``INTERPRET``) dots are an fp32
-broadcast-multiply-and-sum (see the ``function`` module's docstring).
+same ``tl.dot`` sequence. Under the interpreter (:data:`INTERPRET`) dots are an fp32
+broadcast-multiply-and-sum: the interpreter computes bf16/fp16 dots wrongly, and its fp32
+dot is a BLAS call whose result for a row depends on the row's position in the block.
+Widening is exact (the products fit in fp32). The GPU path keeps half-precision
+tensor-core dots. Every dot accumulates in fp32 with ``input_precision="ieee"`` (fp32
+inputs: exact FMAs, never TF32).
 """
 
 import triton
 import triton.language as tl
 
+from lp_kernels.backends.platform import triton_interpreting
+
+INTERPRET: tl.constexpr = tl.constexpr(triton_interpreting())
+"""Whether the kernels run under Triton's CPU interpreter (read when this module is first
+imported, as ``triton.jit`` reads ``TRITON_INTERPRET``)."""
+PRECISION: tl.constexpr = tl.constexpr("ieee")
+"""The dots' input precision: exact fp32 products for 4-byte inputs (never TF32)."""
 IGNORED = -2
 """The target code of an ignored row (:func:`target_codes`; kernels take it as a constexpr)."""
 
 
 @triton.jit
-def grouped(pid, blocks_m, blocks_n, group):
-    """Tile (i_m, i_n) of program ``pid``: ``group`` row blocks at a time, rows fastest, so
-    that the programs running together share their operands in L2 (order only)."""
-    width = group * blocks_n
-    first_m = (pid // width) * group
-    size_m = tl.minimum(blocks_m - first_m, group)
+def swizzle(pid, blocks_m, blocks_n, rows):
+    """Block ``(i_m, i_n)`` of program ``pid``: ``rows`` row blocks at a time, rows fastest,
+    so that the programs running together share their operands in L2 (order only)."""
+    width = rows * blocks_n
+    first_m = (pid // width) * rows
+    size_m = tl.minimum(blocks_m - first_m, rows)
     return first_m + (pid % width) % size_m, (pid % width) // size_m
 
 
@@ -52,20 +58,19 @@ def target_codes(t_ptr, o_n, m_n, ignore_index, col0, cols, IGNORED: tl.constexp
 
 
 @triton.jit
-def logits_tile(
+def logits_block(
     h_src, w_src, b_ptr, row0, col0, m_n, m_v, H, stride_hn, stride_hh, stride_wv, stride_wh,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    EVEN_H: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    EVEN_H: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    """fp32 ``[BLOCK_N, BLOCK_V]`` tile of ``h W^T (+ b)`` for rows ``row0 +`` and columns
+    """fp32 ``[BLOCK_N, BLOCK_V]`` block of ``h W^T (+ b)`` for rows ``row0 +`` and columns
     ``col0 +``.
 
     ``h_src`` / ``w_src`` are tensor descriptors (TMA: out-of-bounds reads are zeros) or
     base pointers (masked loads, zeros likewise): the same products in the same order.
     ``HAS_BIAS``: the fp32 bias ``b_ptr[col0 +]`` (zeros past ``m_v``) is added to the
-    finished sums, one rounding per logit (``pingpong``'s kernel adds it so too: on Hopper
-    an accumulator that starts from it slowed that kernel's MMAs by up to 13 %).
+    finished sums, one rounding per logit (the ping-pong kernel adds it so too: on Hopper
+    an accumulator that starts from it slows the MMAs).
     """
     if HAS_BIAS:  # loaded first: in flight during the MMAs
         b_b = tl.load(b_ptr + col0 + tl.arange(0, BLOCK_V), mask=m_v, other=0.0)
@@ -97,13 +102,11 @@ def logits_tile(
 
 
 @triton.jit
-def exp_ftz(x, INTERPRET: tl.constexpr = False):
+def exp_ftz(x):
     """``e^x`` of fp32 ``x`` (a block, or one element) as ``tl.exp`` computes it on the GPU,
     ``2^(x log2(e))``, but with ``ex2.approx.ftz.f32`` (``tl.math.exp2``'s lowering): a
     result below 2^-126 is 0 instead of a subnormal; every other one is the same bits.
-    ``tl.exp`` lowers to ``ex2.approx.f32``, which ptxas wraps in a range check, a halving
-    and a squaring (three instructions per element around the one ``MUFU.EX2``). The
-    softmax never needs those subnormals: a term below 2^-126 vanishes beside the row's
+    The softmax never needs those subnormals: a term below 2^-126 vanishes beside the row's
     largest, which is 1. ``tl.exp`` under the interpreter (``np.exp``)."""
     if INTERPRET:  # noqa: SIM108  (a constexpr branch)
         e = tl.exp(x)
@@ -113,12 +116,11 @@ def exp_ftz(x, INTERPRET: tl.constexpr = False):
 
 
 @triton.jit
-def reciprocal(x, INTERPRET: tl.constexpr):
-    """``1 / x`` of fp32 ``x`` (a block, or one element): one ``MUFU.RCP`` on the GPU
-    (``rcp.approx.ftz.f32``, at most 1 ulp off; subnormals flushed), a correctly rounded
-    division under the interpreter (no inline assembly there). Triton's ``/`` is
-    ``div.full.f32``: the same ``MUFU.RCP`` behind range checks and rescaling, nine
-    instructions in all."""
+def reciprocal(x):
+    """``1 / x`` of fp32 ``x`` (a block, or one element): ``rcp.approx.ftz.f32`` on the GPU
+    (at most 1 ulp off; subnormals flushed), a correctly rounded division under the
+    interpreter (no inline assembly there). Triton's ``/`` is ``div.full.f32``, the same
+    reciprocal behind range checks and rescaling."""
     if INTERPRET:
         r = 1.0 / x
     else:
@@ -129,112 +131,11 @@ def reciprocal(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def tanh_of_exp(e, INTERPRET: tl.constexpr = False):
-    """``(|tanh(x)|, (1 - tanh^2(x)) / 4)`` from ``e = exp(-2|x|)``: ``r = 1 / (1 + e)``,
-    ``r - e r`` (``(1 - e) / (1 + e)``; one FMA on the GPU) and ``e r^2``, one
-    :func:`reciprocal` for both (:func:`softcap`)."""
-    r = reciprocal(1.0 + e, INTERPRET)
-    er = e * r
-    return r - er, er * r
-
-
-@triton.jit
-def with_sign_of(t, x):
-    """``t >= 0`` with ``x``'s sign bit (one ``LOP3``, no compare and select)."""
-    return (t.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)).to(
-        tl.float32, bitcast=True
-    )
-
-
-@triton.jit
-def softcap(l, cap, inv_cap, INTERPRET: tl.constexpr = False):
-    """``(c tanh(l / c), 1 - tanh^2(l / c))`` of fp32 ``l``, from ``exp2`` and one reciprocal
-    (the formula of ``lp_kernels.core.transform``): ``e = exp(-2|x|)``, ``r = 1 / (1 + e)``,
-    ``tanh = sign(x) (r - e r)``, its series below ``|x| = 1/8``, slope ``4 e r^2``;
-    non-finite logits pass through.
-
-    ``l`` is a block, or one element inside ``tl.map_elementwise`` (whose scalar functions
-    take no constexpr: hence the GPU default of ``INTERPRET``). Two ``MUFU`` per element:
-    ``exp2`` is the flush-to-zero ``ex2`` (``tl.exp`` adds a subnormal path; its argument
-    ``-2|x| log2 e`` here is the same fp32 product), and :func:`reciprocal` serves both
-    tanh and the slope."""
-    x = l * inv_cap
-    a = tl.abs(x)
-    e = tl.math.exp2(a * -2.8853900817779268)  # exp(-2a): -2 log2(e) in fp32 (exact x 2)
-    t, slope = tanh_of_exp(e, INTERPRET)
-    a2 = a * a
-    ts = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
-    t = with_sign_of(tl.where(a < 0.125, ts, t), x)
-    return tl.where(a < float("inf"), cap * t, l), 4.0 * slope
-
-
-@triton.jit
-def cap_r(l, k_e, INTERPRET: tl.constexpr = False):
-    """``r = 1 / (1 + e^(-2 l / c))`` of fp32 ``l`` with ``k_e = -2 log2(e) / c``: ``tanh(l /
-    c) = 2 r - 1`` and ``(1 - tanh^2) / 4 = r (1 - r)``, signed (no ``|l|`` and sign bit as
-    in :func:`softcap`), from one ``exp2`` and one :func:`reciprocal`: the capped softmax
-    terms' and the slope's form in the forward (:func:`capped_z`, :func:`capped_x`) and in
-    d_logits (``backward.capped_dl``), where only absolute errors matter (a few 2^-24).
-    For ``l / c < -44`` the power is ``+inf`` and ``r = 0``; ``l = +inf`` gives 1, ``-inf``
-    0, NaN stays NaN. Elementwise: a block, or one element under ``tl.map_elementwise``.
-
-    The target's logit, which a log-prob returns as it is, comes from :func:`softcap`."""
-    return reciprocal(1.0 + tl.math.exp2(l * k_e), INTERPRET)
-
-
-@triton.jit
-def capped_z(l, k_e, k_z, inv_t, INTERPRET: tl.constexpr = False):
-    """``z = c tanh(l / c) / T`` of a logit for the forward's softmax terms, ``k_e = -2
-    log2(e) / c``, ``k_z = c / T``; non-finite logits pass through (``-inf`` stays a
-    mask). Elementwise: a block, or one element under ``tl.map_elementwise``.
-
-    ``tanh(x) = 2 r - 1`` with :func:`cap_r`'s ``r``, so ``z = 2 k_z r - k_z`` is one FMA
-    from ``r``: five instructions to ``z`` where the form with ``|x|`` and the sign bit
-    takes eight. Its absolute error is a few 2^-24 of ``k_z`` (``r``'s one rounding and the
-    FMA's), that of :func:`softcap` without its series; for ``x < -44`` ``e^(-2x)`` is
-    ``+inf``, ``r = 0`` and ``z = -k_z``, as the limit.
-
-    Both forward kernels run it element by element on the GPU (with entropy, beside
-    ``forward.stats_terms``), as d_logits runs its own cap: op by op, the cap's blocks
-    beside the tile made ptxas spill (``python -m lp_testing.aot`` prints the stack
-    frames; docs/history.md the figures)."""
-    r = cap_r(l, k_e, INTERPRET)
-    return tl.where(tl.abs(l) < float("inf"), r * (2.0 * k_z) - k_z, l * inv_t)
-
-
-@triton.jit
-def capped_x(l, k_e, k_a, k_t, INTERPRET: tl.constexpr = False):
-    """``x = (z + k_z) log2(e)`` of a logit, ``z = c tanh(l / c) / T``, ``k_z = c / T``: the
-    forward's softmax terms without entropy are ``2^(x - b)``, ``b`` the row's largest
-    ``x``, ``(m + k_z) log2(e)``. ``x = k_a r`` with ``r = 1 / (1 + e^(-2 l / c))``
-    (``tanh = 2 r - 1``; ``k_e = -2 log2(e) / c``, ``k_a = 2 k_z log2(e)``). The term's
-    ``exp2`` is the flush-to-zero ``ex2`` (a term below 2^-126 is 0: a sum that holds its
-    row's largest term, 1, does not see it) and no ``log2(e)`` factor is left: eight
-    instructions to ``x`` and two to the term, where :func:`capped_z` and ``tl.exp(z -
-    m)`` take eight and six. Non-finite logits pass through as ``l k_t`` (``k_t =
-    log2(e) / T``), the infinity or NaN that ``z`` would be (``-inf`` stays a mask). The
-    absolute error of ``x`` is that of :func:`capped_z`'s ``z`` times ``log2(e)`` (a few
-    2^-24 of ``k_a``). Elementwise: a block, or one element under ``tl.map_elementwise``.
-    """
-    r = cap_r(l, k_e, INTERPRET)
-    return tl.where(tl.abs(l) < float("inf"), r * k_a, l * k_t)
-
-
-@triton.jit
-def capped_m(b, k_z):
-    """The partial's ``m = b ln(2) - k_z`` from the running ``b`` of :func:`capped_x`'s
-    terms (``-inf`` and ``+inf`` stay): one expression for both forward kernels, whose
-    partials are the same bits."""
-    return b * 0.6931471805599453 - k_z
-
-
-@triton.jit
 def gemm_step(
     acc, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B, stride_ak, stride_bk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
 ):  # fmt: skip
-    """``acc + A[:, k0 : k0 + BLOCK_K] @ B[k0 : k0 + BLOCK_K]`` for one output tile.
+    """``acc + A[:, k0 : k0 + BLOCK_K] @ B[k0 : k0 + BLOCK_K]`` for one output block.
 
     Operands come through tensor descriptors (``TMA``; ``A_T``: ``a_src`` describes A^T)
     or through the pointer blocks ``p_a`` / ``p_b`` at K offset 0, masked by A's rows
@@ -269,8 +170,8 @@ def operand_ptrs(
     """``(p_a, p_b)`` for :func:`gemm_step`: the pointer blocks of A's rows ``o_m`` and
     B's columns ``o_n`` at K offset 0, or (``TMA``) the descriptors themselves (unused).
 
-    One ``return`` after a constexpr if/else: Triton (3.6) still compiles the code after an
-    early ``return`` under ``if TMA``, and pointer arithmetic on a descriptor fails."""
+    One ``return`` after a constexpr if/else: Triton still compiles the code after an early
+    ``return`` under ``if TMA``, and pointer arithmetic on a descriptor fails."""
     if TMA:
         p_a = a_src
         p_b = b_src
