@@ -46,6 +46,7 @@ def linear_logprob(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     softcap: float | None = None,
+    logit_scale: float | None = None,
     ignore_index: int = -100,
     return_entropy: bool = False,
     return_lse: bool = False,
@@ -107,6 +108,11 @@ def linear_logprob(
             logits ``l = hidden @ weight.T (+ bias)``: the cap first, then the sampler's
             temperature. In fp32 inside the kernels, in every output and both gradients
             (``dz / dl = (1 - tanh^2) / T``); non-finite logits stay non-finite.
+        logit_scale: None, or a multiplier ``s > 0`` of the raw logits, bias included,
+            before the softcap and the temperature: ``z = c tanh(s l / c) / T`` (Granite's
+            ``1 / logits_scaling``, Cohere's ``logit_scale``, Falcon-H1's
+            ``lm_head_multiplier``, MiniCPM3's ``dim_model_base / hidden_size``). Applied
+            in fp32 inside the kernels, the weight is not copied; 1 is no scale.
         ignore_index: target value of rows to skip (any int64; a real token id too:
             those rows are then ignored, e.g. a pad token masked by its id).
         return_entropy: also return the entropy of ``softmax(logits / T)`` per row
@@ -188,7 +194,9 @@ def linear_logprob(
         >>> out.logprob.shape, hidden.grad.shape
         (torch.Size([4, 6]), torch.Size([4, 6, 32]))
     """
-    transform = LogitTransform.checked(temperature=temperature, softcap=softcap)
+    transform = LogitTransform.checked(
+        temperature=temperature, softcap=softcap, logit_scale=logit_scale
+    )
     prep = prepare(
         hidden,
         weight,
@@ -232,6 +240,7 @@ def linear_logprob_loss(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     softcap: float | None = None,
+    logit_scale: float | None = None,
     ignore_index: int = -100,
     tp_group: Any = None,
     vocab_start: int | None = None,
@@ -258,7 +267,7 @@ def linear_logprob_loss(
     held from the forward until the backward.
 
     Args:
-        hidden, weight, targets, bias, temperature, softcap, ignore_index, tp_group,
+        hidden, weight, targets, bias, temperature, softcap, logit_scale, ignore_index, tp_group,
         vocab_start, vocab_size, reduce_grad_hidden, deterministic_tile, backend,
         validate: as for :func:`lp_kernels.linear_logprob`.
         loss_fn: ``loss_fn(logprob, entropy, lse, **per_token) -> Tensor[n]``, the loss of
@@ -321,7 +330,9 @@ def linear_logprob_loss(
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     entropy = resolve_entropy(return_entropy, loss_fn)
-    transform = LogitTransform.checked(temperature=temperature, softcap=softcap)
+    transform = LogitTransform.checked(
+        temperature=temperature, softcap=softcap, logit_scale=logit_scale
+    )
     options = {
         "bias": bias,
         "ignore_index": ignore_index,
@@ -363,6 +374,7 @@ def vocab_parallel_logprob(
     *,
     temperature: float = 1.0,
     softcap: float | None = None,
+    logit_scale: float | None = None,
     ignore_index: int = -100,
     return_entropy: bool = False,
     return_lse: bool = False,
@@ -394,6 +406,9 @@ def vocab_parallel_logprob(
         softcap: None, or a cap ``c > 0``: ``z = c * tanh(logits / c) / temperature`` (the
             cap on the raw logits, then the temperature), in fp32; ``-inf`` (masked)
             logits stay ``-inf``.
+        logit_scale: None, or a multiplier ``s > 0`` of the logits before the cap and the
+            temperature, ``z = c tanh(s logits / c) / T``, as in
+            :func:`lp_kernels.linear_logprob`.
         ignore_index: target value of rows to skip (any int64; a real token id too:
             those rows are then ignored, e.g. a pad token masked by its id).
         return_entropy: also return the entropy per row (differentiable).
@@ -430,7 +445,9 @@ def vocab_parallel_logprob(
         >>> logits.grad.shape
         torch.Size([3, 5, 100])
     """
-    transform = LogitTransform.checked(temperature=temperature, softcap=softcap)
+    transform = LogitTransform.checked(
+        temperature=temperature, softcap=softcap, logit_scale=logit_scale
+    )
     prep = prepare(
         logits,
         None,

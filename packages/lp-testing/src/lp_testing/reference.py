@@ -2,7 +2,7 @@
 
 Truth (fp64, logits materialized)::
 
-    l       = hidden @ weight[:V].T (+ bias[:V])               [N, V]  float64
+    l       = (hidden @ weight[:V].T (+ bias[:V])) s           [N, V]  float64 (s: logit_scale)
     z       = softcap(l) / T,  softcap(l) = c * tanh(l / c)    (when a cap c is given)
     lse     = logsumexp(z)                                     [N]
     logprob = z[target] - lse                                  [N]
@@ -175,6 +175,7 @@ def reference_all(
     vocab_size: int | None = None,
     bias: Tensor | None = None,
     softcap: float | None = None,
+    logit_scale: float | None = None,
 ) -> dict[str, Tensor | None]:
     """fp64 truth for every output and, given upstream gradients, every input gradient.
 
@@ -190,6 +191,8 @@ def reference_all(
         vocab_size: real vocabulary V; rows ``>= V`` of weight are padding. None: V_pad.
         bias: ``[V_pad]`` LM-head bias (the full one), any float dtype, or None.
         softcap: final-logit cap ``c > 0`` (``z = c tanh(l / c) / T``), or None.
+        logit_scale: a multiplier of the logits before the cap (``z = c tanh(s l / c) /
+            T``), or None.
 
     Returns:
         ``{"logprob", "entropy", "lse"}``: ``[*]`` float64, zero on ignored rows;
@@ -214,6 +217,8 @@ def reference_all(
         logits = h64 @ w64[:v].T
         if b64 is not None:
             logits = logits + b64[:v]
+        if logit_scale is not None:
+            logits = logits * logit_scale
         z = _softcapped(logits, softcap) / temperature
         stats = _statistics(z, targets.reshape(-1), ignore_index)
         leaves = {"grad_hidden": h64, "grad_weight": w64, "grad_bias": b64}
@@ -234,6 +239,7 @@ def reference_chunked(
     vocab_size: int | None = None,
     bias: Tensor | None = None,
     softcap: float | None = None,
+    logit_scale: float | None = None,
     dtype: torch.dtype = torch.float64,
     rows: int = 2048,
 ) -> dict[str, Tensor | None]:
@@ -243,10 +249,10 @@ def reference_chunked(
     ``[rows, V]`` in ``dtype`` (TF32 off), its statistics, and the closed-form gradient of
     the per-row vector-Jacobian product::
 
-        l  = hidden[rows] @ W^T (+ b),  z = softcap(l) / T
+        l  = (hidden[rows] @ W^T (+ b)) s,  z = softcap(l) / T   (s: logit_scale, or 1)
         p  = softmax(z),  logp = log p,  Hn = entropy
         dz = g_lp (onehot(target) - p) - g_ent p (logp + Hn) + g_lse p
-        dl = dz / T  (with a cap c: dz (1 - tanh^2(l / c)) / T)
+        dl = dz s / T  (with a cap c: dz s (1 - tanh^2(l / c)) / T)
         grad_hidden[rows] = dl @ W,   grad_weight += dl^T @ hidden[rows],   grad_bias += sum dl
 
     Ignored rows contribute nothing; weight rows ``>= V`` (padding) get exact zeros. Runs
@@ -254,7 +260,7 @@ def reference_chunked(
 
     Args:
         hidden, weight, targets, grad_logprob, grad_entropy, grad_lse, temperature,
-            ignore_index, vocab_size, bias, softcap: as in :func:`reference_all`.
+            ignore_index, vocab_size, bias, softcap, logit_scale: as in :func:`reference_all`.
         dtype: ``torch.float64`` (the truth) or ``torch.float32`` (a GPU-shape reference).
         rows: rows per block, >= 1 (memory: about three ``[rows, V]`` tensors in ``dtype``).
 
@@ -298,6 +304,8 @@ def reference_chunked(
                 z = h @ w.T  # [rows, V] raw logits l
                 if b is not None:
                     z += b
+                if logit_scale is not None:
+                    z *= logit_scale
                 slope = None  # d softcap(l) / dl = 1 - tanh^2(l / c)
                 if softcap is not None:
                     z.div_(softcap).tanh_()
@@ -329,6 +337,8 @@ def reference_chunked(
                 dz /= temperature
                 if slope is not None:
                     dz *= slope
+                if logit_scale is not None:
+                    dz *= logit_scale
                 grad_h[r0:r1] = dz @ w
                 grad_w[:v].addmm_(dz.T, h)
                 if grad_b is not None:
@@ -419,9 +429,11 @@ def reference_from_logits(
     ignore_index: int = -100,
     vocab_size: int | None = None,
     softcap: float | None = None,
+    logit_scale: float | None = None,
 ) -> dict[str, Tensor | None]:
     """fp64 truth for ``vocab_parallel_logprob``, which starts from logits
-    (``z = softcap(logits) / T``; ``softcap``: as in :func:`reference_all`).
+    (``z = softcap(s logits) / T``; ``softcap`` and ``logit_scale`` ``s``: as in
+    :func:`reference_all`).
 
     Args:
         logits: ``[*, V_pad]`` the full (gathered) logits, any float dtype; ``z = logits / T``.
@@ -439,7 +451,10 @@ def reference_from_logits(
     )
     x64 = logits.detach().to(torch.float64).requires_grad_(bool(upstream))
     with torch.enable_grad():
-        z = _softcapped(x64.reshape(-1, logits.shape[-1])[:, :v], softcap) / temperature
+        l = x64.reshape(-1, logits.shape[-1])[:, :v]
+        if logit_scale is not None:
+            l = l * logit_scale
+        z = _softcapped(l, softcap) / temperature
         stats = _statistics(z, targets.reshape(-1), ignore_index)
         return _autograd_result(stats, targets.shape, upstream, {"grad_logits": x64})
 

@@ -4,20 +4,21 @@ Every op and backend reads one :class:`LogitTransform`; this module is its torch
 ``lp_kernels.backends.triton.transform`` its Triton side (the same formulas as jit helpers)::
 
     l = h W^T (+ b)          the raw logit, fp32 (a bias is added to the finished GEMM sums)
-    y = c tanh(l / c)        softcap (Gemma 2 / 3's final_logit_softcapping), when set
+    x = s l                  logit_scale s (Granite, Cohere, Falcon-H1, MiniCPM3), when set
+    y = c tanh(x / c)        softcap (Gemma 2 / 3's final_logit_softcapping), when set
     z = y / T                the sampler's temperature
     z = -inf                 past the real vocabulary (padding columns): the vocabulary mask
 
-    d z / d l = (1 - tanh^2(l / c)) / T
+    d z / d l = s (1 - tanh^2(x / c)) / T
 
 The softcap is computed from ``exp`` and one reciprocal, as the Triton kernels must (no
 libdevice under the interpreter)::
 
-    x = l / c,  a = |x|,  e = exp(-2a),  r = 1 / (1 + e)
-    tanh(x) = sign(x) * (r - e r)                      a >= 1/8   ((1 - e) / (1 + e))
-            = sign(x) * a (1 - a^2/3 + 2a^4/15 - 17a^6/315)   a < 1/8 (1 - e cancels there;
+    u = x / c,  a = |u|,  e = exp(-2a),  r = 1 / (1 + e)
+    tanh(u) = sign(u) * (r - e r)                      a >= 1/8   ((1 - e) / (1 + e))
+            = sign(u) * a (1 - a^2/3 + 2a^4/15 - 17a^6/315)   a < 1/8 (1 - e cancels there;
               the series' next term is below 2^-29 relative)
-    1 - tanh^2(x) = (1 - t)(1 + t) = 4 e r^2         (no cancellation at large a)
+    1 - tanh^2(u) = (1 - t)(1 + t) = 4 e r^2         (no cancellation at large a)
 
 Here, as under the interpreter, the divisions and the exponential are correctly rounded fp32
 operations; on the GPU the reciprocal is one ``rcp.approx`` (at most 1 ulp) and ``e`` one
@@ -65,15 +66,21 @@ class LogitTransform:
     temperature: float = 1.0
     """Divides the (capped) logits; finite and > 0."""
     softcap: float | None = None
-    """The cap ``c`` of ``c tanh(l / c)``, applied before the temperature; None: no cap."""
+    """The cap ``c`` of ``c tanh(x / c)``, applied before the temperature; None: no cap."""
+    logit_scale: float | None = None
+    """Multiplies the raw logits (bias included) before the cap; None: no scale."""
 
     @classmethod
-    def checked(cls, *, temperature: Any = 1.0, softcap: Any = None) -> LogitTransform:
+    def checked(
+        cls, *, temperature: Any = 1.0, softcap: Any = None, logit_scale: Any = None
+    ) -> LogitTransform:
         """A transform from a public op's arguments, each checked (``TypeError`` /
-        ``ValueError`` naming the argument)."""
+        ``ValueError`` naming the argument). A ``logit_scale`` of 1 is no scale."""
+        scale = _positive_float("logit_scale", logit_scale, optional=True)
         return cls(
             temperature=_positive_float("temperature", temperature, optional=False),
             softcap=_positive_float("softcap", softcap, optional=True),
+            logit_scale=None if scale == 1.0 else scale,
         )
 
     @property
@@ -90,8 +97,10 @@ class LogitTransform:
 
     def apply_(self, l: torch.Tensor, *, slope: bool = False) -> torch.Tensor | None:
         """``l <- z`` in place for fp32 raw logits (``-inf`` stays ``-inf``); returns the
-        softcap's slope ``1 - tanh^2(l / c)`` (fp32, ``l``'s shape) when ``slope`` and a cap
+        softcap's slope ``1 - tanh^2(x / c)`` (fp32, ``l``'s shape) when ``slope`` and a cap
         is set, else None: what :meth:`chain_` takes."""
+        if self.logit_scale is not None:
+            l.mul_(self.logit_scale)
         s = None
         if self.softcap is not None:
             s = softcap_(l, self.softcap, slope=slope)
@@ -106,13 +115,17 @@ class LogitTransform:
             dz.mul_(self.inv_temperature)
         if slope is not None:
             dz.mul_(slope)
+        if self.logit_scale is not None:
+            dz.mul_(self.logit_scale)
         return dz
 
     @property
     def gain(self) -> float:
-        """An upper bound on ``|dz / dl|``: ``1 / T`` (the cap's slope is at most 1). It is
+        """An upper bound on ``|dz / dl|``: ``s / T`` (the cap's slope is at most 1). It is
         also the factor of a bound on ``|l|`` in one on ``|z|`` (:meth:`z_bound`)."""
-        return self.inv_temperature
+        if self.logit_scale is None:
+            return self.inv_temperature
+        return self.logit_scale * self.inv_temperature
 
     @property
     def z_max(self) -> float | None:

@@ -45,12 +45,13 @@ def transform_args(t: LogitTransform) -> dict:
     ``scale``, ``cap``, ``inv_cap`` and ``inv_t`` (floats; 1.0 where a step is absent) and
     the constexpr flags ``SCALE`` and ``CAP``."""
     cap = 1.0 if t.softcap is None else t.softcap
+    scale = t.logit_scale
     return {
-        "scale": 1.0,
+        "scale": 1.0 if scale is None else scale,
         "cap": cap,
         "inv_cap": 1.0 / cap,
         "inv_t": t.inv_temperature,
-        "SCALE": False,
+        "SCALE": scale is not None,
         "CAP": t.capped,
     }
 
