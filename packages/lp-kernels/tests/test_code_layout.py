@@ -247,8 +247,12 @@ def _is_kernel(node: ast.FunctionDef) -> bool:
 def _code_lines(path: Path, node: ast.FunctionDef) -> int:
     body = node.body
     first = body[0]
-    docstring = isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant)
-    start = (body[1].lineno if len(body) > 1 else node.end_lineno + 1) if docstring else first.lineno
+    docstring = isinstance(first, ast.Expr) and isinstance(
+        getattr(first, "value", None), ast.Constant
+    )
+    start = (
+        (body[1].lineno if len(body) > 1 else node.end_lineno + 1) if docstring else first.lineno
+    )
     lines = path.read_text().splitlines()[start - 1 : node.end_lineno]
     return sum(1 for line in lines if line.strip() and not line.strip().startswith("#"))
 

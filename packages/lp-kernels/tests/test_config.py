@@ -1,8 +1,7 @@
-"""Pinned triton tile configs: chosen by the device's shared memory and the dtype only."""
+"""Pinned triton launch configs: chosen by the device's shared memory and the dtype only."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
@@ -13,9 +12,9 @@ import torch
     ("smem_kib", "tier"), [(227, "large"), (163, "mid"), (99, "small")], ids=["h100", "a100", "ada"]
 )
 def test_triton_config_by_shared_memory(smem_kib, tier, monkeypatch):
-    """The pinned tiles follow the GPU's shared memory and the dtype, never a size: Hopper
-    gets the 128 x 256 tiles with tensor descriptors, smaller GPUs 128 x 128 tiles without
-    (fewer stages below 160 KiB), 4-byte inputs (FMA dots) 64 x 128 tiles, K steps of 16."""
+    """The pinned blocks follow the GPU's shared memory and the dtype, never a size: Hopper
+    gets the 128 x 256 blocks with tensor descriptors, smaller GPUs 128 x 128 blocks without
+    (fewer stages below 160 KiB), 4-byte inputs (FMA dots) 64 x 128 blocks, K steps of 16."""
     import lp_kernels.backends.triton.config as tri
     import lp_kernels.backends.triton.deterministic as tdet
     import lp_kernels.backends.triton.fixed_point as tfix
@@ -25,36 +24,38 @@ def test_triton_config_by_shared_memory(smem_kib, tier, monkeypatch):
     assert tri.gpu_tier(dev) == tier
     bf16, fp32 = tri.config_for(dev, torch.bfloat16), tri.config_for(dev, torch.float32)
     if tier == "large":
-        assert bf16 == tri.GPU_CONFIG and bf16.tma and bf16.block_v == 256
+        assert bf16 == tri.GPU_CONFIG and bf16.tma and bf16.logits.block_v == 256
     else:
-        assert not bf16.tma and (bf16.block_v, bf16.mm_block_n) == (128, 128)
-        assert bf16.num_stages == (3 if tier == "mid" else 2)
-    assert fp32 == dataclasses.replace(bf16, **tri.FP32_TILES)
-    assert (fp32.block_n, fp32.block_v, fp32.block_h) == (64, 128, 16)
+        assert not bf16.tma and (bf16.logits.block_v, bf16.gemm.block_n) == (128, 128)
+        stages = 3 if tier == "mid" else 2
+        assert bf16.logits.num_stages == stages and bf16.gemm.num_stages == stages
+    assert fp32 == bf16.replace(logits=tri.FP32_LOGITS, gemm=tri.FP32_GEMM)
+    assert (fp32.logits.block_n, fp32.logits.block_v, fp32.logits.block_h) == (64, 128, 16)
+    assert (fp32.gemm.block_m, fp32.gemm.block_n, fp32.gemm.block_k) == (64, 128, 16)
     det_cfg, fixed = tdet.deterministic_config(dev, torch.bfloat16)
-    assert (det_cfg.block_v, det_cfg.v_split) == (128, 128)
+    assert (det_cfg.logits.block_v, det_cfg.forward.v_split) == (128, 128)
     assert fixed == (tfix.FIXED_GPU if tier == "large" else tfix.FIXED_SMALL)
     assert tri.config_for(torch.device("cpu"), torch.float32) == tri.INTERPRET_CONFIG
 
 
 @pytest.mark.parametrize(
-    "v_real, tile, chunk, spans, width",
+    "v_real, tile, chunk, chunks, width",
     [
-        (1000, 128, 512, [(0, 512), (512, 488)], 512),  # several tiles per piece
+        (1000, 128, 512, [(0, 512), (512, 488)], 512),  # several tiles per chunk
         (300, 128, 512, [(0, 300)], 384),  # a narrow shard: a narrower buffer
-        (1000, 384, 512, [(0, 384), (384, 384), (768, 232)], 384),  # one tile per piece
+        (1000, 384, 512, [(0, 384), (384, 384), (768, 232)], 384),  # one tile per chunk
         (200, 384, 512, [(0, 200)], 384),  # ... its width set by the tile alone
         (1000, 640, 512, [(0, 384), (384, 256), (640, 360)], 384),  # tiles cut in two
         (2000, 1408, 512, [(0, 512), (512, 512), (1024, 384), (1408, 512), (1920, 80)], 512),
     ],
 )
-def test_deterministic_vocab_pieces(v_real, tile, chunk, spans, width):
-    """The backward's pieces: tile-aligned, in order, covering the shard, and (one tile
-    per piece or less) cut by the tile alone, so every layout cuts a global tile alike."""
+def test_deterministic_tile_chunks(v_real, tile, chunk, chunks, width):
+    """The backward's vocabulary chunks: tile-aligned, in order, covering the shard, and (one
+    tile per chunk or less) cut by the tile alone, so every layout cuts a global tile alike."""
     import lp_kernels.backends.triton.deterministic as tdet
 
-    got, got_width = tdet.vocab_pieces(v_real, tile, chunk)
-    assert (got, got_width) == (spans, width)
+    got, got_width = tdet.tile_chunks(v_real, tile, chunk)
+    assert (got, got_width) == (chunks, width)
     assert got[0][0] == 0 and sum(c for _, c in got) == v_real
     assert all(b + c == nb for (b, c), (nb, _) in itertools.pairwise(got))
 
@@ -83,19 +84,19 @@ def test_deterministic_tile_for_rejects_bad_arguments():
 @pytest.mark.parametrize(
     ("m", "n", "width"),
     [
-        (1024, 2048, 128),  # 64 tiles of 128 x 256 for 132 SMs: the narrow grid, one wave
-        (1024, 4096, 256),  # 128 wide tiles: one wave either way
+        (1024, 2048, 128),  # 64 blocks of 128 x 256 for 132 SMs: the narrow grid, one wave
+        (1024, 4096, 256),  # 128 wide blocks: one wave either way
         (2048, 2048, 256),
-        (1152, 4096, 128),  # 144 wide tiles: two waves, the second almost empty
-        (16384, 2048, 256),  # S2's grad_hidden: 1024 tiles
+        (1152, 4096, 128),  # 144 wide blocks: two waves, the second almost empty
+        (16384, 2048, 256),  # S2's grad_hidden: 1024 blocks
         (8192, 4096, 256),  # S1's
         (1, 2048, 128),
         (300, 100, 128),
     ],
 )
-def test_gemm_output_tile_follows_the_grid(m, n, width, monkeypatch):
-    """lp's GEMM takes the narrow output tile only where the pinned one leaves the GPU
-    mostly idle (a wave model with the narrow program's measured cost). This is the one tile
+def test_gemm_output_block_follows_the_grid(m, n, width, monkeypatch):
+    """lp's GEMM takes the narrow output block only where the pinned one leaves the GPU
+    mostly idle (a wave model with the narrow program's measured cost). This is the one block
     chosen by size: it does not change the bits (test_determinism, test_gpu)."""
     import lp_kernels.backends.triton.config as tri
     import lp_kernels.backends.triton.gemm as gemm
@@ -105,9 +106,9 @@ def test_gemm_output_tile_follows_the_grid(m, n, width, monkeypatch):
     dev = torch.device("cuda", 0)
     bf16, fp32 = tri.config_for(dev, torch.bfloat16), tri.config_for(dev, torch.float32)
     assert gemm.mm_block_n(bf16, m, n, dev) == width
-    assert gemm.mm_block_n(fp32, m, n, dev) == fp32.mm_block_n  # already narrow: never halved
+    assert gemm.mm_block_n(fp32, m, n, dev) == fp32.gemm.block_n  # already narrow: never halved
     monkeypatch.setattr(gemm, "sm_count", lambda device: None)  # the interpreter: no waves
-    assert gemm.mm_block_n(bf16, m, n, dev) == bf16.mm_block_n
+    assert gemm.mm_block_n(bf16, m, n, dev) == bf16.gemm.block_n
     monkeypatch.undo()
     assert tri.sm_count(torch.device("cpu")) is None
 
@@ -119,7 +120,7 @@ def test_auto_backend_on_a_cuda_device_picks_triton(monkeypatch):
 
     from lp_kernels.backends import resolve
     from lp_kernels.backends.torch.linear import LinearLogprobTorch
-    from lp_kernels.backends.triton.function import LinearLogprobTriton
+    from lp_kernels.backends.triton.linear import LinearLogprobTriton
 
     monkeypatch.setattr(resolve, "triton_importable", lambda: True)
     cuda = torch.device("cuda", 0)

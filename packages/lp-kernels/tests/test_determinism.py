@@ -139,18 +139,15 @@ def test_vocab_parallel_logprob_batch_and_chunk_invariance(device):
 def test_triton_load_path_and_launch_order_do_not_change_bits(
     dtype, deterministic, device, monkeypatch
 ):
-    """Tensor-descriptor loads against pointer loads, the grouped launch order against
-    another grouping, the GEMM's pinned output tile against its narrow one (chosen by the
+    """Tensor-descriptor loads against pointer loads, the swizzled launch order against
+    another swizzle, the GEMM's pinned output block against its narrow one (chosen by the
     grid: triton.gemm.mm_block_n), in both modes (deterministic: tile 128, or 384 with a
     cut last tile): the same products in the same order, so the same bits (the load path
-    is chosen by H, dtype and alignment; see triton.config.tma_ok). Each config is passed
-    to the call (linear_logprob_with_config)."""
-    import dataclasses
-
+    is chosen by H, dtype and alignment; see triton.config.tma_ok). Each config is set
+    for the call (config.use_config)."""
     import lp_kernels.backends.triton.backward as tbwd
     import lp_kernels.backends.triton.gemm as gemm
-    from lp_kernels.backends.triton.config import config_for, tma_ok
-    from lp_kernels.backends.triton.function import linear_logprob_with_config
+    from lp_kernels.backends.triton.config import config_for, tma_ok, use_config
 
     base = config_for(torch.device(device), dtype)
     by_grid = gemm.mm_block_n
@@ -158,23 +155,23 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
         67, 64, 1031, dtype=dtype, device=device, seed=5, ignore_frac=0.1, padded_vocab=1152
     )
     results = []
-    changes = [{}, {"tma": False}, {"group": 1}, {"group": 0, "tma": False}]
-    if device == "cpu" or base.mm_block_n >= 256:  # the widths mm_block_n chooses from
-        changes += [{"gemm": 1}, {"gemm": 2}, {"gemm": 2, "tma": False}]
+    changes = [{}, {"tma": False}, {"swizzle": 1}, {"swizzle": 0, "tma": False}]
+    if device == "cpu" or base.gemm.block_n >= 256:  # the widths mm_block_n chooses from
+        changes += [{"div": 1}, {"div": 2}, {"div": 2, "tma": False}]
     for change in changes:
-        # the GEMM's output tile: chosen by the grid (None), the config's width or its half
-        div = change.pop("gemm", None)
-        width = by_grid if div is None else (lambda cfg, *_, d=div: cfg.mm_block_n // d)
-        monkeypatch.setattr(gemm, "mm_block_n", width)  # the GEMM's and chunk_group's
+        # the GEMM's output block: chosen by the grid (None), the config's width or its half
+        div = change.pop("div", None)
+        width = by_grid if div is None else (lambda cfg, *_, d=div: cfg.gemm.block_n // d)
+        monkeypatch.setattr(gemm, "mm_block_n", width)  # the GEMM's and chunks_per_launch's
         monkeypatch.setattr(tbwd, "mm_block_n", width)
         h = p.hidden.detach().clone().requires_grad_()
         w = p.weight.detach().clone().requires_grad_()
-        out = linear_logprob_with_config(
-            h, w, p.targets, dataclasses.replace(base, **change), return_entropy=True,
-            return_lse=True, temperature=0.9,
-            vocab_size=1031, backend="triton", deterministic=deterministic is not None,
-            deterministic_tile=deterministic or 128,
-        )  # fmt: skip
+        with use_config(base.replace(**change)):
+            out = linear_logprob(
+                h, w, p.targets, return_entropy=True, return_lse=True, temperature=0.9,
+                vocab_size=1031, backend="triton", deterministic=deterministic is not None,
+                deterministic_tile=deterministic or 128,
+            )  # fmt: skip
         g = torch.linspace(-1, 1, p.n, device=device)
         (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.25).sum().backward()
         results.append((out.logprob, out.entropy, out.lse, h.grad, w.grad))
@@ -186,32 +183,33 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
 
 @pytest.mark.parametrize("h", [48, 50], ids=["tma", "pointers"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_vocabulary_chunk_groups_do_not_change_bits(dtype, h, device, monkeypatch):
+def test_triton_vocabulary_chunks_per_launch_do_not_change_bits(dtype, h, device, monkeypatch):
     """At small N the default backward takes several vocabulary chunks per launch
-    (triton.backward.chunk_group, chosen by N): the outputs and grad_hidden are bitwise those
-    of one launch per chunk, for groups that divide the shard's chunks or not and a last
-    chunk cut short (padded vocabulary, ignored rows, temperature, entropy), through tensor
-    descriptors (one GEMM launch per group) or pointers (H = 50: rows not 16-byte aligned;
-    one GEMM launch per chunk). grad_weight takes one cuBLAS GEMM per group on CUDA (its
-    kernel may follow the shape), so it is compared to fp32 accuracy there."""
-    import lp_kernels.backends.triton.function as tfn
-    from lp_kernels.backends.triton.backward import chunk_group
+    (triton.backward.chunks_per_launch, chosen by N): the outputs and grad_hidden are bitwise
+    those of one launch per chunk, for counts that divide the shard's chunks or not and a
+    last chunk cut short (padded vocabulary, ignored rows, temperature, entropy), through
+    tensor descriptors (one GEMM launch per launch's chunks) or pointers (H = 50: rows not
+    16-byte aligned; one GEMM launch per chunk). grad_weight takes one cuBLAS GEMM per
+    launch on CUDA (its kernel may follow the shape), so it is compared to fp32 accuracy
+    there."""
+    import lp_kernels.backends.triton.linear as tlin
+    from lp_kernels.backends.triton.backward import chunks_per_launch
     from lp_kernels.backends.triton.config import config_for, tma_ok
 
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if (device == "cpu") != interpreting:
         pytest.skip("the triton kernels run under the interpreter on CPU, compiled on CUDA")
-    chunk = config_for(torch.device(device), dtype).vocab_chunk
+    chunk = config_for(torch.device(device), dtype).backward.vocab_chunk
     v_real, v_pad = 3 * chunk + 700, 3 * chunk + 768
     p = make_problem(
         13, h, v_real, dtype=dtype, device=device, seed=8, ignore_frac=0.15, padded_vocab=v_pad
     )
     assert tma_ok(p.hidden, p.weight) == (h == 48)
     dev = torch.device(device)
-    assert chunk_group(13, h, v_real, config_for(dev, dtype), dev) == 4
+    assert chunks_per_launch(13, h, v_real, config_for(dev, dtype), dev) == 4
     results = {}
-    for group in (1, 2, 3, 4):
-        monkeypatch.setattr(tfn, "chunk_group", lambda *_, g=group: g)
+    for per_launch in (1, 2, 3, 4):
+        monkeypatch.setattr(tlin, "chunks_per_launch", lambda *_, k=per_launch: k)
         hid = p.hidden.detach().clone().requires_grad_()
         w = p.weight.detach().clone().requires_grad_()
         out = linear_logprob(
@@ -220,12 +218,12 @@ def test_triton_vocabulary_chunk_groups_do_not_change_bits(dtype, h, device, mon
         )  # fmt: skip
         g = torch.linspace(-1, 1, p.n, device=device)
         (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.25).sum().backward()
-        results[group] = (out.logprob, out.entropy, out.lse, hid.grad, w.grad)
+        results[per_launch] = (out.logprob, out.entropy, out.lse, hid.grad, w.grad)
     names = ("logprob", "entropy", "lse", "grad_hidden")
-    for group in (2, 3, 4):
-        for name, a, b in zip(names, results[1], results[group], strict=False):
-            assert_bitwise_equal(b, a, f"{name}, {group} chunks per launch")
-        a, b = results[1][4].double(), results[group][4].double()
+    for per_launch in (2, 3, 4):
+        for name, a, b in zip(names, results[1], results[per_launch], strict=False):
+            assert_bitwise_equal(b, a, f"{name}, {per_launch} chunks per launch")
+        a, b = results[1][4].double(), results[per_launch][4].double()
         assert float((a - b).norm() / a.norm()) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
@@ -250,7 +248,7 @@ def test_triton_gemm_c_tile_through_descriptor_or_pointers(dtype, device, monkey
     sums A @ B over K from +0.0 and then adds C once, reading and writing C through a
     tensor descriptor (``C_TMA``: C allows one) or through pointers (C's base not 16-byte
     aligned): the same bits either way, and C + A @ B to fp32 accuracy. M and N are not
-    multiples of the tiles (clipped stores)."""
+    multiples of the blocks (clipped stores)."""
     from lp_kernels.backends.triton.config import tma_ok
     from lp_kernels.backends.triton.gemm import matmul_acc
 
@@ -275,12 +273,12 @@ def test_triton_gemm_c_tile_through_descriptor_or_pointers(dtype, device, monkey
 @pytest.mark.parametrize("accumulate", [False, True], ids=["overwrite", "accumulate"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_gemm_chunks_in_one_launch_or_one_per_chunk(dtype, accumulate, device, monkeypatch):
-    """grad_hidden's GEMM over K in chunks (``chunk_k``: the default backward's chunk
-    groups, ``deterministic=True``'s tile groups): one launch on the narrow output tile
-    (``MULTI``, with tensor descriptors), one launch per chunk on the tile the waves pick,
-    or the chunks side by side (``SPLIT``, then their ordered sum), each on both output
-    tile widths (forced), bitwise equal to explicit calls per chunk in order, and to
-    C + A @ B within fp32 accuracy. M and N are not multiples of the tiles."""
+    """grad_hidden's GEMM over K in chunks (``chunk_k``: the default backward's chunks per
+    launch, ``deterministic=True``'s chunks of a tile in one launch): one launch on the
+    narrow output block (``MULTI``, with tensor descriptors), one launch per chunk on the
+    block the waves pick, or the chunks side by side (``SPLIT``, then their ordered sum),
+    each on both output block widths (forced), bitwise equal to explicit calls per chunk in
+    order, and to C + A @ B within fp32 accuracy. M and N are not multiples of the blocks."""
     import lp_kernels.backends.triton.gemm as gemm
 
     m, n, chunk = 131, 200, 256
@@ -307,67 +305,67 @@ def test_triton_gemm_chunks_in_one_launch_or_one_per_chunk(dtype, accumulate, de
         return c
 
     per_call = c0.clone()
-    monkeypatch.setattr(gemm, "mm_block_n", lambda *_: cfg.mm_block_n)
+    monkeypatch.setattr(gemm, "mm_block_n", lambda *_: cfg.gemm.block_n)
     for k0 in range(0, k, chunk):
         kc = min(chunk, k - k0)
         gemm.matmul_acc(
             per_call, a[:, k0 : k0 + kc], b[k0 : k0 + kc], cfg, k_a=kc,
             accumulate=accumulate or k0 > 0,
         )  # fmt: skip
-    for width in sorted({gemm.narrow_block_n(cfg), cfg.mm_block_n}):
+    for width in sorted({gemm.narrow_block_n(cfg), cfg.gemm.block_n}):
         for split in (False, True):
             got = run(width, chunk, split)
-            assert_bitwise_equal(got, per_call, f"output tile {width}, split {split}")
+            assert_bitwise_equal(got, per_call, f"output block {width}, split {split}")
     ref = a.double() @ b.double() + (c0.double() if accumulate else 0)
     assert float((per_call.double() - ref).norm() / ref.norm()) < 1e-6
 
 
-def test_round_group_within_its_memory_budget(monkeypatch):
-    """Groups of TileConfig.round_group tiles, fewer where the rank owns fewer tiles or
-    the buffers past the first would pass ROUND_EXTRA_BYTES (4 bytes per element of [N, H])."""
+def test_tiles_per_round_within_its_memory_budget(monkeypatch):
+    """DeterministicConfig.round_tiles tiles rounded per pass (``tiles_per_round``), fewer
+    where the rank owns fewer tiles or the buffers past the first would pass
+    ROUND_EXTRA_BYTES (4 bytes per element of [N, H])."""
     import lp_kernels.backends.triton.deterministic as tdet
 
     monkeypatch.setattr(tdet, "ROUND_EXTRA_BYTES", 512 << 20)
-    assert tdet.round_slots(8, 16384, 2048, 4) == 4  # S4: 3 x 128 MiB
-    assert tdet.round_slots(8, 32768, 4096, 4) == 2  # S3: 1 x 512 MiB
-    assert tdet.round_slots(8, 65536, 8192, 4) == 1  # 2 GiB per buffer: one at a time
-    assert tdet.round_slots(3, 16384, 2048, 4) == 3  # as many as the rank's tiles
-    assert tdet.round_slots(0, 0, 2048, 4) == 1
+    assert tdet.tiles_per_round(8, 16384, 2048, 4) == 4  # S4: 3 x 128 MiB
+    assert tdet.tiles_per_round(8, 32768, 4096, 4) == 2  # S3: 1 x 512 MiB
+    assert tdet.tiles_per_round(8, 65536, 8192, 4) == 1  # 2 GiB per buffer: one at a time
+    assert tdet.tiles_per_round(3, 16384, 2048, 4) == 3  # as many as the rank's tiles
+    assert tdet.tiles_per_round(0, 0, 2048, 4) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_round_group_does_not_change_bits(dtype, device, monkeypatch):
+def test_triton_round_tiles_do_not_change_bits(dtype, device, monkeypatch):
     """deterministic=True with tiles wider than half a vocabulary chunk: the fp32 products
-    of TileConfig.round_group tiles are rounded into grad_hidden's int64 sum in one pass. Each tile
-    is still rounded on its own, so groups of 1, 2, 3 and 5 tiles (5 tiles here, the last
-    cut by the vocabulary; 3 token chunks) give the same bits; and a group of 2 writes
-    every element (NaN-poisoned allocations)."""
-    import dataclasses
-
+    of DeterministicConfig.round_tiles tiles are rounded into grad_hidden's int64 sum in one
+    pass. Each tile is still rounded on its own, so passes of 1, 2, 3 and 5 tiles (5 tiles
+    here, the last cut by the vocabulary; 3 token chunks) give the same bits; and passes
+    of 2 write every element (NaN-poisoned allocations)."""
     import lp_kernels.backends.triton.deterministic as tdet
-    from lp_kernels.backends.triton.config import config_for
-    from lp_kernels.backends.triton.function import linear_logprob_with_config
+    from lp_kernels.backends.triton.config import config_for, use_config
     from lp_kernels.core.matmul import scratch
 
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if (device == "cpu") != interpreting:
         pytest.skip("the triton kernels run under the interpreter on CPU, compiled on CUDA")
     base = config_for(torch.device(device), dtype)
-    base = dataclasses.replace(base, vocab_chunk=256, token_chunk=32)
+    base = base.replace(backward={"vocab_chunk": 256, "token_chunk": 32})
     p = make_problem(
         67, 64, 1031, dtype=dtype, device=device, seed=7, ignore_frac=0.1, padded_vocab=1152
     )
     results = []
-    for group, poison in ((1, False), (2, False), (3, False), (5, False), (2, True)):
-        cfg = dataclasses.replace(base, round_group=group)
-        assert tdet.round_slots(5, p.n, p.hidden.shape[1], cfg.round_group) == group
+    for tiles, poison in ((1, False), (2, False), (3, False), (5, False), (2, True)):
+        cfg = base.replace(deterministic={"round_tiles": tiles})
+        per_round = tdet.tiles_per_round(5, p.n, p.hidden.shape[1], cfg.deterministic.round_tiles)
+        assert per_round == tiles
         monkeypatch.setattr(scratch, "poison", poison)
         h = p.hidden.detach().clone().requires_grad_()
         w = p.weight.detach().clone().requires_grad_()
-        out = linear_logprob_with_config(
-            h, w, p.targets, cfg, return_entropy=True, return_lse=True, temperature=0.9,
-            vocab_size=1031, deterministic=True, deterministic_tile=256,
-        )  # fmt: skip
+        with use_config(cfg):
+            out = linear_logprob(
+                h, w, p.targets, return_entropy=True, return_lse=True, temperature=0.9,
+                vocab_size=1031, backend="triton", deterministic=True, deterministic_tile=256,
+            )  # fmt: skip
         g = torch.linspace(-1, 1, p.n, device=device)
         (out.logprob * g + out.entropy * g.flip(0) + out.lse * 0.25).sum().backward()
         results.append((out.logprob, out.entropy, out.lse, h.grad, w.grad))
@@ -408,35 +406,36 @@ def test_every_output_and_gradient_element_written(dtype, deterministic, device,
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
 def test_dlogits_buffer_is_exactly_zero_past_the_chunk(deterministic, device, monkeypatch):
-    """The d_logits blocks the gradient GEMMs read (NaN-poisoned scratch) hold exact zeros
+    """The d_logits chunks the gradient GEMMs read (NaN-poisoned scratch) hold exact zeros
     in their padded columns [v_count, cols) (the kernels' padded K bound assumes them) and
     in ignored rows, even where those rows' hidden is NaN, while the real columns of live
     rows are written."""
+    import lp_kernels.backends.triton.backward as tbwd
     import lp_kernels.backends.triton.deterministic as tdet
-    import lp_kernels.backends.triton.function as tfn
+    import lp_kernels.backends.triton.linear as tlin
     from lp_kernels.core.matmul import scratch
 
     monkeypatch.setattr(scratch, "poison", True)
-    seen = []  # (v_count, rows r0:r1, the block with its padded columns)
-    real = tfn.dlogits_blocks
+    seen = []  # (v_count, rows r0:r1, the token chunk with its padded columns)
 
-    def spy(*args, **kwargs):
-        for v_begin, v_count, blocks in real(*args, **kwargs):
+    class Spy(tbwd.DlogitsChunks):
+        def __iter__(self):
+            for v_begin, v_count, blocks in super().__iter__():
 
-            def record(blocks=blocks, v_count=v_count):
-                for r0, r1, dl, cols in blocks:
-                    full = torch.as_strided(dl, (dl.shape[0], cols), dl.stride())
-                    seen.append((v_count, r0, r1, full.clone()))
-                    yield r0, r1, dl, cols
+                def record(blocks=blocks, v_count=v_count):
+                    for r0, r1, dl, cols in blocks:
+                        full = torch.as_strided(dl, (dl.shape[0], cols), dl.stride())
+                        seen.append((v_count, r0, r1, full.clone()))
+                        yield r0, r1, dl, cols
 
-            yield v_begin, v_count, record()
+                yield v_begin, v_count, record()
 
-    monkeypatch.setattr(tfn, "dlogits_blocks", spy)  # where each mode's backward reads it
-    monkeypatch.setattr(tdet, "dlogits_blocks", spy)
+    monkeypatch.setattr(tlin, "DlogitsChunks", Spy)  # where each mode's backward builds it
+    monkeypatch.setattr(tdet, "DlogitsChunks", Spy)
     p = make_problem(128, 16, 1031, device=device, seed=3, padded_vocab=1152, temperature=0.9)
     targets = p.targets.clone()
     targets[70::5] = p.ignore_index  # ignored rows only in the second half (row blocks
-    # without a dead row take no zeroing select in tiles that need none)
+    # without a dead row take no zeroing select in blocks that need none)
     h = p.hidden.detach().clone()
     h[70::5] = float("nan")  # an ignored row's hidden need not be finite
     h.requires_grad_()

@@ -9,6 +9,7 @@ like the default path.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 
@@ -53,25 +54,29 @@ def _upstream(n):
 
 
 def _rank(rank, world, problem, bounds, backend, tile=128, chunk=None, rows=None):
+    config = contextlib.nullcontext()
     if chunk is not None:  # a smaller vocabulary chunk: the same code paths as large tiles
-        import dataclasses
-
-        from lp_kernels.backends.triton import config as tri
+        from lp_kernels.backends.triton.config import config_for, use_config
 
         vocab_chunk, token_chunk, *v_split = chunk if isinstance(chunk, tuple) else (chunk, None)
-        tri.INTERPRET_CONFIG = dataclasses.replace(
-            tri.INTERPRET_CONFIG, vocab_chunk=vocab_chunk,
-            token_chunk=token_chunk or tri.INTERPRET_CONFIG.token_chunk,
-            v_split=v_split[0] if v_split else tri.INTERPRET_CONFIG.v_split,
-        )  # fmt: skip
+        base = config_for(problem.hidden.device, problem.hidden.dtype)
+        cfg = base.replace(
+            backward={
+                "vocab_chunk": vocab_chunk,
+                "token_chunk": token_chunk or base.backward.token_chunk,
+            },
+            forward={"v_split": v_split[0] if v_split else base.forward.v_split},
+        )
+        config = use_config(cfg)
     start, size = bounds[rank]
     h = problem.hidden.clone().requires_grad_()
     w = problem.weight[start : start + size].clone().requires_grad_()
-    out = linear_logprob(
-        h, w, problem.targets, tp_group=dist.group.WORLD, vocab_start=start,
-        deterministic=True, deterministic_tile=tile, return_entropy=True, return_lse=True,
-        backend=backend, chunk_size=rows, **problem.op_kwargs(),
-    )  # fmt: skip
+    with config:  # the backward keeps the config of the forward
+        out = linear_logprob(
+            h, w, problem.targets, tp_group=dist.group.WORLD, vocab_start=start,
+            deterministic=True, deterministic_tile=tile, return_entropy=True, return_lse=True,
+            backend=backend, chunk_size=rows, **problem.op_kwargs(),
+        )  # fmt: skip
     g_lp, g_ent, g_lse = _upstream(problem.n)
     (out.logprob * g_lp + out.entropy * g_ent + out.lse * g_lse).sum().backward()
     return out.logprob, out.entropy, out.lse, h.grad, w.grad
@@ -149,20 +154,20 @@ def test_deterministic_single_process_batch_invariant_and_reproducible(backend):
 
 
 # deterministic_tile wider than 128, on the three backward plans of the triton backend
-# (lp_kernels.backends.triton.deterministic.vocab_pieces), chosen under the interpreter by
-# its vocabulary chunk: several tiles per piece; one tile per piece; a tile cut into pieces.
+# (lp_kernels.backends.triton.deterministic.tile_chunks), chosen under the interpreter by
+# its vocabulary chunk: several tiles per chunk; one tile per chunk; a tile cut into chunks.
 WIDE_CASES = {  # name -> (tile, vocab chunk [, token chunk] of the interpreter config, V_pad,
     # layouts)
     "tile256-multi": (256, None, 1024, ["tp1", "tp2", "tp4", "tp3-w256", "tp2-x", "tp3-x"]),
     "tile256-per-tile": (256, 256, 1024, ["tp1", "tp2", "tp4", "tp3-w256", "tp2-x"]),
     "tile384-cut": (384, 256, 1152, ["tp1", "tp3-w384", "tp2-w384", "tp4-x", "tp3-x384"]),
-    # and token chunks of 16 rows: grad_W summed over them, pieces cut across shards (the
+    # and token chunks of 16 rows: grad_W summed over them, chunks cut across shards (the
     # torch backend: chunk_size=16)
     "tile384-cut-rows": (384, (256, 16), 1152, ["tp1", "tp4-x", "tp3-x384"]),
     # forward splits of 256 columns cut from each tile's start (two per tile: 256 + 128);
-    # the backward's pieces of a tile in one span (tile_groups at 37 rows)
+    # the backward's chunks of a tile in one launch (tile_launch_k at 37 rows)
     "tile384-splits": (384, (256, None, 256), 1152, ["tp1", "tp3-w384", "tp4-x", "tp3-x384"]),
-    # fp32 weights: grad_W of a piece that runs into the halo in fp32 scratch, with one
+    # fp32 weights: grad_W of a chunk that runs into the halo in fp32 scratch, with one
     # token chunk and with several
     "tile256-per-tile-fp32": (256, 256, 1024, ["tp1", "tp2-x", "tp3-x"], torch.float32),
     "tile256-per-tile-rows-fp32": (256, (256, 16), 1024, ["tp1", "tp2-x"], torch.float32),
@@ -219,24 +224,23 @@ def test_wider_tiles_bitwise_identical_across_layouts(case, backend):
         assert_close(got, truth[name], rtol=2e-2, atol=2e-2 * scale, name=f"{name} vs fp64")
 
 
-def test_tile_groups_keep_every_rows_bits(monkeypatch):
-    """The triton backend at small N takes each wide tile's backward pieces in one span
-    (``tile_groups``) and splits the forward from each tile's start: the rows of a batch of
-    3 (grouped) are bitwise those of the same rows in a batch of 100 (2 x 100 rows pass the
-    interpreter's 128-row token chunk: one span per piece), outputs and grad_hidden (fp32:
-    a bf16 grad_hidden's last rounding would hide a changed sum)."""
-    import dataclasses
-
-    from lp_kernels.backends.triton import config as tri
+def test_tile_launches_keep_every_rows_bits():
+    """The triton backend at small N takes each wide tile's backward chunks in one launch
+    (``tile_launch_k``) and splits the forward from each tile's start: the rows of a batch
+    of 3 (one launch per tile) are bitwise those of the same rows in a batch of 100 (2 x
+    100 rows pass the interpreter's 128-row token chunk: one launch per chunk), outputs and
+    grad_hidden (fp32: a bf16 grad_hidden's last rounding would hide a changed sum)."""
     from lp_kernels.backends.triton import deterministic as tdet
+    from lp_kernels.backends.triton.config import INTERPRET_CONFIG, use_config
 
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
         pytest.skip("triton on CPU needs TRITON_INTERPRET=1 (set when no GPU is present)")
-    # K steps of 64: a piece's sum (4 steps) differs from a running sum over the tile
-    cfg = dataclasses.replace(tri.INTERPRET_CONFIG, vocab_chunk=256, v_split=256, mm_block_k=64)
-    monkeypatch.setattr(tri, "INTERPRET_CONFIG", cfg)
-    assert tdet.tile_groups(3, 384, 256, cfg) == 256
-    assert tdet.tile_groups(100, 384, 256, cfg) is None
+    # K steps of 64: a chunk's sum (4 steps) differs from a running sum over the tile
+    cfg = INTERPRET_CONFIG.replace(
+        backward={"vocab_chunk": 256}, forward={"v_split": 256}, gemm={"block_k": 64}
+    )
+    assert tdet.tile_launch_k(3, 384, cfg) == 256
+    assert tdet.tile_launch_k(100, 384, cfg) is None
     p = make_problem(
         100, 24, 1000, dtype=torch.float32, seed=11, ignore_frac=0.1, padded_vocab=1152,
         temperature=0.8,
@@ -246,10 +250,11 @@ def test_tile_groups_keep_every_rows_bits(monkeypatch):
 
     def run(rows):
         h = p.hidden[rows].clone().requires_grad_()
-        out = linear_logprob(
-            h, p.weight, p.targets[rows], deterministic=True, deterministic_tile=384,
-            return_entropy=True, return_lse=True, backend="triton", **p.op_kwargs(),
-        )  # fmt: skip
+        with use_config(cfg):
+            out = linear_logprob(
+                h, p.weight, p.targets[rows], deterministic=True, deterministic_tile=384,
+                return_entropy=True, return_lse=True, backend="triton", **p.op_kwargs(),
+            )  # fmt: skip
         (
             out.logprob * g_lp[rows] + out.entropy * g_ent[rows] + out.lse * g_lse[rows]
         ).sum().backward()
@@ -266,14 +271,21 @@ def _torch_chunk_rank(rank, world, problem, bounds, tile):
     from lp_kernels.backends.torch import deterministic as td
 
     used = set()
-    original = td.scaled_logits_chunks
+    forward_chunks, backward_chunks = td.logits_chunks, td.dlogits_chunks
 
-    def spy(hidden, w, p, *args, **kwargs):
+    def forward_spy(hidden, w, p, *args, **kwargs):
         used.add(p.chunk_size)
-        return original(hidden, w, p, *args, **kwargs)
+        return forward_chunks(hidden, w, p, *args, **kwargs)
 
-    td.scaled_logits_chunks = spy
-    return used, _rank(rank, world, problem, bounds, "torch", tile)
+    def backward_spy(hidden, w, targets, lse, mean_z, upstream, p, *args, **kwargs):
+        used.add(p.chunk_size)
+        return backward_chunks(hidden, w, targets, lse, mean_z, upstream, p, *args, **kwargs)
+
+    td.logits_chunks, td.dlogits_chunks = forward_spy, backward_spy
+    try:
+        return used, _rank(rank, world, problem, bounds, "torch", tile)
+    finally:
+        td.logits_chunks, td.dlogits_chunks = forward_chunks, backward_chunks
 
 
 def test_torch_token_chunk_is_the_same_on_every_layout():
@@ -308,7 +320,7 @@ def test_torch_token_chunk_is_the_same_on_every_layout():
 
 def _halo_copy_rank(rank, world, problem, bounds, chunk):
     """One triton rank of a layout with a halo, recording the rows of every joined copy
-    and of every grad_W GEMM (cuBLAS, per piece: one call, or the first token chunk's)."""
+    and of every grad_W GEMM (cuBLAS, per chunk: one call, or the first token chunk's)."""
     import lp_kernels.backends.triton.deterministic as tdet
 
     copies, gemms = [], []
@@ -355,7 +367,7 @@ def test_triton_halo_rank_copies_one_tile_not_its_shard(chunk):
     )  # fmt: skip
     bounds = [(0, 640), (640, 384)]
     per_rank = run_ranks(_halo_copy_rank, 2, problem, bounds, chunk, timeout=180)
-    assert per_rank[0][0] == [256, 256]  # the forward's crossing tile, the backward's piece
+    assert per_rank[0][0] == [256, 256]  # the forward's crossing tile, the backward's chunk
     assert per_rank[1][0] == []  # rank 1 has no halo
     # rank 1: its tile, cut by the vocabulary (1000 - 768 rows); no call for rows 640-767
     assert per_rank[0][2] == [256, 256, 256] and per_rank[1][2] == [232], per_rank[1][2]
@@ -428,13 +440,13 @@ def test_vocab_parallel_logprob_needs_bounds_on_the_tile_grid():
     assert text.count("ValueError") >= 2 and "multiples of 256" in text
 
 
-def _logits_rank(rank, world, logits, targets, bounds, tile, group=None):
-    import importlib
-
+def _logits_rank(rank, world, logits, targets, bounds, tile, columns=None):
     from lp_kernels import vocab_parallel_logprob
+    from lp_kernels.core import chunks
 
-    if group is not None:  # tiles per reduction call: group // tile
-        importlib.import_module("lp_kernels.vocab_parallel_logprob").GROUP_COLUMNS = group
+    if columns is not None:  # tiles per vocabulary chunk of the reductions: columns // tile
+        chunks.CHUNK_COLUMNS = columns
+        assert chunks.chunk_tiles(tile) == columns // tile
 
     start, size = bounds[rank]
     x = logits[:, start : start + size].clone().requires_grad_()
@@ -449,26 +461,26 @@ def _logits_rank(rank, world, logits, targets, bounds, tile, group=None):
 
 
 @pytest.mark.parametrize(
-    "tile, layouts, group",
+    "tile, layouts, columns",
     [
         (128, ("tp1", "tp2-uneven", "tp3-uneven", "tp8"), None),
         (256, ("tp1", "tp2", "tp4"), None),
         (128, ("tp1", "tp2-uneven", "tp3-uneven", "tp4-uneven"), 384),
     ],
-    ids=["tile128", "tile256", "tile128-groups-of-3"],
+    ids=["tile128", "tile256", "tile128-chunks-of-3"],
 )
-def test_vocab_parallel_logprob_bitwise_identical_across_tp(tile, layouts, group):
-    """Bitwise equal on every layout, and as accurate as the default mode. Groups of 3
-    tiles per reduction: shards of 8, 7, 1, 5, 2, 3 and 1 tiles make full groups, groups
+def test_vocab_parallel_logprob_bitwise_identical_across_tp(tile, layouts, columns):
+    """Bitwise equal on every layout, and as accurate as the default mode. Chunks of 3
+    tiles per reduction: shards of 8, 7, 1, 5, 2, 3 and 1 tiles make full chunks, chunks
     with unused tiles, and the vocabulary's last tile (cut at 1000) at several positions
-    of its group."""
+    of its chunk."""
     p = _problem(torch.bfloat16)
     logits = (p.hidden.float() @ p.weight.float().T).to(torch.bfloat16)  # [37, 1024]
     results = {}
     for name in layouts:
         bounds = LAYOUTS[name]
         per_rank = run_ranks(
-            _logits_rank, len(bounds), logits, p.targets, bounds, tile, group, timeout=120
+            _logits_rank, len(bounds), logits, p.targets, bounds, tile, columns, timeout=120
         )
         for rank in range(1, len(bounds)):
             for k in range(3):
@@ -523,26 +535,27 @@ def test_default_tile_is_an_eighth_of_the_padded_vocabulary_on_any_layout():
 
 @pytest.mark.parametrize("tile, chunk", [(384, 256), (31104, 8192), (19072, 8192)])
 def test_every_layout_makes_the_single_process_grad_weight_calls(tile, chunk):
-    """With one tile per backward piece, grad_W is one cuBLAS call per piece, whose kernel
-    (hence bits) follows the call's shape: every piece a rank computes (one that runs into
+    """With one tile per backward chunk, grad_W is one cuBLAS call per chunk, whose kernel
+    (hence bits) follows the call's shape: every chunk a rank computes (one that runs into
     the halo included: its halo rows go back to their shards, which compute no head
-    fragment) must be a piece of the single-process plan, same global start and width,
-    and every piece of that plan must be computed. Pure bookkeeping, on many layouts."""
+    chunk) must be a chunk of the single-process plan, same global start and width,
+    and every chunk of that plan must be computed. Pure bookkeeping, on many layouts."""
     import dataclasses
 
-    from lp_kernels.backends.triton.deterministic import backward_spans
+    from lp_kernels.backends.triton.deterministic import backward_chunks
+    from lp_kernels.core.transform import LogitTransform
     from lp_kernels.core.types import LogprobParams
 
     vocab = 248320 if tile > 1000 else 1000
     base = LogprobParams(
-        temperature=1.0, ignore_index=-100, return_entropy=False, return_lse=False,
+        transform=LogitTransform(), ignore_index=-100, return_entropy=False, return_lse=False,
         vocab_start=0, vocab_size=vocab, chunk_size=64, deterministic=True,
         deterministic_tile=tile, shard_sizes=(vocab,),
     )  # fmt: skip
 
     def calls(p):
-        spans, _, _ = backward_spans(p.tile_ownership(), p, chunk, True)
-        return {(p.vocab_start + b, c) for b, c in spans}
+        chunks, _, _ = backward_chunks(p.tile_ownership(), p, chunk, True)
+        return {(p.vocab_start + b, c) for b, c in chunks}
 
     single = calls(base)
     pad = -(-vocab // 128) * 128
@@ -564,4 +577,4 @@ def test_every_layout_makes_the_single_process_grad_weight_calls(tile, chunk):
             )
             got |= calls(p)
         assert got <= single, f"{layout}: calls not made by one process: {sorted(got - single)}"
-        assert got == single, f"{layout}: pieces no rank computes: {sorted(single - got)}"
+        assert got == single, f"{layout}: chunks no rank computes: {sorted(single - got)}"

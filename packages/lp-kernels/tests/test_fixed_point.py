@@ -8,14 +8,16 @@ import pytest
 import torch
 
 from lp_kernels.core import fixed_point as _fixed_point
+from lp_kernels.core.transform import LogitTransform
 from lp_kernels.core.types import LogprobParams
+from lp_kernels.distributed.collectives import global_abs_max
 from lp_testing import assert_bitwise_equal, make_problem, reference_all
 
 
 def _params(temperature=1.0):
     return LogprobParams(
-        temperature=temperature, ignore_index=-100, return_entropy=True, return_lse=True,
-        vocab_start=0, vocab_size=0, chunk_size=16,
+        transform=LogitTransform(temperature=temperature), ignore_index=-100,
+        return_entropy=True, return_lse=True, vocab_start=0, vocab_size=0, chunk_size=16,
     )  # fmt: skip
 
 
@@ -31,8 +33,9 @@ def test_exponent_bounds_the_true_gradient_with_headroom():
             grad_lse=g_lse, temperature=t,
         )  # fmt: skip
         lse = truth["lse"].float()
+        w_abs = global_abs_max(p.weight, None, 1)
         e, bad = _fixed_point.row_exponents(
-            p.hidden, p.weight, lse, ignored, g_lp, g_ent, g_lse, _params(t)
+            p.hidden, w_abs, lse, ignored, g_lp, g_ent, g_lse, _params(t)
         )
         assert not bad.any()
         scaled = truth["grad_hidden"].abs().amax(dim=1) * torch.exp2(e)
@@ -130,16 +133,18 @@ def test_triton_row_scales_match_row_exponents(case, dtype, device, backend):
         g[1] = None
     if case == "lse-only":
         g[0] = g[1] = None
+    transform = LogitTransform(temperature=0.7, softcap=30.0 if case == "bias-softcap" else None)
     p = LogprobParams(
-        temperature=0.7, ignore_index=ignore, return_entropy=True, return_lse=True,
+        transform=transform, ignore_index=ignore, return_entropy=True, return_lse=True,
         vocab_start=0, vocab_size=v, chunk_size=16,
-        softcap=30.0 if case == "bias-softcap" else None,
     )  # fmt: skip
     ignored = ignored_rows(targets, ignore)
     masked = masked_upstream(ignored, *g)
+    w_abs = global_abs_max(weight, None, 1)
+    b_abs = None if bias is None else global_abs_max(bias, None, 1)
     e, bad = _fixed_point.row_exponents(
-        hidden.float() if dtype == torch.float32 else hidden, weight, lse, ignored, *masked, p,
-        b_real=bias,
+        hidden.float() if dtype == torch.float32 else hidden, w_abs, lse, ignored, *masked, p,
+        b_abs=b_abs,
     )  # fmt: skip
     dev = torch.device(device)
 

@@ -13,11 +13,11 @@ tfix = pytest.importorskip("lp_kernels.backends.triton.fixed_point")
 
 
 @triton.jit
-def _round_kernel(y_ptr, r_ptr, n, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+def _round_kernel(y_ptr, r_ptr, n, BLOCK: tl.constexpr):
     o = tl.arange(0, BLOCK)
     m = o < n
     y = tl.load(y_ptr + o, mask=m, other=0.0)
-    tl.store(r_ptr + o, tfix.round_to_int64(y, INTERPRET), mask=m)
+    tl.store(r_ptr + o, tfix.round_to_int64(y), mask=m)
 
 
 def test_round_to_int64_on_edge_values(device):
@@ -40,6 +40,6 @@ def test_round_to_int64_on_edge_values(device):
     y = torch.cat([torch.tensor(edges, dtype=torch.float64), rand]).float().to(device)
     r = torch.empty(y.shape, dtype=torch.int64, device=device)
     block = triton.next_power_of_2(y.numel())
-    _round_kernel[(1,)](y, r, y.numel(), BLOCK=block, INTERPRET=device == "cpu")
+    _round_kernel[(1,)](y, r, y.numel(), BLOCK=block)
     expected = torch.round(y.double()).long()  # exact: every fp32 of |y| < 2^63 is a double
     assert torch.equal(r, expected)

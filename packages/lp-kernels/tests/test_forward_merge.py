@@ -1,10 +1,9 @@
-"""The triton forward's splits and merges: the split width, the per-group merge that makes
-one partial per rank (tensor parallel) or per tile (``deterministic=True``) before the
+"""The triton forward's splits and merges: the split width, the merge of runs of partials
+that makes one partial per rank (tensor parallel) or per tile (``deterministic=True``) before the
 all-gather, and the final merge, against fp64 and bit for bit where the algebra is exact."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 
@@ -12,11 +11,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lp_kernels.backends.triton import config as tri
+from lp_kernels import linear_logprob
 from lp_kernels.backends.triton import forward as fwd
-from lp_kernels.backends.triton.config import GPU_CONFIG, INTERPRET_CONFIG, split_width
+from lp_kernels.backends.triton.config import (
+    GPU_CONFIG,
+    INTERPRET_CONFIG,
+    split_width,
+    use_config,
+)
 from lp_kernels.backends.triton.deterministic import deterministic_config
-from lp_kernels.backends.triton.function import linear_logprob_with_config
 from lp_testing import (
     assert_bitwise_equal,
     assert_close,
@@ -34,20 +37,21 @@ interpreter = pytest.mark.skipif(
 
 def test_split_width_follows_the_vocabulary_width():
     """1024 columns where that leaves at least 32 splits, else 512; never from N."""
-    assert GPU_CONFIG.v_split == 1024 and GPU_CONFIG.narrow_split == 512
+    assert GPU_CONFIG.forward.v_split == 1024 and GPU_CONFIG.forward.narrow_split == 512
     assert split_width(151936, GPU_CONFIG) == 1024
     assert split_width(31 * 1024 + 1, GPU_CONFIG) == 1024  # 32 splits, the last of 1 column
     assert split_width(31 * 1024, GPU_CONFIG) == 512
     assert split_width(18992, GPU_CONFIG) == 512  # a TP 8 shard of a 152k vocabulary
     assert split_width(1, GPU_CONFIG) == 512
     # the interpreter's config never narrows; a config may turn it off
-    assert split_width(300, INTERPRET_CONFIG) == INTERPRET_CONFIG.v_split
-    assert split_width(300, dataclasses.replace(GPU_CONFIG, narrow_split=0)) == 1024
+    assert split_width(300, INTERPRET_CONFIG) == INTERPRET_CONFIG.forward.v_split
+    assert split_width(300, GPU_CONFIG.replace(forward={"narrow_split": 0})) == 1024
     # deterministic=True: the rule on the tile's width (the same on every layout)
     cpu = torch.device("cpu")
     for tile, width in ((151936 // 8 // 128 * 128 + 128, 512), (65536, 1024), (128, 128)):
-        cfg, _ = deterministic_config(cpu, torch.bfloat16, tile, base=GPU_CONFIG)
-        assert cfg.v_split == width, (tile, cfg.v_split)
+        with use_config(GPU_CONFIG):
+            cfg, _ = deterministic_config(cpu, torch.bfloat16, tile)
+        assert cfg.forward.v_split == width, (tile, cfg.forward.v_split)
 
 
 def _partials(n: int, splits: int, width: int, seed: int):
@@ -85,15 +89,15 @@ def _outputs(stats, targets):
 
 
 @interpreter
-@pytest.mark.parametrize(("n", "splits", "group"), [(1, 37, 5), (300, 37, 5), (300, 13, 13)])
-def test_grouped_merge_matches_fp64(n, splits, group):
+@pytest.mark.parametrize(("n", "splits", "run"), [(1, 37, 5), (300, 37, 5), (300, 13, 13)])
+def test_merged_runs_match_fp64(n, splits, run):
     """Runs of partials merged into one each (the last run shorter), then the runs' partials
     merged: the same outputs as one merge of every partial, to fp32 rounding, and both
     against fp64 (37 partials: more than one block of loads in flight, with a remainder)."""
     stats, targets, truth = _partials(n, splits, 16, seed=splits + n)
     flat = _outputs(stats, targets)
-    merged = fwd.merge_groups(stats, group, entropy=True)
-    assert merged.shape == (math.ceil(splits / group), n, 4)
+    merged = fwd.merge_runs(stats, run, entropy=True)
+    assert merged.shape == (math.ceil(splits / run), n, 4)
     two_level = _outputs(merged, targets)
     for name in ("lse", "logprob", "entropy"):
         for got in (flat, two_level):
@@ -102,37 +106,37 @@ def test_grouped_merge_matches_fp64(n, splits, group):
 
 @interpreter
 def test_merge_of_one_partial_is_exact():
-    """A group of one partial is that partial, bit for bit: the rescaling weight is
-    e^0 = 1 (without entropy the group's third column is 0)."""
+    """A run of one partial is that partial, bit for bit: the rescaling weight is
+    e^0 = 1 (without entropy the run's third column is 0)."""
     stats, _, _ = _partials(77, 6, 16, seed=3)
     stats[2, :5] = torch.tensor([float("-inf"), 0.0, 0.0, 0.0])  # a split with no mass
-    assert_bitwise_equal(fwd.merge_groups(stats, 1, entropy=True), stats, "entropy")
-    plain = fwd.merge_groups(stats, 1, entropy=False)
+    assert_bitwise_equal(fwd.merge_runs(stats, 1, entropy=True), stats, "entropy")
+    plain = fwd.merge_runs(stats, 1, entropy=False)
     assert_bitwise_equal(plain[..., [0, 1, 3]], stats[..., [0, 1, 3]], "no entropy")
     assert torch.equal(plain[..., 2], torch.zeros_like(plain[..., 2]))
 
 
 @interpreter
-def test_group_without_mass_is_an_empty_partial_and_keeps_nan():
+def test_run_without_mass_is_an_empty_partial_and_keeps_nan():
     """A run whose maximum is -inf merges to (-inf, 0, 0, T), as an empty split (not the
     NaN of e^(-inf + inf)), so the final merge adds exact zeros for it; a NaN it carries
     still reaches the outputs."""
     stats, targets, _ = _partials(9, 4, 16, seed=5)
     empty = torch.tensor([float("-inf"), 0.0, 0.0, 0.0])
     padded = torch.cat([stats, empty.expand(2, 9, 4)])  # two empty partials: one run
-    merged = fwd.merge_groups(padded, 4, entropy=True)
+    merged = fwd.merge_runs(padded, 4, entropy=True)
     assert_bitwise_equal(merged[1], empty.expand(9, 4), "empty run")
-    only_real = _outputs(fwd.merge_groups(stats, 4, entropy=True), targets)
+    only_real = _outputs(fwd.merge_runs(stats, 4, entropy=True), targets)
     for name, x in _outputs(merged, targets).items():
         assert_bitwise_equal(x, only_real[name], name)
     padded[4, 3, 1] = float("nan")  # a NaN sum in a run without mass
-    bad = _outputs(fwd.merge_groups(padded, 4, entropy=True), targets)
+    bad = _outputs(fwd.merge_runs(padded, 4, entropy=True), targets)
     assert torch.isnan(bad["lse"][3]) and not torch.isnan(bad["lse"][:3]).any()
 
 
 def _narrow_config():
     # 2053 columns: 3 splits of 1024 < 8, so splits of 256 (9 of them)
-    return dataclasses.replace(INTERPRET_CONFIG, narrow_split=256, min_splits=8)
+    return INTERPRET_CONFIG.replace(forward={"narrow_split": 256, "min_splits": 8})
 
 
 @interpreter
@@ -143,45 +147,47 @@ def test_narrow_splits_exact_and_batch_invariant():
     assert split_width(2053, cfg) == 256
     p = make_problem(70, 40, 2053, dtype=torch.float32, seed=21, ignore_frac=0.1)
     kw = {"return_entropy": True, "return_lse": True}
-    full = linear_logprob_with_config(p.hidden, p.weight, p.targets, cfg, **kw)
+    kw["backend"] = "triton"
+    with use_config(cfg):
+        full = linear_logprob(p.hidden, p.weight, p.targets, **kw)
     truth = reference_outputs(p.hidden, p.weight, p.targets)
     for name in ("logprob", "entropy", "lse"):
         assert_close(getattr(full, name), truth[name], atol=2e-5, rtol=2e-6, name=name)
     for rows in (torch.tensor([5]), torch.arange(1, 70, 3)):
-        sub = linear_logprob_with_config(p.hidden[rows], p.weight, p.targets[rows], cfg, **kw)
+        with use_config(cfg):
+            sub = linear_logprob(p.hidden[rows], p.weight, p.targets[rows], **kw)
         for name in ("logprob", "entropy", "lse"):
             assert_bitwise_equal(getattr(sub, name), getattr(full, name)[rows], name)
 
 
 def _tp_rank(rank, world, problem, v_split):
-    tri.INTERPRET_CONFIG = dataclasses.replace(tri.INTERPRET_CONFIG, v_split=v_split)
+    cfg = INTERPRET_CONFIG.replace(forward={"v_split": v_split})
     calls = []
-    merge_groups = fwd.merge_groups
+    merge_runs = fwd.merge_runs
 
-    def counted(stats, group, entropy):
-        calls.append((stats.shape[0], group))
-        return merge_groups(stats, group, entropy)
+    def counted(stats, run, entropy):
+        calls.append((stats.shape[0], run))
+        return merge_runs(stats, run, entropy)
 
-    fwd.merge_groups = counted
+    fwd.merge_runs = counted
     try:
         bounds = split_vocab(problem.v, world, mode="uneven")
         start, size = bounds[rank]
-        from lp_kernels import linear_logprob
-
-        out = linear_logprob(
-            problem.hidden, problem.weight[start : start + size], problem.targets,
-            tp_group=dist.group.WORLD, vocab_start=start, return_entropy=True,
-            return_lse=True, backend="triton",
-        )  # fmt: skip
+        with use_config(cfg):
+            out = linear_logprob(
+                problem.hidden, problem.weight[start : start + size], problem.targets,
+                tp_group=dist.group.WORLD, vocab_start=start, return_entropy=True,
+                return_lse=True, backend="triton",
+            )  # fmt: skip
     finally:
-        fwd.merge_groups = merge_groups
+        fwd.merge_runs = merge_runs
     return calls, out.logprob, out.entropy, out.lse
 
 
 @interpreter
 def test_tensor_parallel_merges_each_ranks_splits_before_the_gather():
     """Default path, TP 2 on gloo: each rank's several splits merge into one partial before
-    the all-gather (one group of all of them), and the outputs match fp64 on every rank."""
+    the all-gather (one run of all of them), and the outputs match fp64 on every rank."""
     p = make_problem(23, 24, 1500, dtype=torch.float32, seed=8, ignore_frac=0.1)
     truth = reference_outputs(p.hidden, p.weight, p.targets)
     per_rank = run_ranks(_tp_rank, 2, p, 256, timeout=240)

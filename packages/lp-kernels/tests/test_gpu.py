@@ -249,12 +249,13 @@ def test_large_index_products(n, h, v, backend):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
 def test_size_dependent_launches_keep_batch_invariance(deterministic, dtype, v, monkeypatch):
-    """What follows N without changing the bits: lp's GEMM takes its narrow output tile
+    """What follows N without changing the bits: lp's GEMM takes its narrow output block
     where the pinned grid leaves the GPU mostly idle (triton.gemm.mm_block_n), and the
     default backward takes several vocabulary chunks per launch at small N
-    (triton.backward.chunk_group). At H = 2048, 8,192 rows take the pinned tile, one chunk per
-    launch; 1,024 rows and a single row the narrow tile, and (four chunks) one group. A
-    row's outputs and its grad_hidden row are the same bits in all three."""
+    (triton.backward.chunks_per_launch). At H = 2048, 8,192 rows take the pinned block, one
+    chunk per launch; 1,024 rows and a single row the narrow block, and (four chunks) all
+    four chunks in one launch. A row's outputs and its grad_hidden row are the same bits in
+    all three."""
     import lp_kernels.backends.triton.backward as tri
     import lp_kernels.backends.triton.gemm as gemm
     from lp_kernels.backends.triton.config import config_for
@@ -264,11 +265,11 @@ def test_size_dependent_launches_keep_batch_invariance(deterministic, dtype, v, 
 
     def spy(cfg, m, cols, device):
         width = by_grid(cfg, m, cols, device)
-        if cols == h:  # grad_hidden's GEMM ([rows, H]; grad_weight's has the tile's rows)
+        if cols == h:  # grad_hidden's GEMM ([rows, H]; grad_weight's has the chunk's rows)
             widths.setdefault(m, set()).add(width)
         return width
 
-    monkeypatch.setattr(gemm, "mm_block_n", spy)  # where the GEMM and chunk_group read it
+    monkeypatch.setattr(gemm, "mm_block_n", spy)  # where the GEMM and chunks_per_launch read it
     monkeypatch.setattr(tri, "mm_block_n", spy)
     p = make_problem(n, h, v, dtype=dtype, device="cuda", seed=4, ignore_frac=0.05)
     up = torch.randn(n, generator=torch.Generator().manual_seed(1)).to("cuda")
@@ -287,22 +288,22 @@ def test_size_dependent_launches_keep_batch_invariance(deterministic, dtype, v, 
         got = run(rows)
         for name, a, b in zip(("logprob", "entropy", "grad_hidden"), full, got, strict=True):
             assert_bitwise_equal(b, a[rows], f"{name}, {rows.numel()} rows")
-    if v < 8192:  # one vocabulary chunk (with several, the grouped GEMM is narrow anyway)
+    if v < 8192:  # one vocabulary chunk (with several, one launch's GEMM is narrow anyway)
         assert widths[n] == {256} and widths[n // 8] == {128} and widths[1] == {128}, widths
     else:
         cfg = config_for(torch.device("cuda"), dtype)
         dev = torch.device("cuda")
-        assert [tri.chunk_group(m, h, v, cfg, dev) for m in (n, n // 8, 1)] == [1, 4, 4]
+        assert [tri.chunks_per_launch(m, h, v, cfg, dev) for m in (n, n // 8, 1)] == [1, 4, 4]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [2048, 4096])
-def test_deterministic_tile_groups_keep_batch_invariance(h, monkeypatch):
-    """deterministic=True with tiles wider than a vocabulary chunk (pieces of a tile): at
-    8,192 rows one span per piece; at 1,024 and 2,048 rows one span per tile
-    (triton.deterministic.tile_groups), whose grad_hidden GEMM keeps each piece's sum
-    (chunk_k): split side by side on the pinned tile at H = 2048 (gemm.split_chunks), one
-    launch per piece on the pinned tile at H = 4096. A row's outputs and grad_hidden row
+def test_deterministic_tile_launches_keep_batch_invariance(h, monkeypatch):
+    """deterministic=True with tiles wider than a vocabulary chunk (chunks of a tile): at
+    8,192 rows one launch per chunk; at 1,024 and 2,048 rows one launch per tile
+    (triton.deterministic.tile_launch_k), whose grad_hidden GEMM keeps each chunk's sum
+    (chunk_k): split side by side on the pinned block at H = 2048 (gemm.split_chunks), one
+    launch per chunk on the pinned block at H = 4096. A row's outputs and grad_hidden row
     are the same bits in all of them; grad_weight (cuBLAS, whose kernel follows the
     merged shape) the same bits run to run."""
     import lp_kernels.backends.triton.deterministic as tdet
@@ -311,8 +312,8 @@ def test_deterministic_tile_groups_keep_batch_invariance(h, monkeypatch):
 
     n, v, tile = 8192, 40000, 20096
     cfg = config_for(torch.device("cuda"), torch.bfloat16)
-    assert tdet.tile_groups(n, tile, cfg.vocab_chunk, cfg) is None
-    assert tdet.tile_groups(1024, tile, cfg.vocab_chunk, cfg) is not None
+    assert tdet.tile_launch_k(n, tile, cfg) is None
+    assert tdet.tile_launch_k(1024, tile, cfg) is not None
     splits = []
     by_rule = gemm.split_chunks
 
@@ -584,7 +585,7 @@ def test_deterministic_tp_layouts_sharing_one_gpu(backend, tile, kind, chunk):
     result, with the default tile and with V_pad / 8 = 31104 (the widest for TP 1-8) on
     shards of the tile's grid, on Megatron's shards of each degree (128 x TP padding:
     124160 and 62080 at TP 2 and 4, off the 31104 and 4096 grids, so tiles cross shard
-    bounds and take the next rank's rows; one tile per backward piece at 31104, several at
+    bounds and take the next rank's rows; one tile per backward chunk at 31104, several at
     4096), and (``inside``, TP 4 only) on uneven shards one of which lies inside a tile
     that starts on the rank before it. It checks the kernels' layout invariance where fewer GPUs
     than ranks are present; the NCCL runs (test_nccl_s2_head) check the same with one GPU

@@ -483,55 +483,54 @@ def test_bad_value_and_grad_is_named(grads, match):
         linear_logprob_loss(p.hidden, p.weight, p.targets, _BadClosedForm(grads))
 
 
-def test_logits_blocks_fill_the_waves():
-    """The triton backend's logits blocks: they cover the gradient block in order, none
-    past the bound, and take no more waves than equal blocks of the bound do."""
-    from lp_kernels.backends.triton.loss import logits_blocks
+def test_logits_chunks_fill_the_waves():
+    """The triton backend's logits chunks: they cover the gradient chunk in order, none
+    past the bound, and take no more waves than equal chunks of the bound do."""
+    from lp_kernels.backends.triton.loss import logits_chunks
 
     def waves(sizes, splits, sms):
         return sum(-(-(-(-k // 128) * splits) // sms) for k in sizes)
 
-    assert logits_blocks(8192, 2048, 128, 19, None) == [2048] * 4
-    assert logits_blocks(8192, 2048, 128, 19, 132) == [1664] * 4 + [1536]  # 10 waves, not 12
-    assert logits_blocks(2048, 2048, 128, 38, 132) == [2048]
-    assert logits_blocks(0, 2048, 128, 38, 132) == []
+    assert logits_chunks(8192, 2048, 128, 19, None) == [2048] * 4
+    assert logits_chunks(8192, 2048, 128, 19, 132) == [1664] * 4 + [1536]  # 10 waves, not 12
+    assert logits_chunks(2048, 2048, 128, 38, 132) == [2048]
+    assert logits_chunks(0, 2048, 128, 38, 132) == []
     for rows in (1, 127, 128, 129, 1000, 4096, 8191, 8192, 12345):
         for r_max in (128, 640, 2048, 8192):
             for splits, sms in ((1, 132), (19, 132), (38, 132), (31, 78), (8, 7)):
-                sizes = logits_blocks(rows, r_max, 128, splits, sms)
-                plain = logits_blocks(rows, r_max, 128, splits, None)
+                sizes = logits_chunks(rows, r_max, 128, splits, sms)
+                plain = logits_chunks(rows, r_max, 128, splits, None)
                 assert sum(sizes) == rows and all(0 < k <= r_max for k in sizes)
                 assert all(k % 128 == 0 for k in sizes[:-1])
                 assert waves(sizes, splits, sms) <= waves(plain, splits, sms)
 
 
-def test_fitted_logits_blocks_keep_every_bit(monkeypatch):
-    """Cutting a gradient block into other logits blocks changes no output and no gradient
+def test_fitted_logits_chunks_keep_every_bit(monkeypatch):
+    """Cutting a gradient chunk into other logits chunks changes no output and no gradient
     bit (the interpreter has no waves: an SM count is patched in to make it cut)."""
-    import dataclasses
-
     from lp_kernels.backends.triton import loss as triton_loss
-    from lp_kernels.backends.triton.config import INTERPRET_CONFIG
+    from lp_kernels.backends.triton.config import INTERPRET_CONFIG, use_config
 
-    # 64-row tiles, logits blocks of <= 256 rows, gradient blocks of 512, 3 splits
-    cfg = dataclasses.replace(INTERPRET_CONFIG, loss_rows=256, loss_grad_rows=512)
+    # 64-row blocks, logits chunks of <= 256 rows, gradient chunks of 512, 3 splits
+    cfg = INTERPRET_CONFIG.replace(loss={"rows": 256, "grad_rows": 512})
     p = make_problem(600, 16, 3000, seed=23, ignore_frac=0.1)
     per_token = per_token_for(p, seed=5)
 
     def run():
         q = p.with_grad()
-        out = triton_loss.linear_logprob_loss_with_config(
-            q.hidden, q.weight, q.targets, smooth_loss, cfg, per_token=per_token,
-            return_entropy=True, **p.op_kwargs(),
-        )  # fmt: skip
+        with use_config(cfg):
+            out = linear_logprob_loss(
+                q.hidden, q.weight, q.targets, smooth_loss, per_token=per_token,
+                return_entropy=True, backend="triton", **p.op_kwargs(),
+            )  # fmt: skip
         out.loss.backward()
         return out.token_loss, out.logprob, out.entropy, q.hidden.grad, q.weight.grad
 
     plain = run()
     cuts = []
-    fit = triton_loss.logits_blocks
+    fit = triton_loss.logits_chunks
     monkeypatch.setattr(triton_loss, "sm_count", lambda device: 9)
-    monkeypatch.setattr(triton_loss, "logits_blocks", lambda *a: cuts.append(fit(*a)) or cuts[-1])
+    monkeypatch.setattr(triton_loss, "logits_chunks", lambda *a: cuts.append(fit(*a)) or cuts[-1])
     fitted = run()
     assert cuts[0] == [192, 192, 128], cuts  # 3 waves of 9 programs, not 2 x 2
     for a, b in zip(plain, fitted, strict=True):

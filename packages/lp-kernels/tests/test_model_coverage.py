@@ -6,6 +6,7 @@ under the interpreter on CPU), under tensor parallelism over gloo and with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -67,16 +68,19 @@ def _tp_rank(rank, world, problem, bounds, backend, options, bias=None):
     start, size = bounds[rank]
     kw = dict(options)
     chunk = kw.pop("vocab_chunk", None)
-    if chunk is not None:  # the interpreter's vocabulary chunk (a rank's own process)
-        from lp_kernels.backends.triton import config as tri
+    config = contextlib.nullcontext()
+    if chunk is not None:  # the interpreter's vocabulary chunk
+        from lp_kernels.backends.triton.config import config_for, use_config
 
-        tri.INTERPRET_CONFIG = dataclasses.replace(tri.INTERPRET_CONFIG, vocab_chunk=chunk)
+        base = config_for(problem.hidden.device, problem.hidden.dtype)
+        config = use_config(base.replace(backward={"vocab_chunk": chunk}))
     if bias is not None:
         kw["bias"] = bias[start : start + size]
-    return _run(
-        problem.hidden, problem.weight[start : start + size], problem.targets,
-        tp_group=dist.group.WORLD, vocab_start=start, backend=backend, **kw,
-    )  # fmt: skip
+    with config:
+        return _run(
+            problem.hidden, problem.weight[start : start + size], problem.targets,
+            tp_group=dist.group.WORLD, vocab_start=start, backend=backend, **kw,
+        )  # fmt: skip
 
 
 def _tp_gathered(problem, bounds, backend, options, bias=None):
@@ -365,11 +369,11 @@ def test_bias_minus_inf_masks_its_columns(softcap, backend):
 @pytest.mark.parametrize(
     ("layout", "tile"),
     [([(0, 512), (512, 512)], None), ([(0, 384), (384, 640)], 256), ([(0, 384), (384, 640)], -256)],
-    ids=["even", "uneven-halo", "uneven-halo-tile-per-piece"],
+    ids=["even", "uneven-halo", "uneven-halo-tile-per-chunk"],
 )
 def test_bias_tensor_parallel(layout, tile, backend):
     """Each rank its bias shard; deterministic TP 2 (a tile crossing the bound: the bias'
-    halo and its gradient travel with the weight's; with one tile per backward piece, a
+    halo and its gradient travel with the weight's; with one tile per backward chunk, a
     256-column vocabulary chunk, the halo's grad_bias goes back to its shard) is bitwise
     TP 1."""
     p = make_problem(29, 24, 1000, padded_vocab=1024, ignore_frac=0.2, temperature=0.9, seed=9)

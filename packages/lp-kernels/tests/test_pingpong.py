@@ -1,7 +1,7 @@
 """The ping-pong forward kernel (Gluon, Hopper): the same bits as the Triton kernel.
 
 ``forward_stats`` takes ``pingpong.pingpong_stats`` on Hopper for default-mode calls
-without entropy at ``H <= TileConfig.pingpong_max_h`` (a launch choice), with or without a
+without entropy at ``H <= ForwardConfig.pingpong_max_h`` (a launch choice), with or without a
 softcap and a bias. The GPU tests compare its partials, and whole calls with their
 gradients, with the Triton kernel's under ``torch.equal`` on awkward shapes, for each
 option alone and together; the CPU test compiles every variant for sm_90 with the
@@ -10,7 +10,6 @@ installed Triton (Gluon has no interpreter).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from lp_kernels.core.transform import LogitTransform
 from lp_kernels.core.types import LogprobParams
 
 pytest.importorskip("triton")
@@ -34,7 +34,7 @@ def _configs(dtype):
     from lp_kernels.backends.triton.config import config_for
 
     on = config_for(torch.device("cuda"), dtype)
-    return on, dataclasses.replace(on, pingpong_max_h=0)
+    return on, on.replace(forward={"pingpong_max_h": 0})
 
 
 _OPTIONS = [(None, False), (5.0, False), (None, True), (30.0, True)]
@@ -50,7 +50,7 @@ logits on the tanh's curve)."""
     "n, h, v, first, max_v",
     [
         (1, 64, 1000, 0, 0),
-        (300, 200, 5003, 0, 0),  # H not a multiple of the K block, V of the tile
+        (300, 200, 5003, 0, 0),  # H not a multiple of the K block, V of the logits block
         (4099, 520, 70001, 0, 0),
         (1024, 2048, 33000, 0, 0),
         (257, 2048, 7000, 7000, 7040),  # a TP shard: ids from 7000, the widest shard 7040
@@ -74,9 +74,9 @@ def test_pingpong_partials_are_the_triton_kernels(dtype, n, h, v, first, max_v, 
     on, off = _configs(dtype)
     for ignore_index, temperature in ((-100, 1.0), (first + 17, 0.7)):
         p = LogprobParams(
-            temperature=temperature, ignore_index=ignore_index, return_entropy=False,
-            return_lse=True, vocab_start=first, vocab_size=first + v + 100, chunk_size=0,
-            max_v_local=max_v, softcap=softcap,
+            transform=LogitTransform(temperature=temperature, softcap=softcap),
+            ignore_index=ignore_index, return_entropy=False, return_lse=True,
+            vocab_start=first, vocab_size=first + v + 100, chunk_size=0, max_v_local=max_v,
         )  # fmt: skip
         assert not pingpong_ok(hidden, weight, p, off)
         assert pingpong_ok(hidden, weight, p, on)
@@ -97,7 +97,8 @@ def test_pingpong_calls_match_the_triton_kernel_with_gradients(n, softcap, bias)
     """Whole calls (forward through the ping-pong kernel, backward as ever): every output
     and gradient (the bias's too) as with the Triton forward, bit for bit; rows alone as
     in the batch."""
-    from lp_kernels.backends.triton.function import linear_logprob_with_config
+    from lp_kernels import linear_logprob
+    from lp_kernels.backends.triton.config import use_config
 
     gen = torch.Generator(device="cuda").manual_seed(n)
     hidden = torch.randn(n, 1536, device="cuda", generator=gen).to(torch.bfloat16)
@@ -106,20 +107,20 @@ def test_pingpong_calls_match_the_triton_kernel_with_gradients(n, softcap, bias)
     targets = torch.randint(0, 32003, (n,), device="cuda", generator=gen)
     targets[::7] = -100
     on, off = _configs(torch.bfloat16)
-    kw = dict(temperature=0.8, softcap=softcap)
+    kw = dict(temperature=0.8, softcap=softcap, backend="triton")
     results = []
     for cfg in (on, off):
         h = hidden.clone().requires_grad_()
         w = weight.clone().requires_grad_()
         b = None if b_in is None else b_in.clone().requires_grad_()
-        out = linear_logprob_with_config(h, w, targets, cfg, bias=b, return_lse=True, **kw)
+        with use_config(cfg):
+            out = linear_logprob(h, w, targets, bias=b, return_lse=True, **kw)
         (out.logprob * torch.linspace(-1, 1, n, device="cuda")).sum().backward()
         results.append((out.logprob, out.lse, h.grad, w.grad) + ((b.grad,) if bias else ()))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
-    first = linear_logprob_with_config(
-        hidden[:1], weight, targets[:1], on, bias=b_in, **kw
-    )  # fmt: skip
+    with use_config(on):
+        first = linear_logprob(hidden[:1], weight, targets[:1], bias=b_in, **kw)
     assert torch.equal(first.logprob, results[0][0][:1])
 
 
@@ -141,10 +142,11 @@ def test_pingpong_rule(monkeypatch):
     def tensor(h, dtype=torch.bfloat16):
         return types.SimpleNamespace(device=torch.device("cuda", 0), shape=(512, h), dtype=dtype)
 
-    def params(**kw):
+    def params(temperature=1.0, softcap=None, **kw):
         base = dict(
-            temperature=1.0, ignore_index=-100, return_entropy=False, return_lse=False,
-            vocab_start=0, vocab_size=1000, chunk_size=0,
+            transform=LogitTransform(temperature=temperature, softcap=softcap),
+            ignore_index=-100, return_entropy=False, return_lse=False, vocab_start=0,
+            vocab_size=1000, chunk_size=0,
         )  # fmt: skip
         return LogprobParams(**{**base, **kw})
 
@@ -159,8 +161,9 @@ def test_pingpong_rule(monkeypatch):
     assert not ok(tensor(2048), w, params(deterministic=True), GPU_CONFIG)
     assert not ok(tensor(2048, torch.float32), tensor(2048, torch.float32), params(), GPU_CONFIG)
     assert not ok(tensor(2048), tensor(2048, torch.float16), params(), GPU_CONFIG)
-    assert not ok(tensor(2048), w, params(), dataclasses.replace(GPU_CONFIG, pingpong_max_h=0))
-    assert not ok(tensor(2048), w, params(), dataclasses.replace(GPU_CONFIG, block_v=128))
+    assert not ok(tensor(2048), w, params(), GPU_CONFIG.replace(forward={"pingpong_max_h": 0}))
+    assert not ok(tensor(2048), w, params(), GPU_CONFIG.replace(logits={"block_v": 128}))
+    assert not ok(tensor(2048), w, params(), GPU_CONFIG.replace(logits={"block_n": 64}))
     cpu = types.SimpleNamespace(device=torch.device("cpu"), shape=(512, 64), dtype=torch.bfloat16)
     assert not ok(cpu, w, params(), GPU_CONFIG)
     assert not ok(tensor(2048), w, params(), config_for(torch.device("cpu")))  # interpreter
@@ -179,23 +182,27 @@ from lp_kernels.backends.triton.config import GPU_CONFIG
 from lp_testing.aot import resources
 
 cfg = GPU_CONFIG
-h_block, w_block = [pingpong.HALF, cfg.block_h], [cfg.block_v, cfg.block_h]
+h_block = [pingpong.HALF, cfg.logits.block_h]
+w_block = [cfg.logits.block_v, cfg.logits.block_h]
 lay_h = gl.NVMMASharedLayout.get_default_for(h_block, gl.bfloat16)
 lay_w = gl.NVMMASharedLayout.get_default_for(w_block, gl.bfloat16)
-sig = {
-    "h_desc": f"tensordesc<bf16{h_block},{lay_h}>",
-    "w_desc": f"tensordesc<bf16{w_block},{lay_w}>",
-    "t_ptr": "*i64", "stats_ptr": "*fp32", "b_ptr": "*fp32", "N": "i32", "H": "i32",
-    "V_real": "i32", "ignore_index": "i32", "col0": "i32", "inv_t": "fp32", "cap": "fp32",
-    "inv_cap": "fp32", "splits": "i32", "group": "i32", "V_SPLIT": "constexpr",
-    "NSTAGES": "constexpr", "IGNORED": "constexpr", "HAS_BIAS": "constexpr",
-    "SOFTCAP": "constexpr", "REGS": "constexpr",
-}
-names = list(sig)
 for bias in (False, True):
     for cap in (False, True):
-        consts = {"V_SPLIT": cfg.v_split, "NSTAGES": pingpong.STAGES, "IGNORED": -2,
-                  "HAS_BIAS": bias, "SOFTCAP": cap, "REGS": pingpong.CONSUMER_REGS}
+        sig = {  # the kernel's parameters, in order; an absent bias is a constexpr None
+            "h_desc": f"tensordesc<bf16{h_block},{lay_h}>",
+            "w_desc": f"tensordesc<bf16{w_block},{lay_w}>",
+            "t_ptr": "*i64", "stats_ptr": "*fp32", "b_ptr": "*fp32" if bias else "constexpr",
+            "N": "i32", "H": "i32", "V_real": "i32", "ignore_index": "i32", "col0": "i32",
+            "inv_t": "fp32", "cap": "fp32", "inv_cap": "fp32", "splits": "i32", "rows": "i32",
+            "scale": "fp32", "V_SPLIT": "constexpr", "NSTAGES": "constexpr",
+            "IGNORED": "constexpr", "HAS_BIAS": "constexpr", "CAP": "constexpr",
+            "SCALE": "constexpr", "REGS": "constexpr",
+        }
+        names = list(sig)
+        consts = {"V_SPLIT": cfg.forward.v_split, "NSTAGES": pingpong.STAGES, "IGNORED": -2,
+                  "HAS_BIAS": bias, "CAP": cap, "SCALE": False, "REGS": pingpong.CONSUMER_REGS}
+        if not bias:
+            consts["b_ptr"] = None
         src = GluonASTSource(pingpong.pingpong_stats_kernel, sig,
                              {(names.index(k),): v for k, v in consts.items()})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),

@@ -91,8 +91,10 @@ def _call(rank, case, device):
         hidden.requires_grad_()
     if case == "hint":
         from lp_kernels._prepare import prepare  # the hook a wrapping caller uses
+        from lp_kernels.core.transform import LogitTransform
 
-        return prepare(hidden, weight, targets, hint="HINT: a data-parallel shard?", **kw)
+        hint = "HINT: a data-parallel shard?"
+        return prepare(hidden, weight, targets, LogitTransform(), hint=hint, **kw)
     return linear_logprob(hidden, weight, targets, **kw)
 
 

@@ -363,15 +363,14 @@ def test_triton_shard_of_padding_only(deterministic):
 
 
 def _block_sums_rank(rank, world, problem, deterministic, backend):
-    """Rank of the test below: 16-row triton token blocks, torch chunks of 16 x (rank + 1)
+    """Rank of the test below: 16-row triton token chunks, torch chunks of 16 x (rank + 1)
     rows (ranks may chunk differently: the default follows the shard), 24-row sum blocks
     for torch; every dist.all_reduce is recorded."""
-    import dataclasses
-
     import lp_kernels.distributed.collectives as lp_collectives
-    from lp_kernels.backends.triton import config as tri
+    from lp_kernels.backends.triton.config import config_for, use_config
 
-    tri.INTERPRET_CONFIG = dataclasses.replace(tri.INTERPRET_CONFIG, token_chunk=16)
+    base = config_for(problem.hidden.device, problem.hidden.dtype)
+    cfg = base.replace(backward={"token_chunk": 16})
     lp_collectives.SUM_ROWS = 24
     calls, all_reduce = [], dist.all_reduce
 
@@ -384,11 +383,12 @@ def _block_sums_rank(rank, world, problem, deterministic, backend):
     w = problem.weight[start : start + size].clone().requires_grad_()
     dist.all_reduce = spy
     try:
-        out = linear_logprob(
-            h, w, problem.targets, tp_group=dist.group.WORLD, return_entropy=True,
-            return_lse=True, backend=backend, deterministic=deterministic,
-            chunk_size=16 * (rank + 1), **problem.op_kwargs(),
-        )  # fmt: skip
+        with use_config(cfg):  # the backward keeps the forward's config
+            out = linear_logprob(
+                h, w, problem.targets, tp_group=dist.group.WORLD, return_entropy=True,
+                return_lse=True, backend=backend, deterministic=deterministic,
+                chunk_size=16 * (rank + 1), **problem.op_kwargs(),
+            )  # fmt: skip
         calls.clear()  # the backward's collectives only
         _loss(out, _upstream(problem.n)).backward()
     finally:
@@ -398,27 +398,25 @@ def _block_sums_rank(rank, world, problem, deterministic, backend):
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_grad_hidden_sum_starts_per_token_block(backend, deterministic, monkeypatch):
+def test_grad_hidden_sum_starts_per_token_block(backend, deterministic):
     """grad_hidden's all-reduce starts per block of rows as soon as the block's rows are
     final, asynchronously, to run beside the GEMMs that follow: triton's 16-row token
-    blocks of its last vocabulary chunk; for torch, whose ranks chunk their rows
+    chunks of its last vocabulary chunk; for torch, whose ranks chunk their rows
     differently here (16, 32 and 48 rows), blocks of SUM_ROWS = 24 rows, started when a
     chunk completes them. Every rank makes the same calls, so the collectives match,
     including a rank with no vocabulary chunk (rank 2: padding only; synchronously with
     triton and in deterministic mode); the sum is the single process's gradient (bitwise
     in deterministic mode)."""
-    import dataclasses
+    from lp_kernels.backends.triton.config import config_for, use_config
 
-    from lp_kernels.backends.triton import config as tri
-
-    cfg = dataclasses.replace(tri.INTERPRET_CONFIG, token_chunk=16)  # as in the ranks
-    monkeypatch.setattr(tri, "INTERPRET_CONFIG", cfg)
     problem = make_problem(37, 24, 250, seed=6, ignore_frac=0.2, padded_vocab=384)
     p = problem.with_grad()
-    ref = linear_logprob(
-        p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True, backend=backend,
-        deterministic=deterministic, chunk_size=16, **p.op_kwargs(),
-    )  # fmt: skip
+    base = config_for(p.hidden.device, p.hidden.dtype)
+    with use_config(base.replace(backward={"token_chunk": 16})):  # as in the ranks
+        ref = linear_logprob(
+            p.hidden, p.weight, p.targets, return_entropy=True, return_lse=True,
+            backend=backend, deterministic=deterministic, chunk_size=16, **p.op_kwargs(),
+        )  # fmt: skip
     _loss(ref, _upstream(p.n)).backward()
     ranks = run_ranks(_block_sums_rank, 3, problem, deterministic, backend, timeout=240)
     dtype = "torch.int64" if deterministic else "torch.float32"

@@ -147,7 +147,7 @@ def linear_logprob(
             that crosses a shard bound is computed whole by the rank where it starts,
             with the next ranks' weight rows sent to it (see docs/design.md). Wider
             tiles cost less (fewer partials to merge, fewer fixed-point roundings; the
-            costs are in docs/benchmarks.md). The torch backend makes its calls tile by
+            costs are in docs/history.md). The torch backend makes its calls tile by
             tile: on CUDA keep the default tile (it warns above 128 tiles per shard,
             where kernel launches bound the step).
         backend: ``"torch"`` (chunked torch ops, CPU and GPU), ``"triton"`` (the

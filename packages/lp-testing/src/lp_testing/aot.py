@@ -244,10 +244,10 @@ def _problems(options: bool = False):
     whose launches get compiled: both input dtype classes, both modes, with and without
     entropy, H a multiple of the tile or not, rows whose stride rules out tensor
     descriptors (H = 100 in bf16: 200 bytes), which takes the pointer path of every kernel,
-    and deterministic tiles of every kind (several per backward piece, one per piece, cut
-    into pieces: see triton.deterministic.vocab_pieces). ``cover``: the logit options
+    and deterministic tiles of every kind (several per vocabulary chunk, one per chunk, cut
+    into chunks: see triton.deterministic.tile_chunks). ``cover``: the logit options
     (``"bias"``, with its gradient, and ``"softcap"``), the kernels' HAS_BIAS / BIAS_GRAD /
-    SOFTCAP variants. ``options``: also the bf16 default-mode calls of every option set,
+    CAP variants. ``options``: also the bf16 default-mode calls of every option set,
     with and without entropy, beside the plain ones (``--options``: what each option adds
     to the same tile's code)."""
     both = ("bias", "softcap")

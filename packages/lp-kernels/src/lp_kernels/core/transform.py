@@ -1,7 +1,7 @@
 """The logit transform: from a raw logit to the softmax argument, its value and derivative.
 
 Every op and backend reads one :class:`LogitTransform`; this module is its torch side, and
-``lp_kernels.backends.triton.transform`` its Triton side (the same formulas as jit helpers)::
+``lp_kernels.backends.triton.softmax`` its Triton side (the same formulas as jit helpers)::
 
     l = h W^T (+ b)          the raw logit, fp32 (a bias is added to the finished GEMM sums)
     x = s l                  logit_scale s (Granite, Cohere, Falcon-H1, MiniCPM3), when set

@@ -4,7 +4,7 @@ and the point-to-point exchange of the rows of tiles that cross a shard bound.
 A rank owns the global ``deterministic_tile``-column tiles that start in its shard
 (:class:`TileOwnership`). Where a tile crosses the shard's end, the next ranks send it
 the weight rows it lacks (:func:`exchange_halo`, once per forward) and, with one tile per
-backward piece, it sends their grad_weight rows back (:func:`return_halo_grad`).
+backward chunk, it sends their grad_weight rows back (:func:`return_halo_grad`).
 Point-to-point sends only; every rank derives the same plan from the layout.
 """
 
@@ -77,7 +77,7 @@ def return_halo_grad(
     """:func:`exchange_halo` backwards: the weight-gradient rows of this rank's halo
     (``grad_halo [halo, H]``, computed with its owned tiles) go to the ranks that hold
     those rows, and the rows of this shard that other ranks' halos took (its head
-    fragment) arrive in ``grad_w``."""
+    columns) arrive in ``grad_w``."""
     _, _, sends, recvs = _halo_plan(starts, sizes, vocab_size, tile, rank)
     ops = [(dist.isend, grad_halo[a:b].contiguous(), q) for q, a, b in recvs]
     _p2p(ops + [(dist.irecv, grad_w[a:b], r) for r, a, b in sends], group)

@@ -126,9 +126,9 @@ def _global_tiles(gathered: torch.Tensor, tiles: list[int]) -> torch.Tensor:
 def merged_tile_stats(blocks, t_own, in_own, n: int, p: LogprobParams, device):
     """Tile partials of every block, exchanged and merged in global tile order.
 
-    ``blocks`` yields ``(r0, r1, rows, j, slots, z)``: token rows ``[r0, r1)`` padded to
+    ``blocks`` yields ``(r0, r1, rows, j, count, z)``: token rows ``[r0, r1)`` padded to
     ``rows``, and ``z [rows, width]``, the scaled logits of consecutive tiles whose first
-    ``slots`` are this rank's owned tiles ``[j, j + slots)`` (the first owned tile is 0);
+    ``count`` are this rank's owned tiles ``[j, j + count)`` (the first owned tile is 0);
     any after them are ignored. ``t_own`` / ``in_own``: the target's column counted from
     the first owned tile's start, and whether it is an owned column. Returns ``(lse, E or
     None, target logit, entropy or None)``, each ``[N]`` fp32. Shared with
@@ -137,12 +137,12 @@ def merged_tile_stats(blocks, t_own, in_own, n: int, p: LogprobParams, device):
     tile = p.deterministic_tile
     tiles = _rank_tiles(p)
     stats = torch.zeros((n, max(tiles), N_STATS), dtype=torch.float32, device=device)
-    for r0, r1, rows, j, slots, z in blocks:
+    for r0, r1, rows, j, count, z in blocks:
         t_rel = padded_rows(t_own, r0, r1, rows) - j * tile  # z's column
-        in_z = (t_rel >= 0) & (t_rel < slots * tile)
+        in_z = (t_rel >= 0) & (t_rel < count * tile)
         hit = padded_rows(in_own, r0, r1, rows, False) & in_z  # (a view: not in place)
         part = _tile_stats(z, t_rel, hit, tile, entropy=p.return_entropy)
-        stats[r0:r1, j : j + slots] = part[: r1 - r0, :slots]
+        stats[r0:r1, j : j + count] = part[: r1 - r0, :count]
     merged = _global_tiles(gather_stats(stats, p.tp_group, p.tp_size), tiles)
     return _merge_tiles(merged, entropy=p.return_entropy)
 

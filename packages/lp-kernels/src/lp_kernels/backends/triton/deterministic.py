@@ -30,7 +30,7 @@ for one rank::
                     fixed_point.matmul_fixed rounds each tile's fp32 dot in registers
                   wider tiles (the default tile): a chunk lies within one tile, cut from
                     the tile's start by the tile's width alone; the default path's fp32
-                    GEMM sums the tile's product, and groups of round_tiles tiles are
+                    GEMM sums the tile's product, and up to round_tiles tiles at a time are
                     rounded in one pass (fixed_point.round_into)
                 grad_weight (TileWeights):
                   several tiles per chunk: the chunk's width follows the layout, so lp's
@@ -98,7 +98,7 @@ from lp_kernels.distributed.halo import bias_halo, owned_halo, return_halo_grad,
 # Tiles wider than half a vocabulary chunk (the default tile's plan): the memory that the
 # fp32 products waiting to be rounded (DeterministicConfig.round_tiles tiles, each its own
 # [N, H] buffer) may take beyond the first. A pass reads and writes the int64 sum (16 bytes
-# per element) once for the group instead of once per tile.
+# per element) once per round instead of once per tile.
 ROUND_EXTRA_BYTES = 512 << 20
 _STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
 
@@ -161,7 +161,7 @@ def tile_launch_k(n: int, tile: int, cfg: KernelConfig) -> int | None:
     return width if len(chunks) > 1 else None
 
 
-def round_group(tiles: int, n: int, h_dim: int, most: int) -> int:
+def tiles_per_round(tiles: int, n: int, h_dim: int, most: int) -> int:
     """Tiles rounded into grad_hidden's int64 sum per pass (one fp32 [n, h_dim] buffer
     each): at most ``most`` (``DeterministicConfig.round_tiles``) and the owned ``tiles``,
     and the buffers past the first within ``ROUND_EXTRA_BYTES``. Any value gives the same
@@ -321,7 +321,7 @@ class FixedRows:
     Tiles up to half a vocabulary chunk: each chunk's tiles go through
     :func:`~lp_kernels.backends.triton.fixed_point.matmul_fixed`. Wider tiles
     (``per_tile``): each tile's fp32 product is summed by lp's GEMM into its own buffer,
-    ``group`` tiles at a time, rounded into the sum when the group is full or the owned
+    ``per_round`` tiles at a time, rounded into the sum when a round is full or the owned
     tiles end (:func:`~lp_kernels.backends.triton.fixed_point.round_into`)."""
 
     def __init__(self, hidden, w_real, b_real, lse, targets, grads, p, cfg, fixed, per_tile,
@@ -338,12 +338,12 @@ class FixedRows:
         # the first rounding overwrites it (ACC=False), unless no tile is here
         alloc = torch.empty if own.ext > 0 else torch.zeros
         self.acc = alloc((n, h_dim), dtype=torch.int64, device=hidden.device)
-        self.group = round_group(own.tiles, n, h_dim, cfg.deterministic.round_tiles)
+        self.per_round = tiles_per_round(own.tiles, n, h_dim, cfg.deterministic.round_tiles)
         self.leaf32 = None
         if per_tile and own.ext > 0:
-            shape = (self.group, n, h_dim)
+            shape = (self.per_round, n, h_dim)
             self.leaf32 = scratch.empty(shape, dtype=torch.float32, device=hidden.device)
-        self.written = False  # whether acc holds sums (a tile or a group was rounded)
+        self.written = False  # whether acc holds sums (a round of tiles was rounded)
         self.pending = 0  # tiles whose products wait in leaf32 (per_tile)
         self.place = None
 
@@ -354,9 +354,9 @@ class FixedRows:
 
     def begin(self, chunk: Chunk) -> None:
         self.place = chunk.place
-        # per_tile: round the waiting products when the group is full or none follow
+        # per_tile: round the waiting products when the round is full or none follow
         last, final = self.place.last, self.place.final
-        self.flush = last and (self.pending + 1 == self.group or final)
+        self.flush = last and (self.pending + 1 == self.per_round or final)
 
     def add(self, chunk: Chunk, r0: int, r1: int, dl, cols: int) -> None:
         if self.place.head:
@@ -541,10 +541,10 @@ def backward(saved, grads: Grads, needs, p: LogprobParams, cfg, fixed) -> Grads:
     rows = min(cfg.backward.token_chunk, n)
     acc = rows_sink and rows_sink.acc
     sums = RowSums(acc, p.tp_group, p.tp_size, rows, p.reduce_grad_hidden)
-    span_bias = None if bias is None else (b_real, b_halo, acc_b)
+    own_bias = None if bias is None else (b_real, b_halo, acc_b)
     loop = owned_chunks(
         hidden, w_real, halo, targets, (lse, mean_z), grads, p, cfg, chunks, heads, width,
-        span_bias,
+        own_bias,
     )  # fmt: skip
     run_chunks(loop, rows_sink, weight_sink, sums)
     grad_h = None

@@ -145,7 +145,7 @@ def round_into_kernel(
     """C (int64) += round(s_row * F_0) + ... + round(s_row * F_{COUNT-1}) for the fp32
     products F_i of COUNT tiles, ``stride_f`` elements apart (``ACC=False``: C = ...);
     C and every F_i contiguous [rows, H], flattened. Each F_i is rounded on its own and
-    the int64 sum is exact, so the grouping never changes C."""
+    the int64 sum is exact, so how the tiles are batched never changes C."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < numel
     b_s = tl.load(s_ptr + offs // H, mask=m, other=1.0)

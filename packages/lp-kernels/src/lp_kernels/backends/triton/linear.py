@@ -165,9 +165,9 @@ def backward(saved, grads: Grads, needs, p: LogprobParams, cfg: KernelConfig) ->
     per_launch = chunks_per_launch(n, h_dim, v_real, cfg, hidden.device)
     chunks, width = vocab_chunks(v_real, cfg), buffer_width(v_real, cfg)
     if per_launch > 1:
-        span = per_launch * cfg.backward.vocab_chunk
-        chunks = [(b, min(span, v_real - b)) for b in range(0, v_real, span)]
-        width = min(span, pad128(v_real))
+        step = per_launch * cfg.backward.vocab_chunk
+        chunks = [(b, min(step, v_real - b)) for b in range(0, v_real, step)]
+        width = min(step, pad128(v_real))
     dl = DlogitsChunks(
         hidden, w_real, targets, p.vocab_start, (lse, mean_z), upstream(*grads), p, cfg,
         chunks, width, b_real, acc_b,
