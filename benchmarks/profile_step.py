@@ -1,92 +1,129 @@
-"""Where does one forward + backward step of the triton backend spend its time, kernel by
-kernel? (GPU; the issue 3 gap between the sum of the phases and the whole step.)
+"""Where one train step of the triton backend spends its time, kernel by kernel (GPU).
 
-    python benchmarks/profile_step.py --shapes S1,S4 [--det] [--softcap C] [--bias]
-        [--out step.json]
+Per shape: the step's wall time from idle and queued behind ~20 ms of GPU work (the host's
+work before the first kernel hidden, as in a training loop), the host time to enqueue it;
+the same for the forward alone and for one GEMM of the floor; then one profiled step
+(torch.profiler): the GPU's busy time, the largest idle gaps between kernels and the busy
+time per kernel name. On CPU it runs a tiny shape through the Triton interpreter (a smoke
+test: CPU op times only)::
 
-For each shape: the step's wall time (CUDA events, median of 3) started on an idle GPU
-and queued behind ~20 ms of GPU work (the host's work before the first kernel hidden, as
-in a training loop), the host time to enqueue it; the same three for the forward alone;
-one GEMM of the floor timed both ways; the time the GPU was busy (the sum of kernel and
-memcpy/memset durations from torch.profiler, one profiled step after warm-up), the
-largest idle gaps between kernels, and the busy time per kernel name, largest first.
-``--trace DIR`` also writes chrome traces. On CPU it runs a tiny shape through the
-interpreter, as a smoke test of the script (CPU op times only).
+    python benchmarks/profile_step.py [--shapes S1,S4] [--det] [--softcap 30] [--bias]
+        [--host] [--trace DIR] [--out step.json]
+    torchrun --nproc-per-node P benchmarks/profile_step.py --tp P --shapes S2
 
-``--host`` adds a cProfile of the forward alone and of the step (20 calls each, no
-synchronization between them): the Python functions with the most host time of their
-own per call, to find what the host does before the first kernel.
-
-``--tp P`` under ``torchrun --nproc-per-node P`` (NCCL; gloo on CPU) profiles one rank's
-step of the head split P ways on Megatron's layout (``lp_bench.protocol.tp_shard``): each
-rank's figures, collectives included, are printed and written by rank 0.
+``--host`` adds a cProfile of the forward and of the step (the Python functions with the
+most host time of their own); ``--tp P`` profiles one rank's step of the head split P ways
+(``lp_bench.protocol.tp_shard``), every rank's figures written by rank 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
+if TYPE_CHECKING:
+    import torch
 
-from lp_bench.protocol import make_inputs, parse_shapes, tile_arg, tp_shard
-from lp_bench.timing import time_cpu, time_cuda
-from lp_kernels import linear_logprob
-
-DET_TILE = {"tile": "128"}  # --det-tile: an int, or tpN (bench.tile_arg, per shape)
-TP: dict = {}  # --tp: linear_logprob's tp_group / vocab_start / vocab_size
-LOGITS: dict = {}  # --softcap / --bias: linear_logprob's softcap and bias
+CPU_SHAPE = ("tiny", 64, 32, 1000)
 
 
-def _det_kw(det: bool, vocab: int) -> dict:
-    if not det:
-        return {"deterministic": False}
-    return {"deterministic": True, "deterministic_tile": tile_arg(DET_TILE["tile"], vocab)}
+@dataclasses.dataclass
+class Problem:
+    """One shape's inputs (leaves that require grad) and ``linear_logprob``'s options."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets: torch.Tensor
+    grad_out: torch.Tensor
+    bias: torch.Tensor | None
+    kwargs: dict  # tp_group / vocab_start / vocab_size, softcap, bias, deterministic...
+
+    def forward(self):
+        from lp_kernels import linear_logprob
+
+        return linear_logprob(
+            self.hidden, self.weight, self.targets, backend="triton", validate=False,
+            **self.kwargs,
+        )  # fmt: skip
+
+    def step(self) -> None:
+        """Forward, then backward of logprob with the per-token upstream gradient."""
+        self.hidden.grad = self.weight.grad = None
+        if self.bias is not None:
+            self.bias.grad = None
+        self.forward().logprob.backward(self.grad_out)
 
 
-def _step(hidden, weight, targets, grad_out, det: bool):
-    hidden.grad = weight.grad = None
-    if LOGITS.get("bias") is not None:
-        LOGITS["bias"].grad = None
-    out = linear_logprob(
-        hidden, weight, targets, backend="triton", validate=False,
-        **_det_kw(det, TP.get("vocab_size", weight.shape[0])), **TP, **LOGITS,
-    )  # fmt: skip
-    out.logprob.backward(grad_out)
+def make_problem(n: int, h: int, v: int, device: str, det: bool, args) -> Problem:
+    """``lp bench``'s inputs of a shape (this rank's shard under TP), with the options."""
+    import torch
+    import torch.distributed as dist
+
+    from lp_bench.protocol import make_inputs, tile_arg, tp_shard
+
+    hidden, weight, targets, grad_out = make_inputs(n, h, v, device=device)
+    kwargs: dict = {"deterministic": det}
+    if dist.is_initialized():
+        weight, start = tp_shard(weight, dist.get_world_size(), dist.get_rank())
+        kwargs.update(tp_group=dist.group.WORLD, vocab_start=start, vocab_size=v)
+    if det:
+        kwargs["deterministic_tile"] = tile_arg(args.det_tile, v)
+    if args.softcap is not None:
+        kwargs["softcap"] = args.softcap
+    bias = None
+    if args.bias:  # a bias of the shard's rows, in the weight's dtype
+        gen = torch.Generator(device=device).manual_seed(1)
+        b = torch.randn(weight.shape[0], device=device, generator=gen)
+        bias = kwargs["bias"] = b.to(weight.dtype).requires_grad_()
+    return Problem(
+        hidden.requires_grad_(), weight.requires_grad_(), targets, grad_out, bias, kwargs
+    )
 
 
-def _wall_ms(fn, device: str, reps: int = 3) -> float:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _wall_ms(fn: Callable, device: str, reps: int = 3) -> float:
+    from lp_bench.timing import time_cpu, time_cuda
+
     timer = time_cuda if device == "cuda" else time_cpu
     return statistics.median(timer(fn, warmup=1, reps=reps))
 
 
-def _host_ms(fn, device: str, reps: int = 3) -> float:
-    """Host time to enqueue one step (no synchronization inside): when it is close to the
-    wall time, the step is launch-bound and the GPU waits on the host."""
+def _host_ms(fn: Callable, device: str, reps: int = 3) -> float:
+    """Host time to enqueue one call (no synchronization inside): when it is close to the
+    wall time, the call is launch-bound and the GPU waits on the host."""
     times = []
     for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        _sync(device)
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    if device == "cuda":
-        torch.cuda.synchronize()
+    _sync(device)
     return statistics.median(times)
 
 
-def _queued_ms(fn, device: str, reps: int = 3) -> float:
-    """Wall time of one step queued behind ~20 ms of GPU sleep, so that the host's work
+def _queued_ms(fn: Callable, device: str, reps: int = 3) -> float:
+    """Wall time of one call queued behind ~20 ms of GPU sleep, so that the host's work
     before the first kernel is hidden (as in a training step, where the host runs ahead)."""
     if device != "cuda":
         return float("nan")
+    import torch
+
+    from lp_bench.timing import time_cuda
 
     def sleep():
         torch.cuda._sleep(40_000_000)  # cycles, ~20 ms
@@ -94,23 +131,20 @@ def _queued_ms(fn, device: str, reps: int = 3) -> float:
     return statistics.median(time_cuda(fn, warmup=0, reps=reps, before=sleep))
 
 
-def _host_profile(fn, device: str, calls: int = 20, top: int = 15) -> list[dict]:
+def _host_profile(fn: Callable, device: str, calls: int = 20, top: int = 15) -> list[dict]:
     """The functions with the most host time of their own (cProfile ``tottime``) over
     ``calls`` calls made back to back after a warm-up call, per call in microseconds."""
     import cProfile
     import pstats
 
     fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
+    _sync(device)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
         fn()
     prof.disable()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    stats = pstats.Stats(prof).stats
+    _sync(device)
     rows = [
         {
             "function": f"{os.path.basename(file)}:{line}({func})",
@@ -118,7 +152,7 @@ def _host_profile(fn, device: str, calls: int = 20, top: int = 15) -> list[dict]
             "cum_us": ct / calls * 1e6,
             "calls": nc / calls,
         }
-        for (file, line, func), (_, nc, tt, ct, _) in stats.items()
+        for (file, line, func), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()
     ]
     rows.sort(key=lambda r: -r["own_us"])
     return rows[:top]
@@ -127,6 +161,8 @@ def _host_profile(fn, device: str, calls: int = 20, top: int = 15) -> list[dict]
 def _gaps(prof, top: int = 8) -> list[dict]:
     """The largest idle gaps between consecutive GPU activities of the profiled step, with
     the activities on either side (where the GPU waited)."""
+    import torch
+
     evs = sorted(
         (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
         key=lambda e: e.time_range.start,
@@ -142,53 +178,10 @@ def _gaps(prof, top: int = 8) -> list[dict]:
     return [summary, *gaps[:top]]
 
 
-def profile_shape(
-    name: str, n: int, h: int, v: int, device: str, det: bool, trace_dir: str | None = None,
-    host: bool = False,
-) -> dict:  # fmt: skip
-    hidden, weight, targets, grad_out = make_inputs(n, h, v, device=device)
-    if dist.is_initialized():
-        weight, start = tp_shard(weight, dist.get_world_size(), dist.get_rank())
-        TP.update(tp_group=dist.group.WORLD, vocab_start=start, vocab_size=v)
-    hidden.requires_grad_()
-    weight.requires_grad_()
-    if "bias" in LOGITS:  # --bias: a bias of the shard's rows, in the weight's dtype
-        gen = torch.Generator(device=device).manual_seed(1)
-        b = torch.randn(weight.shape[0], device=device, generator=gen)
-        LOGITS["bias"] = b.to(weight.dtype).requires_grad_()
+def _kernel_times(prof, device: str) -> tuple[dict[str, float], dict[str, int]]:
+    """Busy milliseconds and calls per kernel name (CPU: per top-level op)."""
+    import torch
 
-    def fn():
-        _step(hidden, weight, targets, grad_out, det)
-
-    wall = _wall_ms(fn, device)
-    host = _host_ms(fn, device)
-    hidden_wall = _queued_ms(fn, device)
-
-    def fwd():
-        linear_logprob(
-            hidden, weight, targets, backend="triton", validate=False,
-            **_det_kw(det, TP.get("vocab_size", weight.shape[0])), **TP, **LOGITS,
-        )  # fmt: skip
-
-    fwd_wall, fwd_queued, fwd_host = (
-        _wall_ms(fwd, device),
-        _queued_ms(fwd, device),
-        _host_ms(fwd, device),
-    )
-
-    def gemm():  # one GEMM of the floor, timed the same two ways
-        hidden.detach() @ weight.detach().T
-
-    gemm_wall, gemm_queued = _wall_ms(gemm, device), _queued_ms(gemm, device)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=acts) as prof:
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-    if trace_dir and device == "cuda":
-        rank = f"-rank{dist.get_rank()}" if dist.is_initialized() else ""
-        prof.export_chrome_trace(f"{trace_dir}/{name}-{'det' if det else 'default'}{rank}.json")
-    gaps = _gaps(prof) if device == "cuda" else []
     per_name: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     for ev in prof.events():
@@ -202,55 +195,118 @@ def profile_shape(
             us = ev.cpu_time_total
         per_name[ev.name[:80]] += us / 1e3
         calls[ev.name[:80]] += 1
+    return per_name, calls
+
+
+def profile_shape(name: str, n: int, h: int, v: int, device: str, det: bool, args) -> dict:
+    """Every figure of one shape and mode (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    prob = make_problem(n, h, v, device, det, args)
+
+    def fwd() -> None:
+        prob.forward()
+
+    def gemm() -> None:  # one GEMM of the floor, timed the same ways
+        prob.hidden.detach() @ prob.weight.detach().T
+
+    figures = {}
+    for fn, wall, queued, host in (
+        (prob.step, "wall_ms", "queued_wall_ms", "host_ms"),
+        (fwd, "fwd_wall_ms", "fwd_queued_ms", "fwd_host_ms"),
+        (gemm, "gemm_wall_ms", "gemm_queued_ms", None),
+    ):
+        figures[wall], figures[queued] = _wall_ms(fn, device), _queued_ms(fn, device)
+        if host:
+            figures[host] = _host_ms(fn, device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        prob.step()
+        _sync(device)
+    if args.trace and device == "cuda":
+        rank = f"-rank{dist.get_rank()}" if dist.is_initialized() else ""
+        prof.export_chrome_trace(f"{args.trace}/{name}-{'det' if det else 'default'}{rank}.json")
+    per_name, calls = _kernel_times(prof, device)
     busy = sum(per_name.values())
-    kernels = sorted(per_name.items(), key=lambda kv: -kv[1])
     host_rows = {}
-    if host:
+    if args.host:
         with torch.no_grad():
             host_rows["fwd"] = _host_profile(fwd, device)
-        host_rows["step"] = _host_profile(fn, device)
+        host_rows["step"] = _host_profile(prob.step, device)
     return {
+        "shape": name, "N": n, "H": h, "V": v, "deterministic": det, **figures,
+        "busy_ms": busy, "idle_ms": figures["wall_ms"] - busy,
+        "gaps": _gaps(prof) if device == "cuda" else [],
+        "kernels": [
+            {"name": k, "ms": ms, "calls": calls[k]}
+            for k, ms in sorted(per_name.items(), key=lambda kv: -kv[1])
+        ],
         "host_profile": host_rows,
-        "shape": name, "N": n, "H": h, "V": v, "deterministic": det, "wall_ms": wall,
-        "host_ms": host, "queued_wall_ms": hidden_wall, "fwd_wall_ms": fwd_wall,
-        "fwd_queued_ms": fwd_queued, "fwd_host_ms": fwd_host, "gemm_wall_ms": gemm_wall,
-        "gemm_queued_ms": gemm_queued, "busy_ms": busy,
-        "idle_ms": wall - busy, "gaps": gaps,
-        "kernels": [{"name": k, "ms": ms, "calls": calls[k]} for k, ms in kernels],
     }  # fmt: skip
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="S1,S4")
+def report(r: dict) -> None:
+    """One shape's figures, printed."""
+    mode = "det" if r["deterministic"] else "default"
+    if "rank" in r:
+        mode += f" TP{r['tp']} rank {r['rank']}"
+    print(
+        f"{r['shape']} {mode}: wall {r['wall_ms']:.2f} ms (queued {r['queued_wall_ms']:.2f}), "
+        f"host enqueue {r['host_ms']:.2f} ms; forward {r['fwd_wall_ms']:.2f} ms (queued "
+        f"{r['fwd_queued_ms']:.2f}, host {r['fwd_host_ms']:.2f}); one floor GEMM "
+        f"{r['gemm_wall_ms']:.2f} ms (queued {r['gemm_queued_ms']:.2f}); "
+        f"busy {r['busy_ms']:.2f} ms, idle {r['idle_ms']:.2f} ms"
+    )
+    for g in r["gaps"]:
+        print(f"   gap {g['ms']:7.3f} ms  after {g['after']}  before {g['before']}")
+    for k in r["kernels"][:12]:
+        print(f"   {k['ms']:9.2f} ms  x{k['calls']:<4d} {k['name']}")
+    for what, funcs in r["host_profile"].items():
+        print(f"   host, {what} (us per call: own, cumulative; calls per call):")
+        for f in funcs:
+            print(f"   {f['own_us']:9.1f} {f['cum_us']:9.1f} {f['calls']:6.1f}  {f['function']}")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="S1,S4", help="S1-S6 or NxHxV (GPU)")
     ap.add_argument("--det", action="store_true", help="also profile deterministic=True")
     ap.add_argument(
         "--det-tile", default="128", help="deterministic_tile of --det: an int, or tpN (e.g. tp8)"
     )
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--trace", default=None, help="folder for chrome traces (GPU)")
-    ap.add_argument("--tp", type=int, default=1, help="under torchrun: the head split P ways")
-    ap.add_argument("--host", action="store_true", help="also cProfile the host's calls")
     ap.add_argument("--softcap", type=float, default=None, help="final-logit softcapping C")
     ap.add_argument("--bias", action="store_true", help="with an LM-head bias (and its grad)")
-    args = ap.parse_args()
-    if args.softcap is not None:
-        LOGITS["softcap"] = args.softcap
-    if args.bias:
-        LOGITS["bias"] = None  # made per shape
-    DET_TILE["tile"] = args.det_tile
+    ap.add_argument("--host", action="store_true", help="also cProfile the host's calls")
+    ap.add_argument("--tp", type=int, default=1, help="under torchrun: the head split P ways")
+    ap.add_argument("--trace", default=None, help="folder for chrome traces (GPU)")
+    ap.add_argument("--out", default=None, help="JSON of every shape's figures")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    import torch
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # before lp_kernels is imported
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch.distributed as dist
+
+    from lp_bench.protocol import parse_shapes
+
     if args.tp > 1:
         rank = int(os.environ["LOCAL_RANK"])
         if device == "cuda":
             torch.cuda.set_device(rank)
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
         if dist.get_world_size() != args.tp:
-            raise ValueError(f"--tp {args.tp} needs as many torchrun processes")
-    shapes = parse_shapes(args.shapes) if device == "cuda" else [("tiny", 64, 32, 1000)]
+            raise SystemExit(f"--tp {args.tp} needs as many torchrun processes")
+    shapes = parse_shapes(args.shapes) if device == "cuda" else [CPU_SHAPE]
     rows = [
-        profile_shape(*s, device, det, args.trace, args.host)
-        for s in shapes
+        profile_shape(*shape, device, det, args)
+        for shape in shapes
         for det in ((False, True) if args.det else (False,))
     ]
     if args.tp > 1:
@@ -260,32 +316,14 @@ def main() -> None:
         done = dist.get_rank() != 0
         dist.destroy_process_group()
         if done:
-            return
+            return 0
     for r in rows:
-        mode = "det" if r["deterministic"] else "default"
-        if "rank" in r:
-            mode += f" TP{r['tp']} rank {r['rank']}"
-        print(
-            f"{r['shape']} {mode}: wall {r['wall_ms']:.2f} ms (queued {r['queued_wall_ms']:.2f}), "
-            f"host enqueue {r['host_ms']:.2f} ms; forward {r['fwd_wall_ms']:.2f} ms (queued "
-            f"{r['fwd_queued_ms']:.2f}, host {r['fwd_host_ms']:.2f}); one floor GEMM "
-            f"{r['gemm_wall_ms']:.2f} ms (queued {r['gemm_queued_ms']:.2f}); "
-            f"busy {r['busy_ms']:.2f} ms, idle {r['idle_ms']:.2f} ms"
-        )
-        for g in r["gaps"]:
-            print(f"   gap {g['ms']:7.3f} ms  after {g['after']}  before {g['before']}")
-        for k in r["kernels"][:12]:
-            print(f"   {k['ms']:9.2f} ms  x{k['calls']:<4d} {k['name']}")
-        for what, funcs in r["host_profile"].items():
-            print(f"   host, {what} (us per call: own, cumulative; calls per call):")
-            for f in funcs:
-                print(
-                    f"   {f['own_us']:9.1f} {f['cum_us']:9.1f} {f['calls']:6.1f}  {f['function']}"
-                )
+        report(r)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -308,11 +308,13 @@ def losses_unavailable() -> str | None:
     return None
 
 
-def policy_loss(entropy: bool = False):
+def policy_loss(entropy: bool = False, losses=None):
     """The ``loss`` mode's ``loss_fn``: DAPO (clip 0.2 / 0.28) with a k3 KL penalty
     (:data:`KL_COEF`) to ``ref_logprob``; with ``entropy``, an entropy bonus
-    (:data:`ENTROPY_COEF`). A :class:`lp_kernels.losses.PolicyLoss`."""
-    from lp_kernels import losses
+    (:data:`ENTROPY_COEF`). A :class:`lp_kernels.losses.PolicyLoss`, made by ``losses``
+    (another tree's ``lp_kernels.losses`` module; None: this one's)."""
+    if losses is None:
+        from lp_kernels import losses
 
     bonus = ENTROPY_COEF if entropy else 0.0
     return losses.dapo(kl_coef=KL_COEF, kl_estimator="k3", entropy_coef=bonus)
