@@ -67,7 +67,7 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
     ]  # fmt: skip
     assert acc, lines
     assert all("C_TMA=True" in line and " 0 B stack" in line for line in acc), acc
-    # ... in both output block widths (triton.gemm.mm_block_n: the narrow one on small
+    # ... in both output block widths (triton.plan.mm_block_n: the narrow one on small
     # grids, the pinned one under the "wide" experiment)
     assert {"BLOCK_N=128", "BLOCK_N=256"} <= {
         m.group(0) for x in acc if (m := re.search(r"BLOCK_N=\d+", x))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -38,28 +36,6 @@ def test_triton_config_by_shared_memory(smem_kib, tier, monkeypatch):
     assert tri.config_for(torch.device("cpu"), torch.float32) == tri.INTERPRET_CONFIG
 
 
-@pytest.mark.parametrize(
-    "v_real, tile, chunk, chunks, width",
-    [
-        (1000, 128, 512, [(0, 512), (512, 488)], 512),  # several tiles per chunk
-        (300, 128, 512, [(0, 300)], 384),  # a narrow shard: a narrower buffer
-        (1000, 384, 512, [(0, 384), (384, 384), (768, 232)], 384),  # one tile per chunk
-        (200, 384, 512, [(0, 200)], 384),  # ... its width set by the tile alone
-        (1000, 640, 512, [(0, 384), (384, 256), (640, 360)], 384),  # tiles cut in two
-        (2000, 1408, 512, [(0, 512), (512, 512), (1024, 384), (1408, 512), (1920, 80)], 512),
-    ],
-)
-def test_deterministic_tile_chunks(v_real, tile, chunk, chunks, width):
-    """The backward's vocabulary chunks: tile-aligned, in order, covering the shard, and (one
-    tile per chunk or less) cut by the tile alone, so every layout cuts a global tile alike."""
-    import lp_kernels.backends.triton.deterministic as tdet
-
-    got, got_width = tdet.tile_chunks(v_real, tile, chunk)
-    assert (got, got_width) == (chunks, width)
-    assert got[0][0] == 0 and sum(c for _, c in got) == v_real
-    assert all(b + c == nb for (b, c), (nb, _) in itertools.pairwise(got))
-
-
 @pytest.mark.parametrize("vocab, max_tp", [(151936, 8), (248320, 8), (1000, 4), (50, 1)])
 def test_deterministic_tile_for_serves_every_degree(vocab, max_tp):
     """The tile divides every even shard of the vocabulary padded to 128 x max_tp, at every
@@ -79,38 +55,6 @@ def test_deterministic_tile_for_rejects_bad_arguments():
     for args in ((0, 8), (1000, 0), (1000, 2.0), (True, 8)):
         with pytest.raises(ValueError, match="must be a positive int"):
             deterministic_tile_for(*args)
-
-
-@pytest.mark.parametrize(
-    ("m", "n", "width"),
-    [
-        (1024, 2048, 128),  # 64 blocks of 128 x 256 for 132 SMs: the narrow grid, one wave
-        (1024, 4096, 256),  # 128 wide blocks: one wave either way
-        (2048, 2048, 256),
-        (1152, 4096, 128),  # 144 wide blocks: two waves, the second almost empty
-        (16384, 2048, 256),  # S2's grad_hidden: 1024 blocks
-        (8192, 4096, 256),  # S1's
-        (1, 2048, 128),
-        (300, 100, 128),
-    ],
-)
-def test_gemm_output_block_follows_the_grid(m, n, width, monkeypatch):
-    """lp's GEMM takes the narrow output block only where the pinned one leaves the GPU
-    mostly idle (a wave model with the narrow program's measured cost). This is the one block
-    chosen by size: it does not change the bits (test_determinism, test_gpu)."""
-    import lp_kernels.backends.triton.config as tri
-    import lp_kernels.backends.triton.gemm as gemm
-
-    monkeypatch.setattr(tri, "smem_per_block", lambda device: 227 << 10)
-    monkeypatch.setattr(gemm, "sm_count", lambda device: 132)  # where mm_block_n reads it
-    dev = torch.device("cuda", 0)
-    bf16, fp32 = tri.config_for(dev, torch.bfloat16), tri.config_for(dev, torch.float32)
-    assert gemm.mm_block_n(bf16, m, n, dev) == width
-    assert gemm.mm_block_n(fp32, m, n, dev) == fp32.gemm.block_n  # already narrow: never halved
-    monkeypatch.setattr(gemm, "sm_count", lambda device: None)  # the interpreter: no waves
-    assert gemm.mm_block_n(bf16, m, n, dev) == bf16.gemm.block_n
-    monkeypatch.undo()
-    assert tri.sm_count(torch.device("cpu")) is None
 
 
 def test_auto_backend_on_a_cuda_device_picks_triton(monkeypatch):

@@ -141,12 +141,12 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
 ):
     """Tensor-descriptor loads against pointer loads, the swizzled launch order against
     another swizzle, the GEMM's pinned output block against its narrow one (chosen by the
-    grid: triton.gemm.mm_block_n), in both modes (deterministic: tile 128, or 384 with a
+    grid: triton.plan.mm_block_n), in both modes (deterministic: tile 128, or 384 with a
     cut last tile): the same products in the same order, so the same bits (the load path
     is chosen by H, dtype and alignment; see triton.config.tma_ok). Each config is set
     for the call (config.use_config)."""
-    import lp_kernels.backends.triton.backward as tbwd
     import lp_kernels.backends.triton.gemm as gemm
+    import lp_kernels.backends.triton.plan as plan
     from lp_kernels.backends.triton.config import config_for, tma_ok, use_config
 
     base = config_for(torch.device(device), dtype)
@@ -163,7 +163,7 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
         div = change.pop("div", None)
         width = by_grid if div is None else (lambda cfg, *_, d=div: cfg.gemm.block_n // d)
         monkeypatch.setattr(gemm, "mm_block_n", width)  # the GEMM's and chunks_per_launch's
-        monkeypatch.setattr(tbwd, "mm_block_n", width)
+        monkeypatch.setattr(plan, "mm_block_n", width)
         h = p.hidden.detach().clone().requires_grad_()
         w = p.weight.detach().clone().requires_grad_()
         with use_config(base.replace(**change)):
@@ -185,7 +185,7 @@ def test_triton_load_path_and_launch_order_do_not_change_bits(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_vocabulary_chunks_per_launch_do_not_change_bits(dtype, h, device, monkeypatch):
     """At small N the default backward takes several vocabulary chunks per launch
-    (triton.backward.chunks_per_launch, chosen by N): the outputs and grad_hidden are bitwise
+    (triton.plan.chunks_per_launch, chosen by N): the outputs and grad_hidden are bitwise
     those of one launch per chunk, for counts that divide the shard's chunks or not and a
     last chunk cut short (padded vocabulary, ignored rows, temperature, entropy), through
     tensor descriptors (one GEMM launch per launch's chunks) or pointers (H = 50: rows not
@@ -193,8 +193,8 @@ def test_triton_vocabulary_chunks_per_launch_do_not_change_bits(dtype, h, device
     launch on CUDA (its kernel may follow the shape), so it is compared to fp32 accuracy
     there."""
     import lp_kernels.backends.triton.linear as tlin
-    from lp_kernels.backends.triton.backward import chunks_per_launch
     from lp_kernels.backends.triton.config import config_for, tma_ok
+    from lp_kernels.backends.triton.plan import chunks_per_launch
 
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if (device == "cpu") != interpreting:
@@ -280,6 +280,7 @@ def test_triton_gemm_chunks_in_one_launch_or_one_per_chunk(dtype, accumulate, de
     each on both output block widths (forced), bitwise equal to explicit calls per chunk in
     order, and to C + A @ B within fp32 accuracy. M and N are not multiples of the blocks."""
     import lp_kernels.backends.triton.gemm as gemm
+    from lp_kernels.backends.triton.plan import narrow_block_n
 
     m, n, chunk = 131, 200, 256
     k = 3 * chunk + 128  # a last chunk cut short
@@ -312,26 +313,12 @@ def test_triton_gemm_chunks_in_one_launch_or_one_per_chunk(dtype, accumulate, de
             per_call, a[:, k0 : k0 + kc], b[k0 : k0 + kc], cfg, k_a=kc,
             accumulate=accumulate or k0 > 0,
         )  # fmt: skip
-    for width in sorted({gemm.narrow_block_n(cfg), cfg.gemm.block_n}):
+    for width in sorted({narrow_block_n(cfg), cfg.gemm.block_n}):
         for split in (False, True):
             got = run(width, chunk, split)
             assert_bitwise_equal(got, per_call, f"output block {width}, split {split}")
     ref = a.double() @ b.double() + (c0.double() if accumulate else 0)
     assert float((per_call.double() - ref).norm() / ref.norm()) < 1e-6
-
-
-def test_tiles_per_round_within_its_memory_budget(monkeypatch):
-    """DeterministicConfig.round_tiles tiles rounded per pass (``tiles_per_round``), fewer
-    where the rank owns fewer tiles or the buffers past the first would pass
-    ROUND_EXTRA_BYTES (4 bytes per element of [N, H])."""
-    import lp_kernels.backends.triton.deterministic as tdet
-
-    monkeypatch.setattr(tdet, "ROUND_EXTRA_BYTES", 512 << 20)
-    assert tdet.tiles_per_round(8, 16384, 2048, 4) == 4  # S4: 3 x 128 MiB
-    assert tdet.tiles_per_round(8, 32768, 4096, 4) == 2  # S3: 1 x 512 MiB
-    assert tdet.tiles_per_round(8, 65536, 8192, 4) == 1  # 2 GiB per buffer: one at a time
-    assert tdet.tiles_per_round(3, 16384, 2048, 4) == 3  # as many as the rank's tiles
-    assert tdet.tiles_per_round(0, 0, 2048, 4) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -230,8 +230,8 @@ def test_tile_launches_keep_every_rows_bits():
     of 3 (one launch per tile) are bitwise those of the same rows in a batch of 100 (2 x
     100 rows pass the interpreter's 128-row token chunk: one launch per chunk), outputs and
     grad_hidden (fp32: a bf16 grad_hidden's last rounding would hide a changed sum)."""
-    from lp_kernels.backends.triton import deterministic as tdet
     from lp_kernels.backends.triton.config import INTERPRET_CONFIG, use_config
+    from lp_kernels.backends.triton.plan import tile_launch_k
 
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
         pytest.skip("triton on CPU needs TRITON_INTERPRET=1 (set when no GPU is present)")
@@ -239,8 +239,8 @@ def test_tile_launches_keep_every_rows_bits():
     cfg = INTERPRET_CONFIG.replace(
         backward={"vocab_chunk": 256}, forward={"v_split": 256}, gemm={"block_k": 64}
     )
-    assert tdet.tile_launch_k(3, 384, cfg) == 256
-    assert tdet.tile_launch_k(100, 384, cfg) is None
+    assert tile_launch_k(3, 384, cfg) == 256
+    assert tile_launch_k(100, 384, cfg) is None
     p = make_problem(
         100, 24, 1000, dtype=torch.float32, seed=11, ignore_frac=0.1, padded_vocab=1152,
         temperature=0.8,
@@ -542,7 +542,7 @@ def test_every_layout_makes_the_single_process_grad_weight_calls(tile, chunk):
     and every chunk of that plan must be computed. Pure bookkeeping, on many layouts."""
     import dataclasses
 
-    from lp_kernels.backends.triton.deterministic import backward_chunks
+    from lp_kernels.backends.triton.plan import backward_chunks
     from lp_kernels.core.transform import LogitTransform
     from lp_kernels.core.types import LogprobParams
 

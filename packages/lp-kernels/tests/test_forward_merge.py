@@ -13,13 +13,8 @@ import torch.distributed as dist
 
 from lp_kernels import linear_logprob
 from lp_kernels.backends.triton import forward as fwd
-from lp_kernels.backends.triton.config import (
-    GPU_CONFIG,
-    INTERPRET_CONFIG,
-    split_width,
-    use_config,
-)
-from lp_kernels.backends.triton.deterministic import deterministic_config
+from lp_kernels.backends.triton.config import INTERPRET_CONFIG, use_config
+from lp_kernels.backends.triton.plan import split_width
 from lp_testing import (
     assert_bitwise_equal,
     assert_close,
@@ -33,25 +28,6 @@ interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") != "1",
     reason="CPU tensors through Triton's interpreter (the GPU runs cover the CUDA launches)",
 )
-
-
-def test_split_width_follows_the_vocabulary_width():
-    """1024 columns where that leaves at least 32 splits, else 512; never from N."""
-    assert GPU_CONFIG.forward.v_split == 1024 and GPU_CONFIG.forward.narrow_split == 512
-    assert split_width(151936, GPU_CONFIG) == 1024
-    assert split_width(31 * 1024 + 1, GPU_CONFIG) == 1024  # 32 splits, the last of 1 column
-    assert split_width(31 * 1024, GPU_CONFIG) == 512
-    assert split_width(18992, GPU_CONFIG) == 512  # a TP 8 shard of a 152k vocabulary
-    assert split_width(1, GPU_CONFIG) == 512
-    # the interpreter's config never narrows; a config may turn it off
-    assert split_width(300, INTERPRET_CONFIG) == INTERPRET_CONFIG.forward.v_split
-    assert split_width(300, GPU_CONFIG.replace(forward={"narrow_split": 0})) == 1024
-    # deterministic=True: the rule on the tile's width (the same on every layout)
-    cpu = torch.device("cpu")
-    for tile, width in ((151936 // 8 // 128 * 128 + 128, 512), (65536, 1024), (128, 128)):
-        with use_config(GPU_CONFIG):
-            cfg, _ = deterministic_config(cpu, torch.bfloat16, tile)
-        assert cfg.forward.v_split == width, (tile, cfg.forward.v_split)
 
 
 def _partials(n: int, splits: int, width: int, seed: int):

@@ -250,14 +250,14 @@ def test_large_index_products(n, h, v, backend):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
 def test_size_dependent_launches_keep_batch_invariance(deterministic, dtype, v, monkeypatch):
     """What follows N without changing the bits: lp's GEMM takes its narrow output block
-    where the pinned grid leaves the GPU mostly idle (triton.gemm.mm_block_n), and the
+    where the pinned grid leaves the GPU mostly idle (triton.plan.mm_block_n), and the
     default backward takes several vocabulary chunks per launch at small N
-    (triton.backward.chunks_per_launch). At H = 2048, 8,192 rows take the pinned block, one
+    (triton.plan.chunks_per_launch). At H = 2048, 8,192 rows take the pinned block, one
     chunk per launch; 1,024 rows and a single row the narrow block, and (four chunks) all
     four chunks in one launch. A row's outputs and its grad_hidden row are the same bits in
     all three."""
-    import lp_kernels.backends.triton.backward as tri
     import lp_kernels.backends.triton.gemm as gemm
+    import lp_kernels.backends.triton.plan as tri
     from lp_kernels.backends.triton.config import config_for
 
     n, h = 8192, 2048
@@ -301,19 +301,19 @@ def test_size_dependent_launches_keep_batch_invariance(deterministic, dtype, v, 
 def test_deterministic_tile_launches_keep_batch_invariance(h, monkeypatch):
     """deterministic=True with tiles wider than a vocabulary chunk (chunks of a tile): at
     8,192 rows one launch per chunk; at 1,024 and 2,048 rows one launch per tile
-    (triton.deterministic.tile_launch_k), whose grad_hidden GEMM keeps each chunk's sum
+    (triton.plan.tile_launch_k), whose grad_hidden GEMM keeps each chunk's sum
     (chunk_k): split side by side on the pinned block at H = 2048 (gemm.split_chunks), one
     launch per chunk on the pinned block at H = 4096. A row's outputs and grad_hidden row
     are the same bits in all of them; grad_weight (cuBLAS, whose kernel follows the
     merged shape) the same bits run to run."""
-    import lp_kernels.backends.triton.deterministic as tdet
     import lp_kernels.backends.triton.gemm as gemm
     from lp_kernels.backends.triton.config import config_for
+    from lp_kernels.backends.triton.plan import tile_launch_k
 
     n, v, tile = 8192, 40000, 20096
     cfg = config_for(torch.device("cuda"), torch.bfloat16)
-    assert tdet.tile_launch_k(n, tile, cfg) is None
-    assert tdet.tile_launch_k(1024, tile, cfg) is not None
+    assert tile_launch_k(n, tile, cfg) is None
+    assert tile_launch_k(1024, tile, cfg) is not None
     splits = []
     by_rule = gemm.split_chunks
 

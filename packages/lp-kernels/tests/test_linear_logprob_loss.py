@@ -483,28 +483,6 @@ def test_bad_value_and_grad_is_named(grads, match):
         linear_logprob_loss(p.hidden, p.weight, p.targets, _BadClosedForm(grads))
 
 
-def test_logits_chunks_fill_the_waves():
-    """The triton backend's logits chunks: they cover the gradient chunk in order, none
-    past the bound, and take no more waves than equal chunks of the bound do."""
-    from lp_kernels.backends.triton.loss import logits_chunks
-
-    def waves(sizes, splits, sms):
-        return sum(-(-(-(-k // 128) * splits) // sms) for k in sizes)
-
-    assert logits_chunks(8192, 2048, 128, 19, None) == [2048] * 4
-    assert logits_chunks(8192, 2048, 128, 19, 132) == [1664] * 4 + [1536]  # 10 waves, not 12
-    assert logits_chunks(2048, 2048, 128, 38, 132) == [2048]
-    assert logits_chunks(0, 2048, 128, 38, 132) == []
-    for rows in (1, 127, 128, 129, 1000, 4096, 8191, 8192, 12345):
-        for r_max in (128, 640, 2048, 8192):
-            for splits, sms in ((1, 132), (19, 132), (38, 132), (31, 78), (8, 7)):
-                sizes = logits_chunks(rows, r_max, 128, splits, sms)
-                plain = logits_chunks(rows, r_max, 128, splits, None)
-                assert sum(sizes) == rows and all(0 < k <= r_max for k in sizes)
-                assert all(k % 128 == 0 for k in sizes[:-1])
-                assert waves(sizes, splits, sms) <= waves(plain, splits, sms)
-
-
 def test_fitted_logits_chunks_keep_every_bit(monkeypatch):
     """Cutting a gradient chunk into other logits chunks changes no output and no gradient
     bit (the interpreter has no waves: an SM count is patched in to make it cut)."""

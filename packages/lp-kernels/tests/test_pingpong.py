@@ -60,6 +60,7 @@ logits on the tanh's curve)."""
 def test_pingpong_partials_are_the_triton_kernels(dtype, n, h, v, first, max_v, softcap, bias):
     from lp_kernels.backends.triton import forward
     from lp_kernels.backends.triton.pingpong import pingpong_ok, pingpong_stats
+    from lp_kernels.backends.triton.plan import shard_splits
 
     gen = torch.Generator(device="cuda").manual_seed(n + h + v)
     hidden = torch.randn(n, h, device="cuda", generator=gen).to(dtype)
@@ -81,7 +82,7 @@ def test_pingpong_partials_are_the_triton_kernels(dtype, n, h, v, first, max_v, 
         assert not pingpong_ok(hidden, weight, p, off)
         assert pingpong_ok(hidden, weight, p, on)
         # the kernel itself
-        width, splits = forward.shard_splits(v, p, on)
+        width, splits = shard_splits(v, p, on)
         got = torch.empty((splits, n, 4), device="cuda")
         pingpong_stats(hidden, weight, targets, first, p, on, got, width, b_real)
         want = forward.forward_stats(hidden, weight, targets, first, p, off, b_real).clone()

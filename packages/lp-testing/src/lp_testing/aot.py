@@ -64,10 +64,12 @@ _DTYPES = {
 
 # The triton backend's modules: a patched name is replaced in each that holds it.
 _TRITON = "lp_kernels.backends.triton"
-_MODULES = ("config", "tl_utils", "softmax", "forward", "backward", "gemm", "fixed_point",
-            "linear", "deterministic", "loss")  # fmt: skip
+_MODULES = (
+    "config", "plan", "tl_utils", "softmax", "forward", "backward", "gemm", "fixed_point",
+    "linear", "deterministic", "loss",
+)  # fmt: skip
 # Streaming multiprocessors of the pretend GPU (triton.config.sm_count): H200's. With it
-# the small problems below take the GEMM's narrow output tile (triton.gemm.mm_block_n);
+# the small problems below take the GEMM's narrow output tile (triton.plan.mm_block_n);
 # the "wide" variant prices the narrow tile out, so they take the pinned one.
 SMS = 132
 
@@ -245,7 +247,7 @@ def _problems(options: bool = False):
     entropy, H a multiple of the tile or not, rows whose stride rules out tensor
     descriptors (H = 100 in bf16: 200 bytes), which takes the pointer path of every kernel,
     and deterministic tiles of every kind (several per vocabulary chunk, one per chunk, cut
-    into chunks: see triton.deterministic.tile_chunks). ``cover``: the logit options
+    into chunks: see triton.plan.tile_chunks). ``cover``: the logit options
     (``"bias"``, with its gradient, and ``"softcap"``), the kernels' HAS_BIAS / BIAS_GRAD /
     CAP variants. ``options``: also the bf16 default-mode calls of every option set,
     with and without entropy, beside the plain ones (``--options``: what each option adds

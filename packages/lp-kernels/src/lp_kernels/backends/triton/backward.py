@@ -5,7 +5,7 @@ helpers of the two gradient GEMMs.
 dtype into a scratch ``[token_chunk, vocab_chunk]`` buffer (bounded, any N), with exact
 zeros in its padded columns (``v_store``) so the GEMMs that read it vectorize alike on
 every shard; its arithmetic is ``softmax.dlogits_block``. :func:`dlogits_chunks` drives it
-for both triton modes; :func:`chunks_per_launch` picks how many vocabulary chunks one
+for both triton modes; ``plan.chunks_per_launch`` picks how many vocabulary chunks one
 launch covers at small N.
 """
 
@@ -28,7 +28,6 @@ from lp_kernels.backends.triton.config import (
     swizzle_rows,
 )
 from lp_kernels.backends.triton.forward import logits_sources
-from lp_kernels.backends.triton.gemm import mm_block_n, narrow_block_n
 from lp_kernels.backends.triton.softmax import (
     dlogits_block,
     dlogits_rows,
@@ -225,21 +224,9 @@ def upstream(*grads):
     )  # fmt: skip
 
 
-def buffer_width(v_real: int, cfg: KernelConfig) -> int:
-    """Columns of the d_logits buffer: a multiple of 128, so its row stride specializes alike
-    on every shard (the kernels' code must not depend on the shard width)."""
-    return min(cfg.backward.vocab_chunk, pad128(v_real))
-
-
 def pad_cols(v_count: int, dl_buf: torch.Tensor) -> int:
     """The padded column bound of a d_logits chunk (what :func:`dlogits` zero-fills)."""
     return min(pad128(v_count), dl_buf.shape[1])
-
-
-def vocab_chunks(v_real: int, cfg: KernelConfig) -> list[tuple[int, int]]:
-    """``(v_begin, v_count)`` of the backward's vocabulary chunks of a shard."""
-    step = cfg.backward.vocab_chunk
-    return [(v_begin, min(step, v_real - v_begin)) for v_begin in range(0, v_real, step)]
 
 
 class DlogitsChunks:
@@ -303,27 +290,6 @@ class DlogitsChunks:
 
 def _rows(x: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor | None:
     return None if x is None else x[r0:r1]
-
-
-def chunks_per_launch(n: int, h_dim: int, v_real: int, cfg: KernelConfig, device) -> int:
-    """Vocabulary chunks the default backward handles per launch: 1, or, when its N rows fill
-    at most half a token chunk and grad_hidden's GEMM takes the narrow block anyway
-    (:func:`mm_block_n`), as many chunks as a full token chunk's d_logits buffer holds
-    (``token_chunk // N``; the same scratch bound), at most the shard's.
-
-    At a thousand tokens the host, issuing three to four launches per vocabulary chunk,
-    would otherwise set the step's pace. A launch of several chunks makes one d_logits
-    launch, one grad_W GEMM and one grad_hidden GEMM whose ``chunk_k`` keeps each chunk's
-    sum and the order of the additions: a row's bits are those of one launch per chunk,
-    whatever N. It needs the narrow GEMM block, so where the pinned one fills the GPU the
-    default stays one chunk per launch.
-    """
-    bc = cfg.backward
-    if n == 0 or 2 * n > bc.token_chunk:
-        return 1
-    if mm_block_n(cfg, n, h_dim, device) != narrow_block_n(cfg):
-        return 1
-    return max(1, min(bc.token_chunk // n, triton.cdiv(v_real, bc.vocab_chunk)))
 
 
 def grad_weight_slice(dl: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor) -> None:

@@ -3,7 +3,7 @@ device class and input dtype, device queries and launch options.
 
 A block size is part of the numerics: another block is another summation order. So configs
 are pinned (:func:`config_for`), never chosen from N; the one width that follows a size is
-the forward's split, from the vocabulary's width (:func:`split_width`). A tile sweep or a
+the forward's split, from the vocabulary's width (``plan.split_width``). A tile sweep or a
 test runs lp's public ops under another config inside :func:`use_config`, the one tuning
 hook: a call takes the config current at its forward, for its backward too.
 """
@@ -46,7 +46,7 @@ class ForwardConfig:
     """Columns per split (one partial per row and split)."""
     narrow_split: int = 512
     """Columns per split (instead of ``v_split``) of a shard or ``deterministic=True`` tile
-    narrower than ``min_splits`` splits of ``v_split`` (:func:`split_width`); <= 0: never.
+    narrower than ``min_splits`` splits of ``v_split`` (``plan.split_width``); <= 0: never.
     Part of the numerics, as ``v_split``; it follows the vocabulary's width, never N."""
     min_splits: int = 32
     """See ``narrow_split``: at small N a row block's splits are the launch's programs, and
@@ -73,7 +73,7 @@ class GemmConfig:
 
     block_m: int
     block_n: int
-    """Output block width; :func:`~lp_kernels.backends.triton.gemm.mm_block_n` may halve
+    """Output block width; :func:`~lp_kernels.backends.triton.plan.mm_block_n` may halve
     it (the same bits)."""
     block_k: int
     num_warps: int
@@ -254,17 +254,6 @@ def config_for(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Ker
     if dtype.itemsize > 2:
         cfg = cfg.replace(logits=FP32_LOGITS, gemm=FP32_GEMM)
     return cfg
-
-
-def split_width(cols: int, cfg: KernelConfig) -> int:
-    """Columns per forward split of a ``cols``-wide vocabulary (the widest shard of the
-    group, or a ``deterministic=True`` tile): ``v_split``, or ``narrow_split`` where that
-    would leave fewer than ``min_splits`` splits. A function of the vocabulary's width and
-    the config only: every N, and every rank, splits alike."""
-    fwd = cfg.forward
-    if fwd.narrow_split <= 0 or triton.cdiv(cols, fwd.v_split) >= fwd.min_splits:
-        return fwd.v_split
-    return fwd.narrow_split
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:

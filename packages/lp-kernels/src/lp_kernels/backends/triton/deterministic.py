@@ -70,7 +70,7 @@ from lp_kernels.backends.triton.backward import (
     run_chunks,
     upstream,
 )
-from lp_kernels.backends.triton.config import KernelConfig, config_for, pad128, split_width
+from lp_kernels.backends.triton.config import KernelConfig, config_for, pad128
 from lp_kernels.backends.triton.fixed_point import (
     HeadAbsMax,
     fixed_blocks_for,
@@ -79,28 +79,24 @@ from lp_kernels.backends.triton.fixed_point import (
     round_into,
     row_scales,
 )
-from lp_kernels.backends.triton.forward import (
-    forward_stats,
-    gather_partials,
-    merge_outputs,
-    tile_splits,
-)
+from lp_kernels.backends.triton.forward import forward_stats, gather_partials, merge_outputs
 from lp_kernels.backends.triton.gemm import matmul_acc
+from lp_kernels.backends.triton.plan import (
+    backward_chunks,
+    split_width,
+    stats_rows,
+    tile_launch_k,
+    tile_splits,
+    tiles_per_round,
+)
 from lp_kernels.core.compile import backend_backward
 from lp_kernels.core.matmul import addmm_f32_, scratch
-from lp_kernels.core.stats import N_STATS, bias_grad
+from lp_kernels.core.stats import bias_grad
 from lp_kernels.core.tiles import DETERMINISTIC_TILE as TILE
 from lp_kernels.core.tiles import TileOwnership
 from lp_kernels.core.types import LogprobParams
 from lp_kernels.distributed.collectives import RowSums
 from lp_kernels.distributed.halo import bias_halo, owned_halo, return_halo_grad, with_halo
-
-# Tiles wider than half a vocabulary chunk (the default tile's plan): the memory that the
-# fp32 products waiting to be rounded (DeterministicConfig.round_tiles tiles, each its own
-# [N, H] buffer) may take beyond the first. A pass reads and writes the int64 sum (16 bytes
-# per element) once per round instead of once per tile.
-ROUND_EXTRA_BYTES = 512 << 20
-_STATS_BYTES = 128 << 20  # all-gathered forward partials per token chunk
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
@@ -118,88 +114,6 @@ def deterministic_config(
     v_split = min(tile, split_width(tile, base))
     cfg = base.replace(logits={"block_v": block_v}, forward={"v_split": v_split})
     return cfg, base.deterministic.fixed_blocks or fixed_blocks_for(device, dtype)
-
-
-def tile_chunks(v_real: int, tile: int, chunk: int) -> tuple[list[tuple[int, int]], int]:
-    """The backward's vocabulary chunks ``(v_begin, v_count)`` of owned tiles and the widest.
-
-    Tiles up to ``chunk`` columns: chunks of as many whole tiles as fit in ``chunk``, from
-    the first tile's start. Wider tiles: each tile cut into the same number of near-equal
-    chunks (multiples of 128) from its start. With one tile per chunk (tiles wider than
-    half a chunk) the cuts and the width (a multiple of 128) depend only on ``tile`` and
-    ``chunk``, never on the shard, so every layout cuts a global tile alike."""
-    if tile <= chunk:
-        step = chunk // tile * tile
-        chunks = [(b, min(step, v_real - b)) for b in range(0, v_real, step)]
-        # one tile per chunk: the width must not follow the shard (see the backward)
-        return chunks, step if 2 * tile > chunk else min(step, pad128(v_real))
-    width = pad128(triton.cdiv(tile, triton.cdiv(tile, chunk)))
-    chunks = []
-    for l0 in range(0, v_real, tile):
-        end = min(l0 + tile, v_real)
-        chunks += [(b, min(width, end - b)) for b in range(l0, end, width)]
-    return chunks, width
-
-
-def tile_launch_k(n: int, tile: int, cfg: KernelConfig) -> int | None:
-    """The chunk width (:func:`tile_chunks`) whose chunks the backward joins into one
-    launch per tile, or None (one launch per chunk).
-
-    Tiles wider than half a vocabulary chunk, at small N: when the N rows fill at most half
-    a token chunk and a whole tile's d_logits fits the chunk's scratch bound, a tile takes
-    one d_logits launch, one grad_W GEMM and grad_hidden's GEMM with ``chunk_k`` (the chunk
-    width), which keeps each chunk's sum and the order of the additions
-    (``gemm.matmul_acc``): grad_hidden's bits are those of one launch per chunk, whatever N.
-    The choice follows N, the tile and the config, never the shard or the rank's device,
-    so every layout makes the same calls (grad_W's cuBLAS GEMM takes the joined shape)."""
-    bc = cfg.backward
-    if 2 * tile <= bc.vocab_chunk or n == 0 or 2 * n > bc.token_chunk:
-        return None
-    if n * pad128(tile) > bc.token_chunk * bc.vocab_chunk:
-        return None
-    chunks, width = tile_chunks(tile, tile, bc.vocab_chunk)
-    return width if len(chunks) > 1 else None
-
-
-def tiles_per_round(tiles: int, n: int, h_dim: int, most: int) -> int:
-    """Tiles rounded into grad_hidden's int64 sum per pass (one fp32 [n, h_dim] buffer
-    each): at most ``most`` (``DeterministicConfig.round_tiles``) and the owned ``tiles``,
-    and the buffers past the first within ``ROUND_EXTRA_BYTES``. Any value gives the same
-    bits."""
-    extra = ROUND_EXTRA_BYTES // max(1, 4 * n * h_dim)
-    return max(1, min(most, tiles, 1 + extra))
-
-
-def stats_rows(p: LogprobParams, cfg: KernelConfig, max_tiles: int) -> int:
-    """Rows per forward token chunk: this rank's partials (every split of its tiles) and the
-    gathered ones (one per tile and rank) stay within _STATS_BYTES."""
-    splits, ranks = tile_splits(p.deterministic_tile, cfg), max(p.tp_size, 1)
-    tiles = max(max_tiles, 1) * max(splits, ranks)
-    rows = _STATS_BYTES // (tiles * N_STATS * 4)
-    block_n = cfg.logits.block_n
-    return max(block_n, rows // block_n * block_n)
-
-
-def backward_chunks(own: TileOwnership, p: LogprobParams, chunk: int, need_w: bool):
-    """``(chunks, heads, width)``: the backward's vocabulary chunks ``(v_begin, v_count)``
-    over this shard's real rows followed by its halo, the number of leading head chunks
-    (grad_W only), and the d_logits buffer's width.
-
-    Owned tiles are cut by :func:`tile_chunks` from the first one's start (column
-    ``own.skip``). The head (the shard's first ``skip`` columns, in a tile that starts on an
-    earlier rank) is one chunk when tiles share a chunk. With one tile per chunk it has
-    none: the tile's owner computes the head's grad_W rows with the rest of its chunk, in
-    the call it makes on a layout where the tile is whole, and sends them here
-    (:func:`~lp_kernels.distributed.halo.return_halo_grad`)."""
-    tile = p.deterministic_tile
-    owned, width = tile_chunks(own.ext, tile, chunk)
-    chunks = []
-    if need_w and own.skip and 2 * tile <= chunk:
-        chunks.append((0, own.skip))
-        width = max(width, pad128(own.skip))
-    heads = len(chunks)
-    chunks += [(own.skip + b, c) for b, c in owned]
-    return chunks, heads, width
 
 
 def weight_parts(w_real, halo, start: int, cross: int):

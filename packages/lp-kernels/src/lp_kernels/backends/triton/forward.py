@@ -26,11 +26,11 @@ from lp_kernels.backends.triton.config import (
     descriptor,
     even_h,
     launch_opts,
-    split_width,
     swizzle_rows,
     tma_ok,
 )
 from lp_kernels.backends.triton.pingpong import pingpong_ok, pingpong_stats
+from lp_kernels.backends.triton.plan import merge_block_k, shard_splits, tile_splits
 from lp_kernels.backends.triton.softmax import (
     cap_constants,
     softmax_finish,
@@ -316,21 +316,6 @@ def forward_stats(
     return stats
 
 
-def shard_splits(v_real: int, p: LogprobParams, cfg: KernelConfig) -> tuple[int, int]:
-    """``(width, count)`` of a shard's forward splits outside ``deterministic=True``: the
-    width from the group's widest shard (:func:`split_width`), so every rank cuts alike,
-    and as many splits as that shard needs."""
-    cols = max(p.max_v_local, v_real)
-    width = split_width(cols, cfg)
-    return width, triton.cdiv(cols, width)
-
-
-def tile_splits(tile: int, cfg: KernelConfig) -> int:
-    """Forward splits per ``tile``-column tile: ``forward.v_split`` columns each from the
-    tile's first column, the last cut at the tile's end."""
-    return triton.cdiv(tile, cfg.forward.v_split)
-
-
 def logits_out(l_out: torch.Tensor, n: int, v_real: int, cfg: KernelConfig, tma: bool):
     """``fwd_stats_kernel``'s ``l_ptr``: a tensor descriptor over ``l_out[:n, :v_real]`` when
     the kernel runs on descriptors (the store needs no pointer block beside the block's
@@ -400,15 +385,6 @@ def merge_outputs(
         **compile_opts(dev),
     )
     return lse, mean, (zt, ent, lse_out)
-
-
-def merge_block_k(entropy: bool, device: torch.device) -> int:
-    """Partials whose loads the merges keep in flight at a time (a launch choice: each
-    partial is still added in its turn): 16 without entropy and 4 with it (four loads per
-    partial) timed best on the GPU."""
-    if device.type == "cpu":
-        return 4
-    return 4 if entropy else 16
 
 
 def gather_partials(stats: torch.Tensor, p: LogprobParams, run: int | None = None) -> torch.Tensor:

@@ -3,7 +3,7 @@ shape-picked kernels would break an invariance).
 
 One program per C tile, no atomics: A @ B is summed over K in a fixed order from +0.0,
 then C added once. Its output tile width is the one launch choice that follows the sizes
-(:func:`mm_block_n`): each element of C gets the same MMAs in the same K order in a 128- or
+(``plan.mm_block_n``): each element of C gets the same MMAs in the same K order in a 128- or
 a 256-wide tile, so the bits do not change.
 """
 
@@ -18,10 +18,10 @@ from lp_kernels.backends.triton.config import (
     compile_opts,
     descriptor,
     launch_opts,
-    sm_count,
     swizzle_rows,
     tma_ok,
 )
+from lp_kernels.backends.triton.plan import mm_block_n, narrow_block_n
 from lp_kernels.backends.triton.tl_utils import gemm_step, operand_ptrs, swizzle
 from lp_kernels.core.matmul import scratch
 
@@ -41,8 +41,8 @@ def matmul_acc_body(
 
     ``MULTI``: K is several chunks of ``chunk_k`` columns, each summed from +0.0 and added
     to C in order: exactly the arithmetic of one call per chunk, in one launch (the
-    backward's vocabulary chunks at small N; see ``chunk_group``). The running C tile then
-    sits in registers beside the chunk's sum, which the narrow tile affords.
+    backward's vocabulary chunks at small N; see ``plan.chunks_per_launch``). The running C
+    tile then sits in registers beside the chunk's sum, which the narrow tile affords.
 
     ``SPLIT`` (without ACC): program axis 1 is a chunk of ``chunk_k`` columns of K, summed
     from +0.0 into that chunk's ``[M, N]`` slab of a contiguous ``[chunks, M, N]`` C; the
@@ -139,35 +139,6 @@ matmul_acc_t_kernel = triton.jit(do_not_specialize=["M", "K", "K_A", "K_B", "row
 # ----------------------------------------------------------------------------- launchers
 
 
-def narrow_block_n(cfg: KernelConfig) -> int:
-    """The GEMM's narrow output block width: half the pinned 256, else the pinned width (the
-    configs of smaller GPUs, 4-byte inputs and the interpreter are narrow already)."""
-    wide = cfg.gemm.block_n
-    return wide // 2 if wide >= 256 else wide
-
-
-def mm_block_n(cfg: KernelConfig, m: int, n: int, device: torch.device) -> int:
-    """Output block width of lp's GEMM ``C [m, n] (+)= A @ B``: the config's, or half of it
-    where the pinned grid would leave much of the GPU idle in its last wave (grad_hidden at
-    about a thousand rows and H = 2048 has 64 blocks of 128 x 256 for 132 SMs: half the GPU
-    idles). The narrow block wins when its waves, each costing ``gemm.narrow_cost`` of a
-    wide one, take less time.
-
-    Unlike every other block of this backend, this one follows the sizes, because it does
-    not change the bits: each element of C gets the same MMAs in the same K order in a 128-
-    or a 256-wide block (tested: test_gpu.py). So a row's grad_hidden stays the same
-    whatever N, and batch invariance holds.
-    """
-    wide, narrow = cfg.gemm.block_n, narrow_block_n(cfg)
-    sms = sm_count(device)
-    if sms is None or narrow == wide:
-        return wide
-    rows = triton.cdiv(m, cfg.gemm.block_m)
-    waves_wide = triton.cdiv(rows * triton.cdiv(n, wide), sms)
-    waves_narrow = triton.cdiv(rows * triton.cdiv(n, narrow), sms)
-    return narrow if waves_narrow * cfg.gemm.narrow_cost < waves_wide else wide
-
-
 def matmul_acc(
     c: torch.Tensor,
     a: torch.Tensor,
@@ -186,7 +157,7 @@ def matmul_acc(
 
     ``chunk_k``: K is consecutive chunks of that many columns, and the result is bitwise
     that of one call per chunk in order (``c += a_0 @ b_0``, then ``c += a_1 @ b_1``, ..).
-    Where the output's waves take the narrow block (:func:`mm_block_n`): the chunks side by
+    Where the output's waves take the narrow block (``plan.mm_block_n``): the chunks side by
     side on the pinned block, then their ordered sum (``SPLIT``, where :func:`split_chunks`
     allows), else one launch that holds C's block and the chunk's sum (``MULTI``, on the
     narrow block, with tensor descriptors); otherwise the calls one by one, each on the

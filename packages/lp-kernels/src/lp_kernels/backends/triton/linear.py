@@ -19,7 +19,7 @@ splits, the width set by the group's widest shard)::
                     chunk, else fp32 accumulation over token chunks ([vocab_chunk, H])
                 grad_h (fp32) += d l @ W[chunk]    gemm.matmul_acc, each program owns its block
               (small N: several chunks per launch, each chunk still summed apart and
-              added in order: backward.chunks_per_launch)
+              added in order: plan.chunks_per_launch)
               grad_h all-reduced over tp_group (fp32) unless reduce_grad_hidden=False
 
 Launch and loads (``KernelConfig.swizzle`` / ``.tma``; neither changes a result). Every
@@ -41,8 +41,8 @@ zeros there) and the true bound separately. Block sizes, splits and chunks are p
 (never chosen from N), and each row's arithmetic involves only that row, so a row's
 outputs and its grad_hidden row do not depend on N, on the other rows or on
 ``chunk_size``. Two launch choices do follow N, because neither changes that arithmetic:
-the GEMM's output block width (``gemm.mm_block_n``) and the vocabulary chunks per
-backward launch (``backward.chunks_per_launch``).
+the GEMM's output block width (``plan.mm_block_n``) and the vocabulary chunks per
+backward launch (``plan.chunks_per_launch``).
 """
 
 from __future__ import annotations
@@ -52,18 +52,16 @@ import torch
 from lp_kernels.backends.triton.backward import (
     Chunk,
     DlogitsChunks,
-    buffer_width,
-    chunks_per_launch,
     grad_weight_buffer,
     grad_weight_slice,
     kernel_inputs,
     run_chunks,
     upstream,
-    vocab_chunks,
 )
-from lp_kernels.backends.triton.config import KernelConfig, config_for, pad128
+from lp_kernels.backends.triton.config import KernelConfig, config_for
 from lp_kernels.backends.triton.forward import forward_stats, gather_partials, merge_outputs
 from lp_kernels.backends.triton.gemm import matmul_acc
+from lp_kernels.backends.triton.plan import chunks_per_launch, vocab_chunks
 from lp_kernels.core.compile import backend_backward
 from lp_kernels.core.matmul import addmm_f32_, scratch
 from lp_kernels.core.stats import bias_grad
@@ -163,11 +161,7 @@ def backward(saved, grads: Grads, needs, p: LogprobParams, cfg: KernelConfig) ->
     )
     # one vocabulary chunk per launch, or (small N) several
     per_launch = chunks_per_launch(n, h_dim, v_real, cfg, hidden.device)
-    chunks, width = vocab_chunks(v_real, cfg), buffer_width(v_real, cfg)
-    if per_launch > 1:
-        step = per_launch * cfg.backward.vocab_chunk
-        chunks = [(b, min(step, v_real - b)) for b in range(0, v_real, step)]
-        width = min(step, pad128(v_real))
+    chunks, width = vocab_chunks(v_real, cfg, per_launch)
     dl = DlogitsChunks(
         hidden, w_real, targets, p.vocab_start, (lse, mean_z), upstream(*grads), p, cfg,
         chunks, width, b_real, acc_b,

@@ -34,8 +34,6 @@ from lp_kernels.backends.triton.backward import (
     kernel_inputs,
 )
 from lp_kernels.backends.triton.config import (
-    LOSS_GRAD_BYTES,
-    LOSS_LOGITS_BYTES,
     KernelConfig,
     compile_opts,
     config_for,
@@ -43,12 +41,8 @@ from lp_kernels.backends.triton.config import (
     pad128,
     sm_count,
 )
-from lp_kernels.backends.triton.forward import (
-    forward_stats,
-    gather_partials,
-    merge_outputs,
-    shard_splits,
-)
+from lp_kernels.backends.triton.forward import forward_stats, gather_partials, merge_outputs
+from lp_kernels.backends.triton.plan import chunk_rows, logits_chunks, shard_splits
 from lp_kernels.backends.triton.softmax import dlogits_block, dlogits_rows, transform_args
 from lp_kernels.backends.triton.tl_utils import IGNORED, target_codes
 from lp_kernels.core.loss import FinishedGradients, LossSpec, block_loss, block_values, finish
@@ -173,61 +167,6 @@ def scale_on_device_(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     g = g.reshape(1).float()
     scale_kernel[grid](x_ptr=grad, g_ptr=g, numel=numel, BLOCK=block, **compile_opts(grad.device))
     return grad
-
-
-def pow2_floor(x: int) -> int:
-    return 1 << max(int(x).bit_length() - 1, 0)
-
-
-def chunk_rows(p: LogprobParams, cfg: KernelConfig, itemsize: int, rows: int | None):
-    """``(R, G)``: rows of a logits chunk and of a gradient chunk (a multiple of R).
-
-    From the config, the byte budgets and the widest shard of the group (so every rank
-    makes the same chunks and exchanges), or the caller's ``rows`` (``chunk_size``) for
-    both; never from N."""
-    if rows is not None:
-        return rows, rows
-    width = pad128(max(1, min(p.max_v_local, p.vocab_size)))
-    r = max(16, min(cfg.loss.rows, pow2_floor(LOSS_LOGITS_BYTES // (4 * width))))
-    g = min(cfg.loss.grad_rows, pow2_floor(LOSS_GRAD_BYTES // (itemsize * width)))
-    return r, max(r, g // r * r)
-
-
-def logits_chunks(rows: int, r_max: int, block_n: int, splits: int, sms: int | None) -> list[int]:
-    """Row counts of the logits chunks that cover a gradient chunk of ``rows`` rows, each at
-    most ``r_max``: the count and sizes whose forward launches waste the fewest program
-    slots on ``sms`` multiprocessors.
-
-    A chunk of ``k`` rows launches ``cdiv(k, block_n) * splits`` programs of equal work
-    (the last split's may be shorter), so it takes ``cdiv(programs, sms)`` waves; the
-    count with the fewest waves in all wins, the fewer chunks on a tie (each chunk costs
-    a launch, an exchange and a ``loss_fn`` call), among equal chunks of ``r_max`` rows
-    and a shorter last one, and row blocks spread evenly over each count from the
-    fewest up (larger first). Only the launch changes: every row's statistics and
-    logits are its own. ``sms`` None (no waves to fit, or ranks that need not agree on
-    it), or ``r_max`` not a multiple of ``block_n``: equal chunks of ``r_max`` rows and a
-    shorter last one.
-    """
-    if rows <= 0:
-        return []
-    plain = [min(r_max, rows - r0) for r0 in range(0, rows, r_max)]
-    if sms is None or rows <= block_n or r_max % block_n:
-        return plain
-    units = triton.cdiv(rows, block_n)
-    unit_max = max(1, r_max // block_n)
-    candidates = [[triton.cdiv(k, block_n) for k in plain]]  # full blocks, then the rest
-    first = triton.cdiv(units, unit_max)
-    for count in range(first, min(units, first + 8) + 1):  # balanced, larger first
-        q, extra = divmod(units, count)
-        candidates.append([q + 1] * extra + [q] * (count - extra))
-    best = min(
-        (sum(triton.cdiv(u * splits, sms) for u in parts), len(parts), i)
-        for i, parts in enumerate(candidates)
-        if max(parts) <= unit_max
-    )
-    sizes = [u * block_n for u in candidates[best[2]]]
-    sizes[-1] -= sum(sizes) - rows  # the last block ends at the gradient block's end
-    return sizes
 
 
 class LossGrads:
