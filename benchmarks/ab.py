@@ -6,7 +6,8 @@ through lp's public ops and writes the SHA-256 of every output and gradient; ``c
 says whether two such files hold the same bits. ``bits`` runs against whatever
 ``lp_kernels`` is importable: run an older tree by putting its ``packages/lp-kernels/src``
 first on PYTHONPATH. ``--device cpu`` runs the triton backend under the interpreter (the
-tool sets TRITON_INTERPRET itself)::
+tool sets TRITON_INTERPRET itself) and torch on one thread (a CPU GEMM's bits follow the
+thread count)::
 
     python benchmarks/ab.py bits [--device cpu|cuda] [--out F] [-k SUBSTR] [--no-tp]
     PYTHONPATH=_old/packages/lp-kernels/src python benchmarks/ab.py bits --out old.json
@@ -450,7 +451,13 @@ def run_bits(device: str, with_tp: bool, select: str | None) -> dict:
 def bits_main(args: argparse.Namespace) -> int:
     if args.device == "cpu":  # before lp_kernels is imported: the triton backend on CPU
         os.environ["TRITON_INTERPRET"] = "1"
+        # one thread (the ranks inherit it): a CPU GEMM's bits follow its thread count, which
+        # the BLAS may lower under load, so two runs on a busy machine could differ
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
     import torch
+
+    if args.device == "cpu":
+        torch.set_num_threads(1)
 
     torch.manual_seed(0)
     with_tp = not args.no_tp

@@ -58,7 +58,12 @@ from lp_kernels.core.stats import (
 from lp_kernels.core.tiles import tile_ownership
 from lp_kernels.core.types import LogprobParams
 from lp_kernels.distributed.collectives import RowSums, gather_stats, global_abs_max
-from lp_kernels.distributed.halo import bias_halo, owned_halo, return_halo_grad
+from lp_kernels.distributed.halo import (
+    bias_halo,
+    owned_halo,
+    return_halo_bias_grad,
+    return_halo_grad,
+)
 
 MANY_TILES = 128
 """A CUDA call with more owned tiles than this warns: each tile makes its own calls."""
@@ -229,9 +234,17 @@ def backward(saved, upstream: Grads, needs: tuple[bool, bool, bool], p: LogprobP
                 acc = torch.zeros((w_j.shape[0], h_dim), dtype=torch.float32, device=dev)
         acc_bj = None if acc_b is None else acc_b[begin : begin + w_j.shape[0]]
         for r0, r1, h_c, dl in dlogits_chunks(
-            hidden, w_j, targets, lse, mean_z, upstream, p, first_id=p.vocab_start + begin,
-            b_real=b_tiles[j], grad_bias=acc_bj,
-        ):  # fmt: skip
+            hidden,
+            w_j,
+            targets,
+            lse,
+            mean_z,
+            upstream,
+            p,
+            first_id=p.vocab_start + begin,
+            b_real=b_tiles[j],
+            grad_bias=acc_bj,
+        ):
             if sum_h is not None:
                 sum_h.add(r0, r1, dl, w_j, last=j == len(tiles) - 1)
             if need_w:
@@ -241,17 +254,9 @@ def backward(saved, upstream: Grads, needs: tuple[bool, bool, bool], p: LogprobP
             grad_halo.copy_(acc[rows_here:])
     grad_h = None if sum_h is None else sum_h.finish()
     if back:  # after every all-reduce: the same order of collectives on every rank
-        return_halo_grad(
-            grad_halo, acc_w, p.shard_starts, p.shard_sizes, p.vocab_size,
-            p.deterministic_tile, p.tp_rank, p.tp_group,
-        )  # fmt: skip
+        return_halo_grad(grad_halo, acc_w, p)
     if need_b and p.tp_size > 1:  # the halo's entries to their shards, as for grad_W
-        head = acc_b[:v_real].clone()
-        return_halo_grad(
-            acc_b[v_real:, None], head[:, None], p.shard_starts, p.shard_sizes,
-            p.vocab_size, p.deterministic_tile, p.tp_rank, p.tp_group,
-        )  # fmt: skip
-        acc_b = head
+        acc_b = return_halo_bias_grad(acc_b, v_real, p)
     grad_w = acc_w.to(weight.dtype) if need_w else None
     grad_b = bias_grad(None if acc_b is None else acc_b[:v_real], bias)
     return grad_h, grad_w, grad_b

@@ -44,14 +44,48 @@ from lp_kernels.distributed.collectives import RowSums
 
 @triton.jit(do_not_specialize=["N", "v_begin", "v_count", "ignore_index", "first_id", "rows"])
 def dlogits_kernel(
-    h_src, w_src, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, glse_ptr, dl_ptr, b_ptr, db_ptr,
-    N, H, v_begin, v_count, v_store, ignore_index, first_id, inv_t, cap, inv_cap, rows,
-    stride_hn, stride_hh, stride_wv, stride_wh, stride_dn, scale,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, HAS_LSE: tl.constexpr, EVEN_H: tl.constexpr,
-    IGNORED: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    CAP: tl.constexpr, SCALE: tl.constexpr,
-):  # fmt: skip
+    h_src,
+    w_src,
+    t_ptr,
+    lse_ptr,
+    mean_ptr,
+    glp_ptr,
+    gent_ptr,
+    glse_ptr,
+    dl_ptr,
+    b_ptr,
+    db_ptr,
+    N,
+    H,
+    v_begin,
+    v_count,
+    v_store,
+    ignore_index,
+    first_id,
+    inv_t,
+    cap,
+    inv_cap,
+    rows,
+    stride_hn,
+    stride_hh,
+    stride_wv,
+    stride_wh,
+    stride_dn,
+    scale,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    HAS_LP: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    IGNORED: tl.constexpr,
+    TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    CAP: tl.constexpr,
+    SCALE: tl.constexpr,
+):
     """``d l`` (``softmax.dlogits_block``) of columns ``[v_begin, +v_count)``; ``t_ptr``: the
     raw target ids, ``first_id`` the id of the weight's first row
     (:func:`~lp_kernels.backends.triton.tl_utils.target_codes`).
@@ -75,17 +109,48 @@ def dlogits_kernel(
         )
     # [BLOCK_N, BLOCK_V]
     b_l = logits_block(
-        h_src, w_src, b_ptr, i_n * BLOCK_N, v_begin + i_v * BLOCK_V, m_n, m_v, H, stride_hn,
-        stride_hh, stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, TMA, HAS_BIAS,
-    )  # fmt: skip
+        h_src,
+        w_src,
+        b_ptr,
+        i_n * BLOCK_N,
+        v_begin + i_v * BLOCK_V,
+        m_n,
+        m_v,
+        H,
+        stride_hn,
+        stride_hh,
+        stride_wv,
+        stride_wh,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_H,
+        EVEN_H,
+        TMA,
+        HAS_BIAS,
+    )
     if ENTROPY:
         b_lse, b_glp, b_glse, b_mean, b_gent = dlogits_rows(
             lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, ENTROPY, HAS_LP, HAS_LSE
         )
     b_dz = dlogits_block(
-        b_l, b_t, b_lse, b_glp, b_glse, b_mean, b_gent, v_begin + i_v * BLOCK_V, scale, cap,
-        inv_cap, inv_t, BLOCK_V, ENTROPY, HAS_LP, CAP, SCALE,
-    )  # fmt: skip
+        b_l,
+        b_t,
+        b_lse,
+        b_glp,
+        b_glse,
+        b_mean,
+        b_gent,
+        v_begin + i_v * BLOCK_V,
+        scale,
+        cap,
+        inv_cap,
+        inv_t,
+        BLOCK_V,
+        ENTROPY,
+        HAS_LP,
+        CAP,
+        SCALE,
+    )
     # ignored rows (code IGNORED) and rows past N get exact zeros, even where their hidden
     # is not finite, as do columns past v_count: a select only in blocks that have them
     m_live = m_n & (b_t != IGNORED)
@@ -122,9 +187,21 @@ def colsum_kernel(part_ptr, out_ptr, B, V, stride_pb, BLOCK: tl.constexpr, ROWS:
 
 
 def dlogits(
-    hidden, w_real, targets, first_id, lse, mean, grads, out, v_begin, v_count, p, cfg,
-    b_real=None, db=None,
-):  # fmt: skip
+    hidden,
+    w_real,
+    targets,
+    first_id,
+    lse,
+    mean,
+    grads,
+    out,
+    v_begin,
+    v_count,
+    p,
+    cfg,
+    b_real=None,
+    db=None,
+):
     """d_logits of columns ``[v_begin, +v_count)`` into ``out``; its columns past ``v_count``
     get exact zeros (callers pass ``pad_cols(v_count, buffer)`` columns). ``targets``: the raw
     ids of the rows, ``first_id`` the vocabulary id of ``w_real``'s first row; ``grads``:
@@ -218,10 +295,13 @@ def upstream(*grads):
     makes, is copied), None for an absent one. Ignored rows keep what they hold: the
     kernels give those rows exact zeros whatever it is."""
     return tuple(
-        None if g is None else g if g.dtype == torch.float32 and g.is_contiguous()
-        else g.float().contiguous()
+        (
+            None
+            if g is None
+            else g if g.dtype == torch.float32 and g.is_contiguous() else g.float().contiguous()
+        )
         for g in grads
-    )  # fmt: skip
+    )
 
 
 def pad_cols(v_count: int, dl_buf: torch.Tensor) -> int:
@@ -245,9 +325,20 @@ class DlogitsChunks:
     order, then token chunks)."""
 
     def __init__(
-        self, hidden, w_real, targets, first_id: int, stats, grads, p, cfg: KernelConfig,
-        chunks: list[tuple[int, int]], width: int, b_real=None, grad_bias=None,
-    ):  # fmt: skip
+        self,
+        hidden,
+        w_real,
+        targets,
+        first_id: int,
+        stats,
+        grads,
+        p,
+        cfg: KernelConfig,
+        chunks: list[tuple[int, int]],
+        width: int,
+        b_real=None,
+        grad_bias=None,
+    ):
         self.hidden, self.w_real, self.targets, self.first_id = hidden, w_real, targets, first_id
         self.lse, self.mean_z = stats
         self.grads, self.p, self.cfg, self.chunks = grads, p, cfg, chunks
@@ -278,11 +369,21 @@ class DlogitsChunks:
                 blocks_n = triton.cdiv(r1 - r0, self.cfg.logits.block_n)
                 db = self.db_buf.view(-1)[: blocks_n * cols].view(-1, cols)
             dlogits(
-                self.hidden[r0:r1], self.w_real, self.targets[r0:r1], self.first_id,
-                self.lse[r0:r1], _rows(self.mean_z, r0, r1),
-                tuple(_rows(g, r0, r1) for g in self.grads), self.dl_buf[: r1 - r0, :cols],
-                v_begin, v_count, self.p, self.cfg, self.b_real, db,
-            )  # fmt: skip
+                self.hidden[r0:r1],
+                self.w_real,
+                self.targets[r0:r1],
+                self.first_id,
+                self.lse[r0:r1],
+                _rows(self.mean_z, r0, r1),
+                tuple(_rows(g, r0, r1) for g in self.grads),
+                self.dl_buf[: r1 - r0, :cols],
+                v_begin,
+                v_count,
+                self.p,
+                self.cfg,
+                self.b_real,
+                db,
+            )
             if db is not None:
                 add_column_sums(self.grad_bias[v_begin : v_begin + v_count], db)
             yield r0, r1, self.dl_buf[: r1 - r0, :v_count], cols

@@ -96,7 +96,13 @@ from lp_kernels.core.tiles import DETERMINISTIC_TILE as TILE
 from lp_kernels.core.tiles import TileOwnership
 from lp_kernels.core.types import LogprobParams
 from lp_kernels.distributed.collectives import RowSums
-from lp_kernels.distributed.halo import bias_halo, owned_halo, return_halo_grad, with_halo
+from lp_kernels.distributed.halo import (
+    bias_halo,
+    owned_halo,
+    return_halo_bias_grad,
+    return_halo_grad,
+    with_halo,
+)
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
@@ -127,8 +133,9 @@ def weight_parts(w_real, halo, start: int, cross: int):
     return parts
 
 
-def owned_chunks(hidden, w_real, halo, targets, stats, grads, p, cfg, chunks, heads, width,
-                 bias=None):  # fmt: skip
+def owned_chunks(
+    hidden, w_real, halo, targets, stats, grads, p, cfg, chunks, heads, width, bias=None
+):
     """The backward loop's :class:`~lp_kernels.backends.triton.backward.Chunk` s over
     ``chunks`` (columns of the shard's real rows, then the halo; the first ``heads`` are
     head chunks). Chunks within the real rows read them in place; those from the first one
@@ -186,9 +193,12 @@ def forward(hidden, weight, bias, targets, p: LogprobParams, cfg: KernelConfig):
         # each tile's splits merged into one partial, then gathered: [P * T_max, rows, 4]
         gathered = gather_partials(stats, p, tile_splits(tile, cfg))
         lse, mean_z, outputs = merge_outputs(
-            gathered, targets[r0:r1], p.ignore_index,
-            entropy=p.return_entropy, return_lse=p.return_lse,
-        )  # fmt: skip
+            gathered,
+            targets[r0:r1],
+            p.ignore_index,
+            entropy=p.return_entropy,
+            return_lse=p.return_lse,
+        )
         parts.append((lse, mean_z, *outputs))
     lse, mean_z, *outputs = (
         None if part[0] is None else torch.cat(part) if len(part) > 1 else part[0]
@@ -238,8 +248,9 @@ class FixedRows:
     ``per_round`` tiles at a time, rounded into the sum when a round is full or the owned
     tiles end (:func:`~lp_kernels.backends.triton.fixed_point.round_into`)."""
 
-    def __init__(self, hidden, w_real, b_real, lse, targets, grads, p, cfg, fixed, per_tile,
-                 chunk_k):  # fmt: skip
+    def __init__(
+        self, hidden, w_real, b_real, lse, targets, grads, p, cfg, fixed, per_tile, chunk_k
+    ):
         n, h_dim = hidden.shape
         own = p.tile_ownership()
         self.p, self.cfg, self.fixed, self.per_tile, self.chunk_k = p, cfg, fixed, per_tile, chunk_k
@@ -278,18 +289,30 @@ class FixedRows:
         if self.per_tile:  # the default path's fp32 GEMM, then one rounding
             f = self.leaf32[self.pending, r0:r1]
             matmul_acc(
-                f, dl, chunk.weight, self.cfg, k_a=cols, accumulate=not self.place.first,
+                f,
+                dl,
+                chunk.weight,
+                self.cfg,
+                k_a=cols,
+                accumulate=not self.place.first,
                 chunk_k=self.chunk_k,
-            )  # fmt: skip
+            )
             if self.flush:
                 f = self.leaf32[: self.pending + 1, r0:r1]
                 scale = self.scales().scale[r0:r1]
                 round_into(self.acc[r0:r1], f, scale, accumulate=self.written)
         else:
             matmul_fixed(
-                self.acc[r0:r1], dl, chunk.weight, self.scales().scale[r0:r1], cols, self.fixed,
-                self.cfg, leaf=self.p.deterministic_tile, accumulate=self.written,
-            )  # fmt: skip
+                self.acc[r0:r1],
+                dl,
+                chunk.weight,
+                self.scales().scale[r0:r1],
+                cols,
+                self.fixed,
+                self.cfg,
+                leaf=self.p.deterministic_tile,
+                accumulate=self.written,
+            )
 
     def end(self, chunk: Chunk) -> None:
         if self.flush or (self.place.last and not self.per_tile):
@@ -387,9 +410,13 @@ class TileWeights:
             addmm_f32_(self.acc, dl.T, self.hidden[r0:r1], accumulate=r0 > 0)
         else:  # lp's fixed-block GEMM (the first token chunk overwrites acc)
             matmul_acc(
-                self.acc, dl[:, :local].T, self.hidden[r0:r1], self.cfg, m_a=cols,
+                self.acc,
+                dl[:, :local].T,
+                self.hidden[r0:r1],
+                self.cfg,
+                m_a=cols,
                 accumulate=r0 > 0,
-            )  # fmt: skip
+            )
 
     def end(self, chunk: Chunk) -> None:
         if not self.live or self.acc_w is None:
@@ -411,10 +438,7 @@ class TileWeights:
         all-reduce: the same order of collectives on every rank)."""
         if self.back:
             p = self.p
-            return_halo_grad(
-                self.grad_halo, self.grad, p.shard_starts, p.shard_sizes, p.vocab_size,
-                p.deterministic_tile, p.tp_rank, p.tp_group,
-            )  # fmt: skip
+            return_halo_grad(self.grad_halo, self.grad, p)
         return self.grad
 
 
@@ -457,9 +481,19 @@ def backward(saved, grads: Grads, needs, p: LogprobParams, cfg, fixed) -> Grads:
     sums = RowSums(acc, p.tp_group, p.tp_size, rows, p.reduce_grad_hidden)
     own_bias = None if bias is None else (b_real, b_halo, acc_b)
     loop = owned_chunks(
-        hidden, w_real, halo, targets, (lse, mean_z), grads, p, cfg, chunks, heads, width,
+        hidden,
+        w_real,
+        halo,
+        targets,
+        (lse, mean_z),
+        grads,
+        p,
+        cfg,
+        chunks,
+        heads,
+        width,
         own_bias,
-    )  # fmt: skip
+    )
     run_chunks(loop, rows_sink, weight_sink, sums)
     grad_h = None
     if need_h:
@@ -475,12 +509,7 @@ def _bias_grad(acc_b, bias, v_real: int, per_tile: bool, p: LogprobParams):
     if acc_b is None:
         return None
     if per_tile and p.tp_size > 1:
-        head = acc_b[:v_real].clone()
-        return_halo_grad(
-            acc_b[v_real:, None], head[:, None], p.shard_starts, p.shard_sizes, p.vocab_size,
-            p.deterministic_tile, p.tp_rank, p.tp_group,
-        )  # fmt: skip
-        acc_b = head
+        acc_b = return_halo_bias_grad(acc_b, v_real, p)
     return bias_grad(acc_b[:v_real], bias)
 
 

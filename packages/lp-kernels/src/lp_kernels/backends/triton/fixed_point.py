@@ -89,11 +89,29 @@ def round_to_int64(x):
 
 @triton.jit(do_not_specialize=["M", "K", "K_B", "rows"])
 def matmul_fixed_kernel(
-    a_src, b_src, c_ptr, s_ptr, M, N, K, K_A, K_B, rows,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    LEAF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    TMA: tl.constexpr, ACC: tl.constexpr,
-):  # fmt: skip
+    a_src,
+    b_src,
+    c_ptr,
+    s_ptr,
+    M,
+    N,
+    K,
+    K_A,
+    K_B,
+    rows,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    LEAF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TMA: tl.constexpr,
+    ACC: tl.constexpr,
+):
     """C (int64) += sum over LEAF-wide K tiles of round(s_m * (A[:, tile] @ B[tile])).
 
     Each tile's product is an fp32 dot from zero (fixed BLOCK_K order); ``s_m`` is a
@@ -128,9 +146,26 @@ def matmul_fixed_kernel(
     b_leaf = b_zero
     for k0 in range(0, K, BLOCK_K):
         b_leaf = gemm_step(
-            b_leaf, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_m, m_n, o_k, K_A, K_B,
-            stride_ak, stride_bk, BLOCK_M, BLOCK_N, TMA, False,
-        )  # fmt: skip
+            b_leaf,
+            a_src,
+            b_src,
+            p_a,
+            p_b,
+            k0,
+            i_m,
+            i_n,
+            m_m,
+            m_n,
+            o_k,
+            K_A,
+            K_B,
+            stride_ak,
+            stride_bk,
+            BLOCK_M,
+            BLOCK_N,
+            TMA,
+            False,
+        )
         if ((k0 + BLOCK_K) % LEAF == 0) | (k0 + BLOCK_K >= K):
             b_acc += round_to_int64(b_leaf * b_scale[:, None])
             b_leaf = b_zero
@@ -139,9 +174,16 @@ def matmul_fixed_kernel(
 
 @triton.jit(do_not_specialize=["numel", "stride_f"])
 def round_into_kernel(
-    f_ptr, c_ptr, s_ptr, numel, H, stride_f,
-    BLOCK: tl.constexpr, ACC: tl.constexpr, COUNT: tl.constexpr,
-):  # fmt: skip
+    f_ptr,
+    c_ptr,
+    s_ptr,
+    numel,
+    H,
+    stride_f,
+    BLOCK: tl.constexpr,
+    ACC: tl.constexpr,
+    COUNT: tl.constexpr,
+):
     """C (int64) += round(s_row * F_0) + ... + round(s_row * F_{COUNT-1}) for the fp32
     products F_i of COUNT tiles, ``stride_f`` elements apart (``ACC=False``: C = ...);
     C and every F_i contiguous [rows, H], flattened. Each F_i is rounded on its own and
@@ -230,13 +272,34 @@ def _nonfinite(x):
 
 @triton.jit(do_not_specialize=["N", "H", "ignore_index", "gain_bits", "zmax_bits", "margin_bits"])
 def row_scales_kernel(
-    h_ptr, lse_ptr, t_ptr, glp_ptr, gent_ptr, glse_ptr, wabs_ptr, babs_ptr,
-    scale_ptr, inv_ptr, bad_ptr,
-    N, H, stride_hn, ignore_index, gain_bits, zmax_bits, margin_bits,
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, HAS_LP: tl.constexpr,
-    HAS_ENT: tl.constexpr, HAS_LSE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ZMAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
-):  # fmt: skip
+    h_ptr,
+    lse_ptr,
+    t_ptr,
+    glp_ptr,
+    gent_ptr,
+    glse_ptr,
+    wabs_ptr,
+    babs_ptr,
+    scale_ptr,
+    inv_ptr,
+    bad_ptr,
+    N,
+    H,
+    stride_hn,
+    ignore_index,
+    gain_bits,
+    zmax_bits,
+    margin_bits,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_LP: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ZMAX: tl.constexpr,
+    E_LO: tl.constexpr,
+    E_HI: tl.constexpr,
+):
     """Per row: ``scale = 2^e`` (fp32), ``inv = 2^-e`` (fp64) and ``bad`` (int8) of
     ``lp_kernels.core.fixed_point.row_exponents``, whose float64 operations this repeats one
     by one in the same order (compiled without FMA contraction, as torch evaluates them;
@@ -428,9 +491,17 @@ def full_stages(a: torch.Tensor) -> bool:
 
 
 def matmul_fixed(
-    c, a, b, scale, k_a: int, fixed: tuple[int, int, int], cfg: KernelConfig, *,
-    leaf: int = TILE, accumulate: bool = True,
-):  # fmt: skip
+    c,
+    a,
+    b,
+    scale,
+    k_a: int,
+    fixed: tuple[int, int, int],
+    cfg: KernelConfig,
+    *,
+    leaf: int = TILE,
+    accumulate: bool = True,
+):
     """``c (int64) += fixed-point(a @ b)`` per ``leaf``-column tile; ``a`` has zeros up to
     k_a. ``accumulate=False``: ``c = ...`` (``c`` is not read)."""
     m, k = a.shape

@@ -48,14 +48,42 @@ from lp_kernels.distributed.collectives import gather_stats
 
 @triton.jit(do_not_specialize=["N", "V_real", "ignore_index", "col0", "splits", "rows"])
 def fwd_stats_kernel(
-    h_src, w_src, t_ptr, stats_ptr, b_ptr, l_ptr,
-    N, H, V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, rows,
-    stride_hn, stride_hh, stride_wv, stride_wh, stride_ln, scale,
-    V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    STORE_L: tl.constexpr, IGNORED: tl.constexpr, CAP: tl.constexpr, SCALE: tl.constexpr,
+    h_src,
+    w_src,
+    t_ptr,
+    stats_ptr,
+    b_ptr,
+    l_ptr,
+    N,
+    H,
+    V_real,
+    ignore_index,
+    col0,
+    inv_t,
+    cap,
+    inv_cap,
+    splits,
+    rows,
+    stride_hn,
+    stride_hh,
+    stride_wv,
+    stride_wh,
+    stride_ln,
+    scale,
+    V_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_L: tl.constexpr,
+    IGNORED: tl.constexpr,
+    CAP: tl.constexpr,
+    SCALE: tl.constexpr,
     TILE_W: tl.constexpr = 0,
-):  # fmt: skip
+):
     """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target],
     with z the transformed logits (``softmax``). ``t_ptr``: the raw target ids, ``col0`` the
     id of the weight's first row (``tl_utils.target_codes``; ``IGNORED``: an ignored row's
@@ -88,9 +116,25 @@ def fwd_stats_kernel(
         m_v = o_v < v_end
         # [BLOCK_N, BLOCK_V]
         b_l = logits_block(
-            h_src, w_src, b_ptr, i_n * BLOCK_N, v0, m_n, m_v, H, stride_hn, stride_hh,
-            stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, TMA, HAS_BIAS,
-        )  # fmt: skip
+            h_src,
+            w_src,
+            b_ptr,
+            i_n * BLOCK_N,
+            v0,
+            m_n,
+            m_v,
+            H,
+            stride_hn,
+            stride_hh,
+            stride_wv,
+            stride_wh,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_H,
+            EVEN_H,
+            TMA,
+            HAS_BIAS,
+        )
         if STORE_L:
             if TMA:  # a tensor descriptor over [N, V_real]: the block's out-of-bounds part is cut
                 b_l0, b_l1 = tl.split(
@@ -113,9 +157,24 @@ def fwd_stats_kernel(
             m_t = tl.arange(0, BLOCK_V)[None, :] == b_trel[:, None]
         b_lt += tl.sum(tl.where(m_t, b_l, 0.0), axis=1)  # raw: transformed after the loop
         b_m, b_s, b_a = softmax_update(
-            b_m, b_s, b_a, b_l, m_v, None, v0, v_end, scale, inv_t, k_e, k_z, k_a, k_t, ENTROPY,
-            CAP, SCALE,
-        )  # fmt: skip
+            b_m,
+            b_s,
+            b_a,
+            b_l,
+            m_v,
+            None,
+            v0,
+            v_end,
+            scale,
+            inv_t,
+            k_e,
+            k_z,
+            k_a,
+            k_t,
+            ENTROPY,
+            CAP,
+            SCALE,
+        )
     b_m, b_zt = softmax_finish(b_m, b_lt, scale, cap, inv_cap, inv_t, k_z, ENTROPY, CAP, SCALE)
     p_out = stats_ptr + (i_s.to(tl.int64) * N + o_n) * 4
     tl.store(p_out + 0, b_m, mask=m_n)
@@ -139,9 +198,17 @@ def _partials_max(p_n, step, k_begin, k_end, m_n, BLOCK_N: tl.constexpr, BLOCK_K
 
 @triton.jit
 def _partials_sum(
-    p_n, step, k_begin, k_end, m_n, b_big_m,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ENTROPY: tl.constexpr, EMPTY: tl.constexpr,
-):  # fmt: skip
+    p_n,
+    step,
+    k_begin,
+    k_end,
+    m_n,
+    b_big_m,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    EMPTY: tl.constexpr,
+):
     """``(S, B, T)``: the partials ``[k_begin, k_end)`` of a block of rows rescaled to their
     maximum ``b_big_m`` and added in order (``lp_kernels.core.stats``' algebra; B only with
     ``ENTROPY``). ``BLOCK_K`` partials' loads are in flight together, each still added in
@@ -172,9 +239,15 @@ def _partials_sum(
 
 @triton.jit(do_not_specialize=["K", "N", "G"])
 def merge_runs_kernel(
-    stats_ptr, out_ptr, K, N, G,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ENTROPY: tl.constexpr,
-):  # fmt: skip
+    stats_ptr,
+    out_ptr,
+    K,
+    N,
+    G,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ENTROPY: tl.constexpr,
+):
     """Merge each run of ``G`` consecutive partials (of K) into one partial: program
     (row block, run) -> ``out[run, rows] = (M, S, B, T)``, the run's maximum, its sums
     rescaled to it (B: its a relative to M; without ``ENTROPY``, 0) and its target terms.
@@ -200,9 +273,21 @@ def merge_runs_kernel(
 
 @triton.jit(do_not_specialize=["K", "N", "ignore_index"])
 def merge_kernel(
-    stats_ptr, lse_ptr, mean_ptr, zt_ptr, ent_ptr, t_ptr, lseo_ptr, K, N, ignore_index,
-    BLOCK_N: tl.constexpr, ENTROPY: tl.constexpr, LSE_OUT: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    stats_ptr,
+    lse_ptr,
+    mean_ptr,
+    zt_ptr,
+    ent_ptr,
+    t_ptr,
+    lseo_ptr,
+    K,
+    N,
+    ignore_index,
+    BLOCK_N: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    LSE_OUT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Merge K partials per row in order (see lp_kernels.core.stats for the algebra).
 
     ``lse_ptr`` and ``mean_ptr`` (``ENTROPY``) receive the raw log-sum-exp and E (the

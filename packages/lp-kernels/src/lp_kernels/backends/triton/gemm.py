@@ -29,12 +29,33 @@ from lp_kernels.core.matmul import scratch
 
 
 def matmul_acc_body(
-    a_src, b_src, c_ptr, M, M_A, N, K, K_A, K_B, rows, chunk_k,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    TMA: tl.constexpr, A_T: tl.constexpr,
-    ACC: tl.constexpr, C_TMA: tl.constexpr, MULTI: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
+    a_src,
+    b_src,
+    c_ptr,
+    M,
+    M_A,
+    N,
+    K,
+    K_A,
+    K_B,
+    rows,
+    chunk_k,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TMA: tl.constexpr,
+    A_T: tl.constexpr,
+    ACC: tl.constexpr,
+    C_TMA: tl.constexpr,
+    MULTI: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """C[:M] (fp32) = C + A @ B (``ACC``; else C = A @ B, without reading C). One program
     per C tile: A @ B summed over K in a fixed order from +0.0, then C added once. No
     atomics.
@@ -77,9 +98,26 @@ def matmul_acc_body(
         k_end = tl.minimum(chunk_k, K)  # the first chunk
     for k0 in range(k_lo, k_end, BLOCK_K):
         b_acc = gemm_step(
-            b_acc, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B,
-            stride_ak, stride_bk, BLOCK_M, BLOCK_N, TMA, A_T,
-        )  # fmt: skip
+            b_acc,
+            a_src,
+            b_src,
+            p_a,
+            p_b,
+            k0,
+            i_m,
+            i_n,
+            m_am,
+            m_n,
+            o_k,
+            K_A,
+            K_B,
+            stride_ak,
+            stride_bk,
+            BLOCK_M,
+            BLOCK_N,
+            TMA,
+            A_T,
+        )
     # With ACC, C is read and written after the K loop through a tensor descriptor where
     # allowed (C_TMA): no [BLOCK_M, BLOCK_N] pointer block is then held in registers next
     # to the accumulator and the loaded tile (with one, the kernel spilled about 1 KB per
@@ -95,9 +133,26 @@ def matmul_acc_body(
             b_part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(k_lo, tl.minimum(k_lo + chunk_k, K), BLOCK_K):
                 b_part = gemm_step(
-                    b_part, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B,
-                    stride_ak, stride_bk, BLOCK_M, BLOCK_N, TMA, A_T,
-                )  # fmt: skip
+                    b_part,
+                    a_src,
+                    b_src,
+                    p_a,
+                    p_b,
+                    k0,
+                    i_m,
+                    i_n,
+                    m_am,
+                    m_n,
+                    o_k,
+                    K_A,
+                    K_B,
+                    stride_ak,
+                    stride_bk,
+                    BLOCK_M,
+                    BLOCK_N,
+                    TMA,
+                    A_T,
+                )
             b_acc += b_part
     if C_TMA:
         c_ptr.store([i_m * BLOCK_M, i_n * BLOCK_N], b_acc)
@@ -178,9 +233,13 @@ def matmul_acc(
     if multi and not (cfg.tma and tma_ok(a, b) and block_n == narrow_block_n(cfg)):
         for k0 in range(0, max(k, k_a), chunk_k):
             matmul_acc(
-                c, a[:, k0 : k0 + chunk_k], b[k0 : k0 + chunk_k], cfg,
-                k_a=min(k_a - k0, chunk_k), accumulate=accumulate or k0 > 0,
-            )  # fmt: skip
+                c,
+                a[:, k0 : k0 + chunk_k],
+                b[k0 : k0 + chunk_k],
+                cfg,
+                k_a=min(k_a - k0, chunk_k),
+                accumulate=accumulate or k0 > 0,
+            )
         return
     m_a = m if m_a is None else m_a
     a_src, b_src, tma = gemm_sources(a, b, m_a, k_a, a_t, cfg, block_n)

@@ -102,9 +102,14 @@ class HiddenRows:
     def add(self, chunk: Chunk, r0: int, r1: int, dl: torch.Tensor, cols: int) -> None:
         """``dl``'s zero columns up to ``cols`` keep the GEMM's K loads vectorized."""
         matmul_acc(
-            self.acc[r0:r1], dl, chunk.weight, self.cfg, k_a=cols,
-            accumulate=chunk.v_begin > 0, chunk_k=self.cfg.backward.vocab_chunk,
-        )  # fmt: skip
+            self.acc[r0:r1],
+            dl,
+            chunk.weight,
+            self.cfg,
+            k_a=cols,
+            accumulate=chunk.v_begin > 0,
+            chunk_k=self.cfg.backward.vocab_chunk,
+        )
 
     def end(self, chunk: Chunk) -> None:
         pass
@@ -163,9 +168,19 @@ def backward(saved, grads: Grads, needs, p: LogprobParams, cfg: KernelConfig) ->
     per_launch = chunks_per_launch(n, h_dim, v_real, cfg, hidden.device)
     chunks, width = vocab_chunks(v_real, cfg, per_launch)
     dl = DlogitsChunks(
-        hidden, w_real, targets, p.vocab_start, (lse, mean_z), upstream(*grads), p, cfg,
-        chunks, width, b_real, acc_b,
-    )  # fmt: skip
+        hidden,
+        w_real,
+        targets,
+        p.vocab_start,
+        (lse, mean_z),
+        upstream(*grads),
+        p,
+        cfg,
+        chunks,
+        width,
+        b_real,
+        acc_b,
+    )
     loop = (Chunk(b, c, w_real[b : b + c], blocks, final=b + c == v_real) for b, c, blocks in dl)
     run_chunks(loop, rows_sink, weight_sink, sums)
     grad_h = None

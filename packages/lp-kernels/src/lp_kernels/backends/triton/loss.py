@@ -54,12 +54,36 @@ from lp_kernels.distributed.collectives import RowSums
 
 @triton.jit(do_not_specialize=["N", "V", "ignore_index", "first_id"])
 def dlogits_l_kernel(
-    l_ptr, t_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, glse_ptr, dl_ptr, db_ptr,
-    N, V, ignore_index, first_id, inv_t, cap, inv_cap, stride_ln, stride_dn, scale,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCKS: tl.constexpr, ENTROPY: tl.constexpr,
-    HAS_LP: tl.constexpr, HAS_LSE: tl.constexpr, IGNORED: tl.constexpr,
-    BIAS_GRAD: tl.constexpr, CAP: tl.constexpr, SCALE: tl.constexpr,
-):  # fmt: skip
+    l_ptr,
+    t_ptr,
+    lse_ptr,
+    mean_ptr,
+    glp_ptr,
+    gent_ptr,
+    glse_ptr,
+    dl_ptr,
+    db_ptr,
+    N,
+    V,
+    ignore_index,
+    first_id,
+    inv_t,
+    cap,
+    inv_cap,
+    stride_ln,
+    stride_dn,
+    scale,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    HAS_LP: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    IGNORED: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    CAP: tl.constexpr,
+    SCALE: tl.constexpr,
+):
     """``d l`` of stored raw logits l (``h W^T + b``): ``softmax.dlogits_block``, the
     arithmetic of the backward's ``dlogits_kernel`` on the same l, without the GEMM that
     recomputes it.
@@ -85,17 +109,33 @@ def dlogits_l_kernel(
         m_2 = m_n[:, None] & (o_v < V)[None, :]
         b_l = tl.load(p_l + o_v[None, :], mask=m_2, other=0.0)
         b_dz = dlogits_block(
-            b_l, b_t, b_lse, b_glp, b_glse, b_mean, b_gent, v0, scale, cap, inv_cap, inv_t,
-            BLOCK_V, ENTROPY, HAS_LP, CAP, SCALE,
-        )  # fmt: skip
+            b_l,
+            b_t,
+            b_lse,
+            b_glp,
+            b_glse,
+            b_mean,
+            b_gent,
+            v0,
+            scale,
+            cap,
+            inv_cap,
+            inv_t,
+            BLOCK_V,
+            ENTROPY,
+            HAS_LP,
+            CAP,
+            SCALE,
+        )
         b_dz = tl.where(m_2 & (b_t != IGNORED)[:, None], b_dz, 0.0)
         b_dl = b_dz.to(dl_ptr.dtype.element_ty)
         tl.store(p_d + o_v[None, :], b_dl, mask=m_2)
         if BIAS_GRAD:  # the stored values' sums (what the gradient GEMMs read), in fp32
             tl.store(
-                db_ptr + i_n.to(tl.int64) * V + o_v, tl.sum(b_dl.to(tl.float32), axis=0),
+                db_ptr + i_n.to(tl.int64) * V + o_v,
+                tl.sum(b_dl.to(tl.float32), axis=0),
                 mask=o_v < V,
-            )  # fmt: skip
+            )
 
 
 def dlogits_from_logits(

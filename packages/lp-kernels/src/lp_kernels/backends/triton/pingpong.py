@@ -82,9 +82,19 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(
-        h_desc, w_desc, h_bufs, w_bufs, ready, empty, N, H, V_real, splits, rows,
+        h_desc,
+        w_desc,
+        h_bufs,
+        w_bufs,
+        ready,
+        empty,
+        N,
+        H,
+        V_real,
+        splits,
+        rows,
         V_SPLIT: gl.constexpr,
-    ):  # fmt: skip
+    ):
         """One warp: for each (row block, split) item of this program, each tile of the
         split, each warpgroup, each K block: that warpgroup's hidden rows and the tile's
         weight rows into the next stage, once its previous reader released it."""
@@ -114,11 +124,34 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consumer(
-        h_bufs, w_bufs, ready, empty, order, t_ptr, stats_ptr, b_ptr,
-        N, H, V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, rows, scale,
-        WG: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_H: gl.constexpr, V_SPLIT: gl.constexpr,
-        IGNORED: gl.constexpr, HAS_BIAS: gl.constexpr, CAP: gl.constexpr, SCALE: gl.constexpr,
-    ):  # fmt: skip
+        h_bufs,
+        w_bufs,
+        ready,
+        empty,
+        order,
+        t_ptr,
+        stats_ptr,
+        b_ptr,
+        N,
+        H,
+        V_real,
+        ignore_index,
+        col0,
+        inv_t,
+        cap,
+        inv_cap,
+        splits,
+        rows,
+        scale,
+        WG: gl.constexpr,
+        BLOCK_V: gl.constexpr,
+        BLOCK_H: gl.constexpr,
+        V_SPLIT: gl.constexpr,
+        IGNORED: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        CAP: gl.constexpr,
+        SCALE: gl.constexpr,
+    ):
         """Warpgroup ``WG``: rows ``[WG * HALF, +HALF)`` of each row block, the Triton
         kernel's MMAs (``HAS_BIAS``: and the bias) and online ``(m, s, a = 0, t)`` per row
         (``softmax.softmax_update``), then its partials."""
@@ -168,9 +201,11 @@ if HAVE_GLUON:
                     stage = p % NSTAGES
                     mbarrier.wait(ready.index(stage), (p // NSTAGES) & 1)
                     acc = warpgroup_mma(
-                        h_bufs.index(stage), w_bufs.index(stage).permute((1, 0)), acc,
+                        h_bufs.index(stage),
+                        w_bufs.index(stage).permute((1, 0)),
+                        acc,
                         is_async=True,
-                    )  # fmt: skip
+                    )
                     # one MMA in flight: the previous K block's stage is free
                     acc = warpgroup_mma_wait(1, deps=[acc])
                     prev = (p + NSTAGES - 1) % NSTAGES
@@ -188,9 +223,24 @@ if HAVE_GLUON:
                 b_cols = gl.arange(0, BLOCK_V, layout=cols_l)
                 b_zt += gl.sum(gl.where(b_cols[None, :] == b_trel[:, None], acc, 0.0), axis=1)
                 b_m, b_s, _ = softmax_update(
-                    b_m, b_s, b_s, acc, None, b_cols, v0, v_end, scale, inv_t, k_e, k_z, k_a,
-                    k_t, False, CAP, SCALE,
-                )  # fmt: skip
+                    b_m,
+                    b_s,
+                    b_s,
+                    acc,
+                    None,
+                    b_cols,
+                    v0,
+                    v_end,
+                    scale,
+                    inv_t,
+                    k_e,
+                    k_z,
+                    k_a,
+                    k_t,
+                    False,
+                    CAP,
+                    SCALE,
+                )
             b_m, b_zt = softmax_finish(
                 b_m, b_zt, scale, cap, inv_cap, inv_t, k_z, False, CAP, SCALE
             )
@@ -202,11 +252,30 @@ if HAVE_GLUON:
 
     @gluon.jit
     def pingpong_stats_kernel(
-        h_desc, w_desc, t_ptr, stats_ptr, b_ptr,
-        N, H, V_real, ignore_index, col0, inv_t, cap, inv_cap, splits, rows, scale,
-        V_SPLIT: gl.constexpr, NSTAGES: gl.constexpr, IGNORED: gl.constexpr,
-        HAS_BIAS: gl.constexpr, CAP: gl.constexpr, SCALE: gl.constexpr, REGS: gl.constexpr,
-    ):  # fmt: skip
+        h_desc,
+        w_desc,
+        t_ptr,
+        stats_ptr,
+        b_ptr,
+        N,
+        H,
+        V_real,
+        ignore_index,
+        col0,
+        inv_t,
+        cap,
+        inv_cap,
+        splits,
+        rows,
+        scale,
+        V_SPLIT: gl.constexpr,
+        NSTAGES: gl.constexpr,
+        IGNORED: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        CAP: gl.constexpr,
+        SCALE: gl.constexpr,
+        REGS: gl.constexpr,
+    ):
         """``fwd_stats_kernel``'s ``[S, N, 4]`` partials (``ENTROPY`` and ``STORE_L`` off,
         ``TILE_W = 0``), persistent: the default partition is warpgroup 0, a 4-warp worker
         warpgroup 1, a 1-warp worker the producer."""
@@ -288,9 +357,10 @@ def pingpong_ok(
     Hopper GPU (compute capability 9.x), Gluon, 2-byte inputs that back tensor
     descriptors, the config's logits block (128 x 256) and ``H <=
     forward.pingpong_max_h``. Options, H, the dtype and the device decide it, never N or
-    the shard's width; both kernels give the same bits. The logit transform and a bias do
-    not enter the rule: with either the training step measured as fast as or faster than
-    with the Triton forward (docs/history.md)."""
+    the shard's width; both kernels give the same bits. A softcap and a bias do not enter
+    the rule: with either the training step measured as fast as or faster than with the
+    Triton forward (docs/history.md); ``logit_scale`` (one more multiply per logit) has not
+    been timed apart."""
     return (
         HAVE_GLUON
         and cfg.forward.pingpong_max_h > 0

@@ -183,9 +183,24 @@ def real_columns(m_v, b_cols, v0, v_end):
 
 @triton.jit
 def softmax_update(
-    b_m, b_s, b_a, b_l, m_v, b_cols, v0, v_end, scale, inv_t, k_e, k_z, k_a, k_t,
-    ENTROPY: tl.constexpr, CAP: tl.constexpr, SCALE: tl.constexpr,
-):  # fmt: skip
+    b_m,
+    b_s,
+    b_a,
+    b_l,
+    m_v,
+    b_cols,
+    v0,
+    v_end,
+    scale,
+    inv_t,
+    k_e,
+    k_z,
+    k_a,
+    k_t,
+    ENTROPY: tl.constexpr,
+    CAP: tl.constexpr,
+    SCALE: tl.constexpr,
+):
     """The rows' running ``(m, s, a)`` after one block of raw logits ``b_l [rows, cols]``
     whose columns ``v0 + b_cols`` (``b_cols``: ``0 .. cols - 1`` in the caller's layout) are
     real below ``v_end``: ``m_v [cols]``, or None (then the mask is made where it is needed,
@@ -227,9 +242,17 @@ def softmax_update(
 
 @triton.jit
 def softmax_finish(
-    b_m, b_lt, scale, cap, inv_cap, inv_t, k_z,
-    ENTROPY: tl.constexpr, CAP: tl.constexpr, SCALE: tl.constexpr,
-):  # fmt: skip
+    b_m,
+    b_lt,
+    scale,
+    cap,
+    inv_cap,
+    inv_t,
+    k_z,
+    ENTROPY: tl.constexpr,
+    CAP: tl.constexpr,
+    SCALE: tl.constexpr,
+):
     """``(m, t)`` of a partial: ``m`` from the running value of :func:`softmax_update`, and
     the target's ``z`` from its raw logit ``b_lt`` (0 where the target lies elsewhere)."""
     if SCALE:
@@ -269,9 +292,21 @@ def cap_dl_entropy(l, k_e, k_a, b_p, c1, c2, hit, g_lp):
 
 @triton.jit
 def capped_dlogits(
-    b_l, b_trel, b_lse, b_c0, b_glp, b_mean, b_gent, cap, inv_cap, inv_t, k_grad,
-    BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr,
-):  # fmt: skip
+    b_l,
+    b_trel,
+    b_lse,
+    b_c0,
+    b_glp,
+    b_mean,
+    b_gent,
+    cap,
+    inv_cap,
+    inv_t,
+    k_grad,
+    BLOCK_V: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    HAS_LP: tl.constexpr,
+):
     """``d l`` of a block of capped logits ``b_l`` (``b_trel``: each row's target column
     relative to the block, int32), element by element on the GPU. ``b_c0`` carries
     ``k_grad``; the slope's 4 joins it and the other per-row factors here (``b_glp``: the
@@ -305,9 +340,17 @@ def capped_dlogits(
 
 @triton.jit
 def dlogits_rows(
-    lse_ptr, glse_ptr, glp_ptr, gent_ptr, mean_ptr, o_n, m_n, ENTROPY: tl.constexpr,
-    HAS_LP: tl.constexpr, HAS_LSE: tl.constexpr,
-):  # fmt: skip
+    lse_ptr,
+    glse_ptr,
+    glp_ptr,
+    gent_ptr,
+    mean_ptr,
+    o_n,
+    m_n,
+    ENTROPY: tl.constexpr,
+    HAS_LP: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+):
     """The per-row inputs of :func:`dlogits_block` for rows ``o_n``: ``(lse, g_lp, g_lse, E,
     g_ent)``, fp32 ``[BLOCK_N]``, an absent gradient (and E without ``ENTROPY``) as +0.0.
     Read as they come: an ignored row's may hold anything."""
@@ -338,10 +381,24 @@ def grad_factor(scale, inv_t, SCALE: tl.constexpr):
 
 @triton.jit
 def dlogits_block(
-    b_l, b_t, b_lse, b_glp, b_glse, b_mean, b_gent, col0, scale, cap, inv_cap, inv_t,
-    BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, HAS_LP: tl.constexpr, CAP: tl.constexpr,
+    b_l,
+    b_t,
+    b_lse,
+    b_glp,
+    b_glse,
+    b_mean,
+    b_gent,
+    col0,
+    scale,
+    cap,
+    inv_cap,
+    inv_t,
+    BLOCK_V: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    HAS_LP: tl.constexpr,
+    CAP: tl.constexpr,
     SCALE: tl.constexpr,
-):  # fmt: skip
+):
     """``d l`` of a block of raw logits ``b_l`` (``h W^T + b``, fp32) whose first column is
     ``col0`` (the target codes' numbering), rows with target codes ``b_t`` and the per-row
     inputs of :func:`dlogits_rows`::
@@ -357,9 +414,21 @@ def dlogits_block(
     if CAP:  # d l = d z k_grad (1 - tanh^2), element by element
         b_trel = (b_t - col0).to(tl.int32)  # int32: one compare each
         b_dz = capped_dlogits(
-            b_l, b_trel, b_lse, b_c0, b_glp, b_mean, b_gent, cap, inv_cap, inv_t, k_grad,
-            BLOCK_V, ENTROPY, HAS_LP,
-        )  # fmt: skip
+            b_l,
+            b_trel,
+            b_lse,
+            b_c0,
+            b_glp,
+            b_mean,
+            b_gent,
+            cap,
+            inv_cap,
+            inv_t,
+            k_grad,
+            BLOCK_V,
+            ENTROPY,
+            HAS_LP,
+        )
     else:
         b_zs = b_l * inv_t
         b_p = exp_ftz(b_zs - b_lse[:, None])

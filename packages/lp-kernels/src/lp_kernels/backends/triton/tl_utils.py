@@ -59,10 +59,25 @@ def target_codes(t_ptr, o_n, m_n, ignore_index, col0, cols, IGNORED: tl.constexp
 
 @triton.jit
 def logits_block(
-    h_src, w_src, b_ptr, row0, col0, m_n, m_v, H, stride_hn, stride_hh, stride_wv, stride_wh,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    EVEN_H: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
+    h_src,
+    w_src,
+    b_ptr,
+    row0,
+    col0,
+    m_n,
+    m_v,
+    H,
+    stride_hn,
+    stride_hh,
+    stride_wv,
+    stride_wh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     """fp32 ``[BLOCK_N, BLOCK_V]`` block of ``h W^T (+ b)`` for rows ``row0 +`` and columns
     ``col0 +``.
 
@@ -132,9 +147,26 @@ def reciprocal(x):
 
 @triton.jit
 def gemm_step(
-    acc, a_src, b_src, p_a, p_b, k0, i_m, i_n, m_am, m_n, o_k, K_A, K_B, stride_ak, stride_bk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
-):  # fmt: skip
+    acc,
+    a_src,
+    b_src,
+    p_a,
+    p_b,
+    k0,
+    i_m,
+    i_n,
+    m_am,
+    m_n,
+    o_k,
+    K_A,
+    K_B,
+    stride_ak,
+    stride_bk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
+    A_T: tl.constexpr,
+):
     """``acc + A[:, k0 : k0 + BLOCK_K] @ B[k0 : k0 + BLOCK_K]`` for one output block.
 
     Operands come through tensor descriptors (``TMA``; ``A_T``: ``a_src`` describes A^T)
