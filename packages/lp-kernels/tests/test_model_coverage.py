@@ -329,28 +329,37 @@ def test_bias_gradient_column_sums_add_rows_in_order(rows, cols, device):
     assert torch.equal(out[cols:], base[cols:])  # past V: untouched
 
 
+# Masked columns: scattered, or whole leading blocks and splits (the first 600 of 900 columns:
+# on the interpreter's config two 256-column blocks and more), which a row's online softmax
+# meets before any finite logit.
+MASKS = {"scattered": (300, [3, 150, 299]), "leading": (900, list(range(600)))}
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "cap5"])
-def test_bias_minus_inf_masks_its_columns(softcap, backend):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+def test_bias_minus_inf_masks_its_columns(mask, softcap, deterministic, backend):
     """``-inf`` bias entries drop their columns out of the softmax: logprob, lse and their
     gradients equal fp64's over the other columns, and the masked columns' grad_bias and
     grad_weight rows are exact zeros (the cap keeps ``-inf``; its slope there is 0)."""
     gen = torch.Generator().manual_seed(21)
-    n, h_dim, v = 37, 64, 300
+    v, masked = MASKS[mask]
+    n, h_dim = 37, 64
     hidden, weight = torch.randn(n, h_dim, generator=gen), torch.randn(v, h_dim, generator=gen)
     bias = torch.randn(v, generator=gen)
-    masked = [3, 150, 299]
     bias[masked] = float("-inf")
-    targets = torch.randint(0, v, (n,), generator=gen)
-    targets = torch.where(torch.isin(targets, torch.tensor(masked)), targets - 1, targets)
+    keep = [j for j in range(v) if j not in masked]
+    targets = torch.tensor(keep)[torch.randint(0, len(keep), (n,), generator=gen)]
     h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
-    out = linear_logprob(h, w, targets, bias=b, softcap=softcap, backend=backend,
-                         return_lse=True)  # fmt: skip
+    out = linear_logprob(
+        h, w, targets, bias=b, softcap=softcap, backend=backend, return_lse=True,
+        deterministic=deterministic,
+    )  # fmt: skip
     (out.logprob.sum() + 0.3 * out.lse.sum()).backward()
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     logits = h64 @ w64.T + bias.double()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    keep = [j for j in range(v) if j not in masked]
     lse = torch.logsumexp(logits[:, keep], dim=1)
     logprob = logits.gather(1, targets[:, None])[:, 0] - lse
     (logprob.sum() + 0.3 * lse.sum()).backward()

@@ -89,3 +89,11 @@ def global_abs_max(w_real: torch.Tensor, group: Any, world: int) -> torch.Tensor
     if world > 1:
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
     return local[0]
+
+
+def bias_abs_max(b_real: torch.Tensor, group: Any, world: int) -> torch.Tensor:
+    """``max |b|`` over every rank's real bias entries but the ``-inf`` ones (float64
+    scalar): a ``-inf`` entry masks its column, whose probability is exactly 0 and which
+    adds nothing to a gradient, so it does not bound a logit. A NaN or ``+inf`` entry
+    stays (a non-finite head)."""
+    return global_abs_max(torch.where(b_real == float("-inf"), 0.0, b_real), group, world)

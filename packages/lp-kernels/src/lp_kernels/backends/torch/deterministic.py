@@ -57,7 +57,12 @@ from lp_kernels.core.stats import (
 )
 from lp_kernels.core.tiles import tile_ownership
 from lp_kernels.core.types import LogprobParams
-from lp_kernels.distributed.collectives import RowSums, gather_stats, global_abs_max
+from lp_kernels.distributed.collectives import (
+    RowSums,
+    bias_abs_max,
+    gather_stats,
+    global_abs_max,
+)
 from lp_kernels.distributed.halo import (
     bias_halo,
     owned_halo,
@@ -272,7 +277,7 @@ class FixedPointRows:
         ignored = targets.long() == p.ignore_index
         g_lp, g_ent, g_lse = masked_upstream(ignored, *upstream)
         w_abs = global_abs_max(w_real, p.tp_group, p.tp_size)
-        b_abs = None if b_real is None else global_abs_max(b_real, p.tp_group, p.tp_size)
+        b_abs = None if b_real is None else bias_abs_max(b_real, p.tp_group, p.tp_size)
         self.scale, self.bad = row_exponents(
             hidden, w_abs, lse, ignored, g_lp, g_ent, g_lse, p, b_abs=b_abs
         )

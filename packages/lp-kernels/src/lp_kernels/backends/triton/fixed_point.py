@@ -37,7 +37,7 @@ from lp_kernels.backends.triton.tl_utils import INTERPRET, gemm_step, operand_pt
 from lp_kernels.core.fixed_point import E_MAX, E_MIN, MARGIN
 from lp_kernels.core.tiles import DETERMINISTIC_TILE as TILE
 from lp_kernels.core.types import LogprobParams
-from lp_kernels.distributed.collectives import global_abs_max, local_abs_max
+from lp_kernels.distributed.collectives import bias_abs_max, global_abs_max, local_abs_max
 
 # Every column tile is one global vocabulary tile. The fixed-point GEMM keeps an int64
 # and an fp32 accumulator per output element (chosen by the tile sweep).
@@ -401,7 +401,7 @@ def row_scales(
     dev = hidden.device
     if w_abs is None:
         w_abs = global_abs_max(w_real, p.tp_group, p.tp_size)  # 0-d: the kernel loads it
-    b_abs = None if b_real is None else global_abs_max(b_real, p.tp_group, p.tp_size)
+    b_abs = None if b_real is None else bias_abs_max(b_real, p.tp_group, p.tp_size)
     scale = torch.empty(n, dtype=torch.float32, device=dev)
     inv = torch.empty(n, dtype=torch.float64, device=dev)
     bad = torch.empty(n, dtype=torch.int8, device=dev)

@@ -206,7 +206,8 @@ def softmax_update(
     real below ``v_end``: ``m_v [cols]``, or None (then the mask is made where it is needed,
     from ``b_cols``). ``a`` only with ``ENTROPY`` (else returned as it came); without entropy
     under a cap ``m`` is held as ``b`` (:func:`cap_x`; :func:`softmax_finish` turns it back).
-    The first block turns ``m`` from -inf into a finite maximum."""
+    Start from ``m = -inf``, ``s = a = 0``; a row whose logits are all ``-inf`` so far keeps
+    them (its entropy term ``0 x -inf`` aside), and drops out when a finite logit comes."""
     partial = v0 + b_l.shape[1] > v_end  # the split's last block, cut: the selects only there
     if SCALE:
         b_l = b_l * scale
@@ -219,15 +220,18 @@ def softmax_update(
     if partial:
         b_z = tl.where(real_columns(m_v, b_cols, v0, v_end)[None, :], b_z, float("-inf"))
     b_mn = tl.maximum(b_m, tl.max(b_z, axis=1))
+    # a row with no mass yet (every logit so far -inf, a bias' masked columns): its terms are
+    # taken against 0, so they are e^-inf = 0, not e^(-inf + inf) = NaN
+    b_mz = tl.where(b_mn == float("-inf"), 0.0, b_mn)
     if CAP and not ENTROPY:  # b_m holds b = (m + c / T) log2(e): terms 2^(x - b)
-        b_alpha = tl.math.exp2(b_m - b_mn)
-        b_e = tl.math.exp2(b_z - b_mn[:, None])
+        b_alpha = tl.math.exp2(b_m - b_mz)
+        b_e = tl.math.exp2(b_z - b_mz[:, None])
     else:
-        b_alpha = exp_ftz(b_m - b_mn)
+        b_alpha = exp_ftz(b_m - b_mz)
         if CAP:
-            b_e, b_ed = entropy_terms_block(b_z, b_mn[:, None])
+            b_e, b_ed = entropy_terms_block(b_z, b_mz[:, None])
         else:
-            b_d = b_z - b_mn[:, None]
+            b_d = b_z - b_mz[:, None]
             b_e = exp_ftz(b_d)
             if ENTROPY:
                 b_ed = b_e * b_d
