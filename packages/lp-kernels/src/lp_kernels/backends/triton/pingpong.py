@@ -357,7 +357,7 @@ def pingpong_ok(
     Hopper GPU (compute capability 9.x), Gluon, 2-byte inputs that back tensor
     descriptors, the config's logits block (128 x 256) and ``H <=
     forward.pingpong_max_h``. Options, H, the dtype and the device decide it, never N or
-    the shard's width; both kernels give the same bits. A softcap and a bias do not enter
+    the shard's width; both kernels give the same bits. A cap and a bias do not enter
     the rule: with either the training step measured as fast as or faster than with the
     Triton forward (docs/history.md); ``logit_scale`` (one more multiply per logit) has not
     been timed apart."""
