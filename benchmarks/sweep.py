@@ -20,8 +20,8 @@ per-token upstream gradient) per variant; ``--det`` adds deterministic=True at e
 ``--det-tile`` (``--det-only``: only that). ``--bits`` first checks, per shape, that every
 order-only variant (``*`` in ``--list``) gives bitwise (``torch.equal``) the pinned
 config's logprob, entropy and gradients: in the default mode, in deterministic=True at the
-first ``--det-tile`` and at 4224-column tiles (the last one cut: one tile per piece of the
-GPU config's 8192-column chunks). An awkward N (``--shapes 1000x512x20011``) covers the
+first ``--det-tile`` and at 4224-column tiles (the last one cut: one tile per vocabulary
+chunk under the GPU config's 8192-column chunks). An awkward N (``--shapes 1000x512x20011``) covers the
 row masks.
 
 ``loss`` times ``linear_logprob_loss`` per variant against lp's log-prob path plus the same
@@ -84,7 +84,7 @@ TILE_VARIANTS: dict[str, dict] = {
     "bn256-bv128": {"logits": {"block_n": 256, "block_v": 128}},
     "s4": {"logits": {"num_stages": 4}, "gemm": {"num_stages": 4}},
     "g16": {"swizzle": 16},
-    "ungrouped": {"swizzle": 1},
+    "swizzle1": {"swizzle": 1},
     "notma": {"tma": False},
     "chunk16k": {"backward": {"vocab_chunk": 16384}},
     "chunk24k": {"backward": {"vocab_chunk": 24576}},
@@ -112,8 +112,8 @@ TILE_VARIANTS: dict[str, dict] = {
 # whose elements keep their products and K order (equal if the tensor cores' sum of one
 # element does not depend on the instruction's N or M): ``--bits`` holds them to the pinned
 # config's bits. fx64x128: the same 128-column leaves if the MMAs keep their K order;
-# rg1 / rg3: each tile is rounded on its own, whatever the group.
-ORDER_ONLY = ("notma", "ungrouped", "fx64x128", "rg1", "rg3", "mm128", "mm64", "bn64", "mmwide")
+# rg1 / rg3: each tile is rounded on its own, however many a round takes.
+ORDER_ONLY = ("notma", "swizzle1", "fx64x128", "rg1", "rg3", "mm128", "mm64", "bn64", "mmwide")
 WIDE_TILE = "4224"  # --bits' second deterministic tile (see the docstring)
 
 # name -> changes of the pinned config for linear_logprob_loss. bb* matter with --bias only.
