@@ -21,8 +21,8 @@ per-token upstream gradient) per variant; ``--det`` adds deterministic=True at e
 order-only variant (``*`` in ``--list``) gives bitwise (``torch.equal``) the pinned
 config's logprob, entropy and gradients: in the default mode, in deterministic=True at the
 first ``--det-tile`` and at 4224-column tiles (the last one cut: one tile per vocabulary
-chunk under the GPU config's 8192-column chunks). An awkward N (``--shapes 1000x512x20011``) covers the
-row masks.
+chunk under the GPU config's 8192-column chunks). An awkward N (``--shapes
+1000x512x20011``) covers the row masks.
 
 ``loss`` times ``linear_logprob_loss`` per variant against lp's log-prob path plus the same
 loss (``lp``) and the materialized logits (``materialized``). The loss is ``lp bench``'s
