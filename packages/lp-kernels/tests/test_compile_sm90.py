@@ -97,17 +97,23 @@ def test_every_gpu_launch_compiles_for_sm90(tmp_path):
         if (m := re.search(r"(\d+) regs +(\d+) B stack", line))
     ]
     assert len(frames) == len(lines), lines[:3]
-    # The optional logit transforms (bias, softcap). The capped d_logits epilogue, and the
-    # capped forward with entropy, run element by element (tl.map_elementwise; triton.
-    # softmax.capped_dlogits, triton.softmax.cap_z_block): op by op, the cap's slope beside
-    # z / T and p made the bf16 128 x 256 d_logits block spill 2.2 KB per thread on sm_90
-    # and the forward 0.6-1.2 KB. Now d_logits spills 8 B (one value kept across the main
-    # loop) and no launch with the flags more than 160 B (the mid tier's pointer-path
-    # forward, as without them; 224 B with linear_logprob_loss's logits store there). These
-    # are the locked Triton's (3.9) figures (3.6's ptxas 12.8 spills about 0.8 KB in the
-    # plain d_logits block already; docs/history.md). Ceilings with some room for other
-    # ptxas versions; the default path keeps 2 KB.
-    optional = [f for f in frames if "HAS_BIAS=True" in f[2] or _flag("CAP", True, f[2])]
+    # The optional logit transforms (bias, softcap, logit_scale). The capped d_logits epilogue, and
+    # the capped forward with entropy, run element by element (tl.map_elementwise;
+    # triton.softmax.capped_dlogits, triton.softmax.cap_z_block): op by op, the cap's slope beside z
+    # / T and p made the bf16 128 x 256 d_logits block spill 2.2 KB per thread on sm_90 and the
+    # forward 0.6-1.2 KB. Now d_logits spills 8 B (one value kept across the main loop) and no
+    # launch with the flags more than 160 B (the mid tier's pointer-path forward, as without them;
+    # 224 B with linear_logprob_loss's logits store there). These are the locked Triton's (3.9)
+    # figures (3.6's ptxas 12.8 spills about 0.8 KB in the plain d_logits block already;
+    # docs/history.md). Ceilings with some room for other ptxas versions; the default path keeps 2
+    # KB.
+    optional = [
+        f for f in frames
+        if "HAS_BIAS=True" in f[2] or _flag("CAP", True, f[2]) or _flag("SCALE", True, f[2])
+    ]  # fmt: skip
+    # logit_scale: every kernel that transforms logits compiles with SCALE too
+    for kernel in ("fwd_stats_kernel", "dlogits_kernel", "dlogits_l_kernel"):
+        assert any(f" {kernel}[" in f[2] and _flag("SCALE", True, f[2]) for f in optional), kernel
     default = [f for f in frames if f not in optional]
     assert optional and default
     assert all(stack <= 2048 for stack, _, _ in default), max(default)

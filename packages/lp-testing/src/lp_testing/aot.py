@@ -248,10 +248,10 @@ def _problems(options: bool = False):
     descriptors (H = 100 in bf16: 200 bytes), which takes the pointer path of every kernel,
     and deterministic tiles of every kind (several per vocabulary chunk, one per chunk, cut
     into chunks: see triton.plan.tile_chunks). ``cover``: the logit options
-    (``"bias"``, with its gradient, and ``"softcap"``), the kernels' HAS_BIAS / BIAS_GRAD /
-    CAP variants. ``options``: also the bf16 default-mode calls of every option set,
-    with and without entropy, beside the plain ones (``--options``: what each option adds
-    to the same tile's code)."""
+    (``"bias"``, with its gradient, ``"softcap"`` and ``"scale"``, a logit_scale), the
+    kernels' HAS_BIAS / BIAS_GRAD / CAP / SCALE variants. ``options``: also the bf16
+    default-mode calls of every option set, with and without entropy, beside the plain ones
+    (``--options``: what each option adds to the same tile's code)."""
     both = ("bias", "softcap")
     for det in (False, True):
         for dtype in (torch.bfloat16, torch.float32):
@@ -259,6 +259,8 @@ def _problems(options: bool = False):
                 yield dtype, det, entropy, h, 128, 1000, ()
             yield dtype, det, True, 256, 128, 1000, both
         yield torch.bfloat16, det, True, 100, 128, 1000, ()
+        for entropy in (False, True):  # every option: SCALE beside CAP and HAS_BIAS
+            yield torch.bfloat16, det, entropy, 256, 128, 1000, (*both, "scale")
     for dtype in (torch.bfloat16, torch.float32):
         for tile, v in ((384, 1000), (4224, 9000), (8320, 17000)):
             yield dtype, True, True, 256, tile, v, ()
@@ -305,6 +307,8 @@ def collect(
                     extra["bias"] = torch.randn(v, generator=gen).requires_grad_()
                 if "softcap" in cover:
                     extra["softcap"] = 30.0
+                if "scale" in cover:
+                    extra["logit_scale"] = 0.5
                 with gpu_launches(tier, variant.get("config")) as launches:
                     out = linear_logprob(
                         hidden, weight, targets, backend="triton", deterministic=det,
