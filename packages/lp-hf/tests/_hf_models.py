@@ -7,16 +7,75 @@ written out here independently of ``lp_hf.targets``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
-try:  # Gemma 2: final-logit softcapping in the model's forward, after lm_head
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+ARCHS: dict[str, tuple[type, type, dict[str, Any]]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+}
+"""arch -> (config class, model class, config fields of a tiny model beside tiny_model's)."""
 
-    ARCHS["gemma2"] = (Gemma2Config, Gemma2ForCausalLM)
-except ImportError:  # pragma: no cover - an old transformers
-    pass
+_MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
+_MAMBA = {"mamba_n_heads": 4, "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 4}
+_ROPE = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1]}
+_MLA = {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8}
+_OPTIONAL = {  # arch -> (config class, model class, fields); absent from older transformers
+    # the final-logit softcap after lm_head: config.final_logit_softcapping (SOFTCAPPED)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
+    "gemma4": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {"hidden_size_per_layer_input": 8, "global_head_dim": 8},
+    ),
+    "vaultgemma": ("VaultGemmaConfig", "VaultGemmaForCausalLM", {}),
+    "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", {}),
+    "beam": ("BeamConfig", "BeamForCausalLM", {}),
+    # a scale after lm_head: the module attribute logit_scale (multiplies)
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "cohere2": (
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        {"layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", {}),
+    "cohere_compass": (
+        "CohereCompassTextConfig",
+        "CohereCompassForCausalLM",
+        {"rope_parameters": {"full_attention": _ROPE}},
+    ),
+    # config.logits_scaling (divides)
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "granite_swa": ("GraniteSWAConfig", "GraniteSWAForCausalLM", {}),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", _MOE),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", _MOE),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", _MOE),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        {**_MOE, **_MAMBA, "mamba_d_head": 16, "layer_types": ["mamba", "attention"]},
+    ),
+    # the inner model's lm_head_multiplier (multiplies)
+    "falcon_h1": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        {**_MAMBA, "mamba_d_head": 8, "mamba_d_ssm": 32, "head_dim": 8},
+    ),
+    # config.logits_scaling (multiplies)
+    "hyperclovax": ("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", {}),
+    # config.logits_scaling divides the hidden states before lm_head
+    "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", {**_MLA, "num_key_value_heads": 4}),
+}
+SOFTCAPPED = ("gemma2", "gemma3", "gemma4", "vaultgemma", "nanochat", "beam")
+"""The archs whose forward applies ``config.final_logit_softcapping`` (tiny_model's
+``softcap``)."""
+for _arch, (_config, _model, _fields) in _OPTIONAL.items():
+    if hasattr(transformers, _config) and hasattr(transformers, _model):
+        ARCHS[_arch] = (getattr(transformers, _config), getattr(transformers, _model), _fields)
 
 
 def tiny_model(
@@ -31,31 +90,38 @@ def tiny_model(
     dtype: torch.dtype = torch.float32,
     softcap: float | None = None,
     bias: bool = False,
+    **fields: Any,
 ) -> torch.nn.Module:
     """A randomly initialised 2-layer model; the same seed gives the same weights.
 
-    ``softcap``: gemma2's ``final_logit_softcapping`` (its forward applies it after
-    lm_head). ``bias``: lm_head becomes an ``nn.Linear(H, V, bias=True)`` (untied only).
+    ``softcap``: ``final_logit_softcapping`` of the ``SOFTCAPPED`` archs (their forward
+    applies it after lm_head). ``bias``: lm_head becomes an ``nn.Linear(H, V, bias=True)``
+    (untied only).
+    ``fields``: other config fields (e.g. ``logits_scaling=4.0`` of granite).
     """
-    config_cls, model_cls = ARCHS[arch]
-    extra = {}
-    if arch == "gemma2":
-        extra = dict(head_dim=hidden // 4, final_logit_softcapping=softcap)
+    config_cls, model_cls, extra = ARCHS[arch]
+    extra = dict(extra, **fields)
+    if arch in SOFTCAPPED:
+        extra.update(head_dim=hidden // 4, final_logit_softcapping=softcap)
     elif softcap is not None:
         raise ValueError(f"{arch} applies no final-logit softcap")
+    if arch == "gemma4":  # its per-layer embeddings take the token ids too
+        extra["vocab_size_per_layer_input"] = vocab
     if bias and tied:
         raise ValueError("a biased lm_head is untied")
     config = config_cls(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-        attn_implementation=attn,
-        **extra,
+        **{
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": 2 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 256,
+            "tie_word_embeddings": tied,
+            "attn_implementation": attn,
+            **extra,
+        }
     )
     torch.manual_seed(seed)
     model = model_cls(config)

@@ -23,6 +23,8 @@ set_forkserver_preload(
         "transformers",
         "transformers.models.llama.modeling_llama",
         "transformers.models.qwen2.modeling_qwen2",
+        "transformers.models.gemma2.modeling_gemma2",
+        "transformers.models.cohere.modeling_cohere",
         "lp_kernels",
         "lp_hf",
     ]
@@ -52,9 +54,12 @@ def _loss(logprob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
 
 
 def _model(arch, tied, vocab):
-    """The tiny model of a case; gemma2: an untied lm_head with a bias and a softcap."""
+    """The tiny model of a case; gemma2: an untied lm_head with a bias and a softcap;
+    cohere: a final-logit scale (a module attribute, on the class fully_shard makes)."""
     if arch == "gemma2":
         return tiny_model(arch, tied=False, vocab=vocab, attn="eager", softcap=2.0, bias=True)
+    if arch == "cohere":
+        return tiny_model(arch, tied=tied, vocab=vocab, attn="eager", logit_scale=0.25)
     return tiny_model(arch, tied=tied, vocab=vocab)
 
 
@@ -104,16 +109,22 @@ def _fsdp_rank(rank, world, arch, tied, vocab, install_first):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "arch,tied,vocab,install_first",
-    [("llama", False, 311, False), ("qwen2", True, 500, True), ("gemma2", False, 311, False)],
+    [
+        ("llama", False, 311, False),
+        ("qwen2", True, 500, True),
+        ("gemma2", False, 311, False),
+        ("cohere", True, 311, False),
+    ],
     ids=[
         "llama-untied-prime-vocab",
         "qwen2-tied-installed-before-sharding",
         "gemma2-softcap-and-bias",
+        "cohere-scale-tied",
     ],
 )
 def test_fsdp2_sharded_grads_equal_the_full_model_shards(arch, tied, vocab, install_first):
     if arch not in ARCHS:
-        pytest.skip("transformers lacks Gemma2")
+        pytest.skip(f"this transformers lacks {arch}")
     ids, labels, mask = _global_batch(vocab)
     stock = _model(arch, tied, vocab)
     lp, ent, _ = stock_logprobs(stock, ids, labels, attention_mask=mask)

@@ -7,7 +7,9 @@ runs the same batch; its log-probs and entropy must equal a single-process stock
 ``lm_head`` gradient must be a ``Shard(0)`` DTensor holding this rank's chunk of the stock
 gradient, and every other parameter's gradient must equal the stock one. Tied embeddings:
 the embedding is parallelized too (``RowwiseParallel``, also ``Shard(0)``) and the head's
-weight re-tied to it, so one DTensor gets both gradients.
+weight re-tied to it, so one DTensor gets both gradients. The final-logit transforms go
+along: Gemma 2's softcap with a biased head (the bias a ``Shard(0)`` DTensor), Cohere's and
+Granite's scales.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 pytest.importorskip("transformers")  # the GPU hosts may lack it
 
-from _hf_models import GRAD_REL, grads, stock_logprobs, tiny_model
+from _hf_models import ARCHS, GRAD_REL, grads, stock_logprobs, tiny_model
 
 from lp_testing import run_ranks, set_forkserver_preload
 
@@ -26,6 +28,9 @@ set_forkserver_preload(
         "transformers",
         "transformers.models.llama.modeling_llama",
         "transformers.models.qwen2.modeling_qwen2",
+        "transformers.models.gemma2.modeling_gemma2",
+        "transformers.models.cohere.modeling_cohere",
+        "transformers.models.granite.modeling_granite",
         "lp_kernels",
         "lp_hf",
     ]
@@ -47,6 +52,18 @@ def _batch(vocab: int):
 
 def _loss(logprob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
     return -(logprob.sum() + 0.1 * entropy.sum()) / (B * T)
+
+
+def _model(arch, tied, vocab):
+    """The tiny model of a case; gemma2: an untied lm_head with a bias and a softcap;
+    cohere, granite: a final-logit scale (a module attribute; a config divisor)."""
+    if arch == "gemma2":
+        return tiny_model(arch, tied=False, vocab=vocab, attn="eager", softcap=2.0, bias=True)
+    if arch == "cohere":
+        return tiny_model(arch, tied=tied, vocab=vocab, attn="eager", logit_scale=0.25)
+    if arch == "granite":
+        return tiny_model(arch, tied=tied, vocab=vocab, attn="eager", logits_scaling=4.0)
+    return tiny_model(arch, tied=tied, vocab=vocab)
 
 
 def _parallelize(model, mesh, tied: bool, output_layouts=None):
@@ -73,7 +90,7 @@ def _tp_rank(rank, world, arch, tied, vocab, install_first):
     from lp_hf import install_logprob_head
 
     mesh = init_device_mesh("cpu", (world,))
-    model = tiny_model(arch, tied=tied, vocab=vocab)
+    model = _model(arch, tied, vocab)
     if install_first:
         head = install_logprob_head(model)
     _parallelize(model, mesh, tied)
@@ -109,12 +126,26 @@ def _tp_rank(rank, world, arch, tied, vocab, install_first):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "arch,tied,vocab,install_first",
-    [("llama", False, 311, False), ("qwen2", True, 500, True)],
-    ids=["llama-untied-prime-vocab", "qwen2-tied-installed-before-parallelize"],
+    [
+        ("llama", False, 311, False),
+        ("qwen2", True, 500, True),
+        ("gemma2", False, 311, False),
+        ("cohere", True, 311, True),
+        ("granite", False, 500, False),
+    ],
+    ids=[
+        "llama-untied-prime-vocab",
+        "qwen2-tied-installed-before-parallelize",
+        "gemma2-softcap-and-bias",
+        "cohere-scale-tied",
+        "granite-scale",
+    ],
 )
 def test_tp_logprobs_and_grads_equal_the_stock_run(arch, tied, vocab, install_first):
+    if arch not in ARCHS:
+        pytest.skip(f"this transformers lacks {arch}")
     ids, labels, mask = _batch(vocab)
-    stock = tiny_model(arch, tied=tied, vocab=vocab)
+    stock = _model(arch, tied, vocab)
     lp, ent, _ = stock_logprobs(stock, ids, labels, attention_mask=mask)
     _loss(lp, ent).backward()
     full = grads(stock)
@@ -127,10 +158,10 @@ def test_tp_logprobs_and_grads_equal_the_stock_run(arch, tied, vocab, install_fi
         # lp got the DTensor weight (global shape) and a Replicate DTensor hidden, once
         assert seen == [("DTensor", "DTensor", (vocab, stock.config.hidden_size))], seen
         assert local.keys() == full.keys()
-        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        head_names = {"model.embed_tokens.weight" if tied else "lm_head.weight", "lm_head.bias"}
         for name, g in full.items():
             kind, got = local[name]
-            assert kind == ("dtensor" if name == head_name else "plain"), name
+            assert kind == ("dtensor" if name in head_names else "plain"), name
             want = g[rank * chunk : (rank + 1) * chunk] if kind == "dtensor" else g
             scale = float(want.abs().max())
             assert scale > 0, name

@@ -8,22 +8,27 @@ Public API:
 - :class:`LogprobHead` — ``head.logprobs(input_ids, labels, attention_mask, ...)``,
   ``head.paused()``, ``head.remove()``; a context manager.
 - :class:`HeadConfig` — the options (a frozen dataclass).
-- :func:`model_softcap` — the final-logit softcap the head reads from the model config.
+- :func:`model_logit_transform` — the model's final-logit softcap and scale that the head
+  computes (:class:`FinalLogitTransform`; the supported classes: :mod:`lp_hf.final_logits`);
+  :func:`model_softcap` — its softcap alone.
 - :func:`next_token_targets`, :func:`slice_to_keep` — the label shift and masking the
   head applies, for callers that build their own targets.
 """
 
 from __future__ import annotations
 
-from lp_hf.head import HeadConfig, LogprobHead, install_logprob_head, model_softcap
+from lp_hf.final_logits import FinalLogitTransform, model_logit_transform, model_softcap
+from lp_hf.head import HeadConfig, LogprobHead, install_logprob_head
 from lp_hf.targets import next_token_targets, slice_to_keep
 from lp_kernels import LogProbOutput
 
 __all__ = [
+    "FinalLogitTransform",
     "HeadConfig",
     "LogProbOutput",
     "LogprobHead",
     "install_logprob_head",
+    "model_logit_transform",
     "model_softcap",
     "next_token_targets",
     "slice_to_keep",

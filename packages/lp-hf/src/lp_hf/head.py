@@ -11,9 +11,9 @@ Data flow of one :meth:`LogprobHead.logprobs` call::
         lm_head(hidden)      same module object; its forward is the head's while installed
           (FSDP2: pre-forward hook all-gathers lm_head.weight; post-backward reduce-scatters)
           linear_logprob(hidden, lm_head.weight, targets, bias=lm_head.bias,
-                         softcap=config.final_logit_softcapping)
+                         softcap=c, logit_scale=s)      (the model's own: see below)
             -> stacked [B, T', 1 + e + l] fp32
-        (the model's own softcapping after lm_head is off for this forward: see below)
+        (the model's own softcap / scale after lm_head is off for this forward)
         out.logits = that stacked tensor (the model's output field, no [B, T, V] logits)
       -> LogProbOutput(logprob, entropy, lse), each [B, T'] fp32
 
@@ -38,15 +38,18 @@ activation-checkpointed region that contains ``lm_head``) raises ``RuntimeError`
 ``with head.paused():`` gives the stock logits for generation. transformers' own
 ``gradient_checkpointing_enable()`` checkpoints the decoder layers only, which is fine.
 
-Final-logit softcapping (Gemma 2 / 3: ``config.final_logit_softcapping = c``): the model's
-forward caps what ``lm_head`` returned, ``c * tanh(logits / c)``, when that config field is
-not None. lp applies the cap inside the kernels instead (``softcap=c``, before the
-temperature), so for the length of the model forward of one ``logprobs`` call the head sets
-``model.config.final_logit_softcapping = None`` and restores it in a ``finally``: the model
-returns the head's result unchanged. A model that caps the logits by other means (a copy
-of the value taken at init, a ``text_config`` field, a module) changes the result, which
-the identity check refuses with ``RuntimeError``. While a call runs, another thread using
-the same config object would see the field as None.
+Final-logit softcap and scale (:mod:`lp_hf.final_logits`): some forwards change what
+``lm_head`` returned, Gemma 2 / 3 by ``c * tanh(logits / c)`` (``final_logit_softcapping``),
+Cohere, Granite, Falcon-H1 and HyperCLOVA X by a scalar ``s`` (a divisor is ``s = 1 / d``).
+lp applies them inside the kernels (``softcap=c``, ``logit_scale=s``: ``z = c tanh(s l /
+c) / T``), read at each call where the model's class reads them (a config field, or a module
+attribute copied at init), so for the model forward of one ``logprobs`` call the head
+switches each off (a softcap to None, a scale to 1) and restores it in a ``finally``. The
+model then returns the head's result itself, or (a scale, multiplied by 1) a copy with the
+same values, checked bit for bit (one host sync) and dropped. A field set on a class whose
+code lp-hf has not read is refused at install; a model that changes the result by other
+means (a ``text_config`` field, a module) fails the check with ``RuntimeError``. While a
+call runs, another thread using the same model or config sees the switched-off values.
 """
 
 from __future__ import annotations
@@ -59,62 +62,21 @@ from typing import Any, Literal
 
 import torch
 
+from lp_hf.final_logits import (
+    FinalLogitTransform,
+    output_layer_owner,
+    post_processing,
+    same_values,
+    switched_off,
+)
 from lp_hf.targets import next_token_targets, slice_to_keep
 from lp_kernels import LogProbOutput, linear_logprob
 
-__all__ = ["HeadConfig", "LogprobHead", "install_logprob_head", "model_softcap"]
+__all__ = ["HeadConfig", "LogprobHead", "install_logprob_head"]
 
 Backend = Literal["auto", "torch", "triton"]
 _BACKENDS = ("auto", "torch", "triton")
 _HEAD_ATTR = "_lp_hf_logprob_head"
-
-# The config field of the final-logit softcap that transformers' Gemma 2 / 3 (and Gemma-like)
-# causal LMs apply after the output layer; lp applies it in the kernels (``softcap=``).
-_SOFTCAP_FIELD = "final_logit_softcapping"
-
-# Config fields of transformers models that post-process the logits after the output layer
-# in ways lp does not reproduce (the head would give log-probs of the unprocessed logits):
-# name -> value meaning "none".
-_LOGIT_POSTPROCESSING = {
-    "logit_scale": 1.0,  # Cohere
-    "logits_scaling": 1.0,  # Granite (divides)
-}
-
-
-def model_softcap(model: torch.nn.Module) -> float | None:
-    """The model's final-logit softcap: ``model.config.final_logit_softcapping`` (None when
-    the config has no such field or it is None).
-
-    Raises:
-        ValueError, TypeError: the field is set to something other than a positive finite
-            number.
-    """
-    value = getattr(getattr(model, "config", None), _SOFTCAP_FIELD, None)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"model.config.{_SOFTCAP_FIELD} must be None or a float, got {value!r}")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(
-            f"model.config.{_SOFTCAP_FIELD} must be None or > 0 and finite, got {value!r}"
-        )
-    return float(value)
-
-
-@contextlib.contextmanager
-def _softcap_off(model: torch.nn.Module, softcap: float | None) -> Iterator[None]:
-    """Inside, ``model.config.final_logit_softcapping`` is None (lp applies the cap itself);
-    restored on exit, also after an error."""
-    if softcap is None:
-        yield
-        return
-    config = model.config
-    before = getattr(config, _SOFTCAP_FIELD)
-    setattr(config, _SOFTCAP_FIELD, None)
-    try:
-        yield
-    finally:
-        setattr(config, _SOFTCAP_FIELD, before)
 
 
 def _check_temperature(value: Any, name: str = "temperature") -> float:
@@ -174,8 +136,11 @@ class _Call:
     temperature: float
     return_entropy: bool
     return_lse: bool
-    softcap: float | None = field(default=None)
-    """The model's final-logit softcap, applied by lp (the model's own is off meanwhile)."""
+    transform: FinalLogitTransform = field(default_factory=FinalLogitTransform)
+    """The model's final-logit softcap and scale, applied by lp (the model's own are off
+    meanwhile)."""
+    exact: bool = True
+    """The model returns the layer's result itself (else, a scale multiplied by 1, a copy)."""
     result: torch.Tensor | None = field(default=None)
     mesh: Any = field(default=None)
     """The weight's device mesh under torch-native tensor parallel, else None."""
@@ -195,6 +160,7 @@ class LogprobHead:
         self.model = model
         self.layer = layer
         self.config = config
+        self._owner = output_layer_owner(model, layer)  # whose forward calls the layer
         self._call: _Call | None = None
         self._paused = False
         self._installed = False
@@ -271,19 +237,14 @@ class LogprobHead:
                 "states in a way lp-hf did not predict (logits_to_keep support?)"
             )
         cfg = self.config
-        if (call.softcap is not None or layer.bias is not None) and _tp_mesh(layer.weight):
-            # lp_kernels' DTensor-weight path does not take bias / softcap yet
-            raise ValueError(
-                "a tensor-parallel (DTensor) output layer with a bias or a final-logit "
-                "softcap is not supported by lp-hf yet"
-            )
         out = linear_logprob(
             hidden,
             layer.weight,  # under FSDP2 the unsharded weight, only inside this forward
             targets,
-            bias=layer.bias,  # None, or [V] (unsharded by FSDP2's hooks like the weight)
+            bias=layer.bias,  # None, [V] (unsharded by FSDP2's hooks), or a TP Shard(0)
             temperature=call.temperature,
-            softcap=call.softcap,
+            softcap=call.transform.softcap,
+            logit_scale=call.transform.logit_scale,
             ignore_index=cfg.ignore_index,
             return_entropy=call.return_entropy,
             return_lse=call.return_lse,
@@ -328,9 +289,10 @@ class LogprobHead:
         """Run the model and return per-position log-probs of the next token.
 
         Position ``t`` holds ``log p(labels[:, t + 1] | tokens <= t)``, as transformers'
-        causal-LM loss shifts labels, under ``softmax(z)`` with ``z = c * tanh(l / c) / T``
-        when the model config sets ``final_logit_softcapping = c`` (else ``z = l / T``),
-        ``l`` the output layer's logits (its bias included); see
+        causal-LM loss shifts labels, under ``softmax(z)`` with ``z = c * tanh(s * l / c) /
+        T``, ``l`` the output layer's logits (its bias included), ``s`` and ``c`` the
+        model's own final-logit scale and softcap (:func:`lp_hf.model_logit_transform`;
+        none: ``z = l / T``); see
         :func:`lp_hf.next_token_targets` for the positions that get 0 (the last one,
         ``ignore_index`` labels, ``attention_mask == 0`` at ``t`` or ``t + 1``,
         packed-sequence boundaries found from ``position_ids``).
@@ -364,7 +326,8 @@ class LogprobHead:
         Raises:
             RuntimeError: the head was removed or is paused; the model did not call its
                 output layer or post-processed what it returned.
-            ValueError, TypeError: bad shapes, dtypes or options (naming the argument).
+            ValueError, TypeError: bad shapes, dtypes or options (naming the argument); a
+                final-logit field the head cannot take (naming it, as at install).
         """
         if not self._installed:
             raise RuntimeError("this LogprobHead was removed; install_logprob_head() again")
@@ -404,11 +367,13 @@ class LogprobHead:
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             model_kwargs["logits_to_keep"] = logits_to_keep
         model_kwargs.setdefault("use_cache", False)
-        softcap = model_softcap(self.model)
-        call = _Call(targets, temp, return_entropy, return_lse, softcap)
+        processing = post_processing(self._owner)
+        call = _Call(
+            targets, temp, return_entropy, return_lse, processing.transform, processing.exact
+        )
         self._call = call
         try:
-            with _softcap_off(self.model, softcap):
+            with switched_off(processing):
                 output = self.model(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
@@ -425,7 +390,9 @@ class LogprobHead:
                 f"({type(self.layer).__name__} from get_output_embeddings())"
             )
         if call.mesh is not None:
-            stacked = _tp_result(stacked, call.result, call.mesh)
+            stacked = _tp_result(stacked, call.result, call.mesh, call.exact)
+        elif not call.exact and same_values(stacked, call.result):
+            stacked = call.result  # the model's scale, switched to 1: the same values
         if stacked is not call.result:
             why = ""
             if isinstance(stacked, torch.Tensor) and stacked.dtype != torch.float32:
@@ -436,8 +403,8 @@ class LogprobHead:
             raise RuntimeError(
                 "the model changed what its output layer returned before returning it as "
                 f"logits{why}; lp-hf supports models that return the output layer's result "
-                "unchanged, or apply config.final_logit_softcapping to it (no scaling of "
-                "logits, no softcap other than that config field)"
+                "unchanged, or change it only by the final-logit softcap or scale of the "
+                "transformers classes listed in lp_hf.final_logits"
             )
         entropy = stacked[..., 1] if return_entropy else None
         lse = stacked[..., 1 + int(return_entropy)] if return_lse else None
@@ -450,13 +417,14 @@ def _tp_mesh(weight: torch.Tensor) -> Any:
     return weight.device_mesh if dtensor is not None and isinstance(weight, dtensor) else None
 
 
-def _tp_result(logits: Any, result: torch.Tensor, mesh: Any) -> Any:
+def _tp_result(logits: Any, result: torch.Tensor, mesh: Any, exact: bool = True) -> Any:
     """The model's ``.logits`` under torch-native TP, as the head's own ``result`` tensor.
 
     The output layer returned ``result`` as a Replicate DTensor. With
     ``ColwiseParallel(output_layouts=Replicate())`` the hook hands it on unchanged (or its
     local tensor, ``use_local_output=True``): the same values, a view of ``result``'s
-    memory. Any other output layout redistributes it; that is refused on every rank of the
+    memory (not ``exact``: a model's scale switched to 1 may have made a copy with the same
+    values). Any other output layout redistributes it; that is refused on every rank of the
     mesh (one flag all-reduced), since a split could leave some ranks a view that passes.
     """
     import torch.distributed as dist
@@ -471,7 +439,7 @@ def _tp_result(logits: Any, result: torch.Tensor, mesh: Any) -> Any:
         and local.shape == result.shape
         and local.stride() == result.stride()
         and local.data_ptr() == result.data_ptr()
-    )
+    ) or (not exact and same_values(local, result))
     bad = torch.tensor([0 if same else 1], dtype=torch.int64, device=result.device)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=mesh.get_group())
     if int(bad.item()):
@@ -503,9 +471,10 @@ def install_logprob_head(
     unchanged. Install before or after ``fully_shard``.
 
     A bias goes to lp as ``bias=`` (its gradient lands on the bias ``Parameter``); the
-    model config's ``final_logit_softcapping`` (Gemma 2 / 3), read at each call, goes to
-    lp as ``softcap=``, and the model's own softcapping is off while the head computes
-    (see the module docstring).
+    model's final-logit softcap (Gemma 2 / 3) and scale (Cohere, Granite, Falcon-H1,
+    HyperCLOVA X), read at each call where its class reads them, go to lp as ``softcap=``
+    and ``logit_scale=``, and the model's own steps are off while the head computes (see
+    the module docstring and :mod:`lp_hf.final_logits`).
 
     Args:
         model: a ``transformers.PreTrainedModel`` (or any module with
@@ -522,10 +491,11 @@ def install_logprob_head(
     Raises:
         TypeError: no ``get_output_embeddings()``, or the output layer is not an
             ``nn.Linear``.
-        ValueError: the model scales its logits (``logit_scale``, ``logits_scaling``) or
-            sets ``final_logit_softcapping`` to something other than None or a positive
-            float, the layer's forward is already replaced (e.g. accelerate offload
-            hooks), or a head with other options is installed.
+        ValueError: the model's config sets a final-logit field
+            (:data:`lp_hf.final_logits.FIELDS`) that its class's forward is not known to
+            read, or a softcap or scale that is not finite and > 0 (TypeError: not a
+            number); the layer's forward is already replaced (e.g. accelerate offload
+            hooks); a head with other options is installed.
 
     Example:
         >>> head = install_logprob_head(model)  # doctest: +SKIP
@@ -573,15 +543,7 @@ def install_logprob_head(
             "accelerate hooks from device_map / offloading); lp-hf needs the layer's own "
             "forward"
         )
-    model_config = getattr(model, "config", None)
-    for name, neutral in _LOGIT_POSTPROCESSING.items():
-        value = getattr(model_config, name, neutral)
-        if value is not None and value != neutral:
-            raise ValueError(
-                f"the model post-processes its logits ({name}={value!r}); lp-hf computes "
-                "log-probs of the output layer's logits, softcapped by final_logit_softcapping"
-            )
-    model_softcap(model)  # a bad value fails here, not at the first call
     head = LogprobHead(model, layer, config)
+    post_processing(head._owner)  # an unknown field or a bad value fails here
     head._install()
     return head
