@@ -120,7 +120,7 @@ def test_package_exports_submodules_all_without_importing_torch() -> None:
 
     assert out == ["False", str(len(lp_testing.__all__))]
     expected: set[str] = set()
-    for module in ("compare", "dist", "megatron_cpu", "problems", "reference", "state"):
+    for module in ("compare", "dist", "megatron_cpu", "problems", "reference", "state", "trainers"):
         mod = importlib.import_module(f"lp_testing.{module}")
         expected.update(mod.__all__)
         for name in mod.__all__:

@@ -11,6 +11,8 @@
   :func:`assert_bitwise_equal`, :func:`assert_zero`, :func:`error_report`.
 - :mod:`lp_testing.megatron_cpu`: :class:`MegatronCpuPatches`, the test-only patches that
   run a tiny megatron-core GPTModel on CPU (apply inside each rank).
+- :mod:`lp_testing.trainers`: :func:`import_trainer`, a trainer import that skips, or fails
+  under ``LP_TRAINERS_REQUIRED=1`` (the adapters nox session).
 - :mod:`lp_testing.plugin`: pytest markers ``gpu``/``multigpu`` and fixtures.
 
 The package exports every name in those modules' ``__all__`` (read from their
@@ -32,8 +34,9 @@ if TYPE_CHECKING:
     from lp_testing.problems import *  # noqa: F403
     from lp_testing.reference import *  # noqa: F403
     from lp_testing.state import *  # noqa: F403
+    from lp_testing.trainers import *  # noqa: F403
 
-_MODULES = ("compare", "dist", "megatron_cpu", "problems", "reference", "state")
+_MODULES = ("compare", "dist", "megatron_cpu", "problems", "reference", "state", "trainers")
 """The submodules whose ``__all__`` names this package exports."""
 
 
