@@ -434,9 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
         "DAPO loss with a k3 KL penalty to reference log-probs, floor = train's 4 matmuls; the "
         "floors measured in the same run. On a GPU the S1-S6 shapes and errors against an "
         "fp32 reference; on CPU a small embedded problem timed with perf_counter, errors "
-        "against fp64. Peers (liger-kernel, "
-        "cut-cross-entropy) join when importable. --tp N under torchrun shards the head over "
-        "N ranks. Exit status 1 if a provider failed.",
+        "against fp64. Peers (liger-kernel, cut-cross-entropy, TRL's fused head) join "
+        "when importable. --tp N under torchrun shards the head over N ranks. Exit status 1 "
+        "if a provider failed.",
     )
     bench.add_argument(
         "--grid",
@@ -480,9 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(deterministic=True, its default tile), lp-triton-det128 (the same with "
         "deterministic_tile=128), lp-loss-triton, lp-loss-torch, lp-loss-auto, "
         "lp-loss-triton-det, lp-loss-torch-det (linear_logprob_loss, loss mode only), "
-        "materialized, liger, cce; default: lp-triton, lp-torch, materialized and the "
+        "materialized, liger, cce, trl; default: lp-triton, lp-torch, materialized and the "
         "importable peers (CPU: lp-torch, materialized); loss mode: lp-loss-triton, "
-        "lp-loss-triton-det, lp-triton, materialized, liger (CPU: the torch backend's)",
+        "lp-loss-triton-det, lp-triton, materialized, liger, trl (CPU: the torch backend's)",
     )
     bench.add_argument(
         "--dtype",

@@ -10,7 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-PEER_DISTS = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}
+PEER_DISTS = {"liger": "liger-kernel", "cce": "cut-cross-entropy", "trl": "trl"}
 """Peer provider -> its distribution (for the versions of a run)."""
 
 

@@ -28,8 +28,10 @@ variants (``deterministic=True`` with its default tile), ``lp-triton-det128``
 the cap applied to them there as HF Gemma 2 does, fp32 ``log_softmax``, gather: what a
 trainer without lp writes) and peers when importable, never
 dependencies: ``liger`` (liger-kernel's fused linear cross entropy; a scalar loss, so
-timing and memory only) and ``cce`` (Apple's cut-cross-entropy, per-token). Peers have no
-entropy: with entropy requested they run logprob only and say so (:attr:`Prepared.note`).
+timing and memory only), ``cce`` (Apple's cut-cross-entropy, per-token) and ``trl`` (TRL's
+fused head, ``trl.kernels.ChunkedLogProbFunction``, as its trainers call it: per-token
+logprob and entropy, every logit option). liger and cce have no entropy: with entropy
+requested they run logprob only and say so (:attr:`Prepared.note`).
 
 In ``loss`` mode: ``lp-loss-triton``, ``lp-loss-torch``, ``lp-loss-auto`` and their
 ``-det`` variants run ``linear_logprob_loss`` (the loss's gradients finished in the
@@ -37,7 +39,8 @@ forward: three GEMMs; ``-det``: its ``deterministic=True`` path, four); lp's
 ``linear_logprob`` providers and ``materialized`` compute the log-probs, then the same
 ``loss_fn`` and ``backward()``; ``liger`` runs liger-kernel's ``LigerFusedLinearGRPOLoss``
 with the same clip bounds, KL coefficient and token-mean aggregation (no entropy bonus);
-``cce`` has no loss and is skipped.
+``trl`` computes the log-probs, then the same ``loss_fn`` (TRL's head plus the loss, as a
+TRL trainer runs it); ``cce`` has no loss and is skipped.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ LP_LOSS_PROVIDERS = (
 )
 """``linear_logprob_loss`` on lp's backends (``loss`` mode only); ``-det``:
 ``deterministic=True``."""
-PEERS = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}  # provider -> module
+PEERS = {"liger": "liger_kernel", "cce": "cut_cross_entropy", "trl": "trl"}  # provider -> module
 ALL_PROVIDERS = (*LP_PROVIDERS, *LP_LOSS_PROVIDERS, "materialized", *PEERS)
 TRITON_PROVIDERS = (
     "lp-triton",
@@ -490,6 +493,44 @@ def provider_cce(
     return Prepared(step, False, _logprob_only("cce", entropy))
 
 
+TRL_VOCAB_CHUNK = 32768
+"""The vocabulary chunk TRL 1.16's trainers pass to ``ChunkedLogProbFunction``."""
+
+
+def provider_trl(
+    *,
+    mode: Mode = "train",
+    temperature: float = 1.0,
+    entropy: bool = False,
+    softcap: float | None = None,
+    bias: bool = False,
+    loss: LossProblem | None = None,
+) -> Prepared:
+    """TRL's fused LM head, ``trl.kernels.ChunkedLogProbFunction``, with the vocabulary chunk
+    TRL's trainers use: logprob (and entropy) per token, ``softcap`` as its
+    ``final_logit_softcapping``, the temperature and the bias as they are. In ``loss`` mode
+    the log-probs, then ``loss.loss_fn`` and ``backward()``, as a TRL trainer does."""
+    if importlib.util.find_spec(PEERS["trl"]) is None:
+        raise Unsupported("trl is not importable")
+    from trl.kernels import ChunkedLogProbFunction
+
+    if mode == "loss":
+        entropy = _loss_of(loss).entropy
+    if mode == "loss" and loss.lse:
+        raise Unsupported("TRL's head returns no log-sum-exp")
+    outputs = ("entropy",) if entropy else ()
+
+    def step(hidden, weight, targets, grad_out=None, grad_entropy=None, bias=None):
+        logprob, ent, *_ = ChunkedLogProbFunction.apply(
+            hidden, weight, bias, targets, temperature, TRL_VOCAB_CHUNK, softcap, 1.0, outputs
+        )
+        if mode == "loss":
+            return loss_finished(loss, logprob, ent, None)
+        return finished(mode, logprob, ent, grad_out, grad_entropy)
+
+    return Prepared(step, entropy)
+
+
 def make_provider(
     name: str,
     *,
@@ -545,6 +586,7 @@ def make_provider(
         "materialized": provider_materialized,
         "liger": provider_liger,
         "cce": provider_cce,
+        "trl": provider_trl,
     }[name]
     options = {"temperature": temperature, "entropy": entropy, "softcap": softcap, "bias": bias}
     return factory(mode=mode, loss=loss, **options)
@@ -555,8 +597,8 @@ def provider_available(name: str, device: str) -> str | None:
     if name in PEERS:
         if importlib.util.find_spec(PEERS[name]) is None:
             return f"{PEERS[name]} is not importable"
-        if device != "cuda":
-            return "peers run on CUDA only"
+        if device != "cuda" and name != "trl":  # TRL's head has a torch path off CUDA
+            return "liger and cce run on CUDA only"
     if name in TRITON_PROVIDERS:
         if importlib.util.find_spec("triton") is None:
             return "triton is not importable"
@@ -583,7 +625,7 @@ def default_providers(
             names += ["lp-torch", "lp-torch-det"] if grid else ["lp-torch"]
     if "loss" in modes:
         names += [f"lp-loss-{main}", f"lp-loss-{main}-det", f"lp-{main}"]
-    names += ["materialized", "liger"] if device == "cuda" else ["materialized"]
+    names += ["materialized", "liger", "trl"] if device == "cuda" else ["materialized"]
     if device == "cuda" and any(mode != "loss" for mode in modes):
         names.append("cce")
     names = list(dict.fromkeys(names))
