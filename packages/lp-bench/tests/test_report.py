@@ -83,3 +83,39 @@ def test_report_refuses_a_file_that_is_not_a_bench_json(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["report", str(path)])
     assert "not a bench.json" in capsys.readouterr().err
+
+
+def test_the_report_names_the_card_and_its_limits():
+    """A CUDA record's card (name, SMs, memory, max SM clock, power limit) heads its tables,
+    so figures of two cards, or of one card under other limits, are told apart."""
+    from lp_bench.report import markdown
+
+    card = {
+        "name": "NVIDIA H100 80GB HBM3",
+        "capability": "9.0",
+        "sms": 132,
+        "memory_gib": 79.2,
+        "clocks.max.sm": "1980",
+        "clocks.sm": "1980",
+        "power.limit": "700.00",
+        "power.max_limit": "700.00",
+        "driver_version": "580.95.05",
+    }
+    env = {"device": "cuda", "gpu": card["name"], "card": card, "torch": "2.11.0"}
+    rows = [_row("train", False, "lp-triton", "S1", 1.1)]
+    text = markdown({"env": env, "rows": rows})
+    assert "Card: NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, 79.2 GiB; max SM clock 1980 MHz" in text
+    assert "power limit 700.00 W" in text
+    assert "Card:" not in markdown({"env": {**env, "card": None}, "rows": rows})
+
+
+@pytest.mark.gpu
+def test_card_reads_this_gpu():
+    import torch
+
+    from lp_bench.environment import card
+
+    got = card()
+    assert got["name"] == torch.cuda.get_device_name()
+    assert got["sms"] == torch.cuda.get_device_properties(0).multi_processor_count > 0
+    assert float(got["power.limit"]) > 0 and int(got["clocks.max.sm"]) > 0

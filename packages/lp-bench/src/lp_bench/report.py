@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lp_bench.environment import card_line
 from lp_bench.protocol import ERROR_KEYS, FLOOR_MATMULS, options_label, run_label
 
 LOGPROB_ONLY = "*"
@@ -143,6 +144,8 @@ def markdown(doc: dict) -> str:
         f"commit {env.get('commit', '?')}, {env.get('date', '?')}",
         "",
     ]
+    if card_line(env):
+        out[1:1] = ["", f"Card: {card_line(env)}"]
     runs = list(dict.fromkeys((r["mode"], r["entropy"], r["dtype"], row_options(r)) for r in rows))
     multi_dtype = len({run[2] for run in runs}) > 1
     option_sets = list(dict.fromkeys(run[3] for run in runs))
