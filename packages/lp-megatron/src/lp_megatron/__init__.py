@@ -7,9 +7,13 @@ Public API:
 - :class:`LogprobHead` — ``head.logprobs(output, labels)``, ``head.remove()``; a context
   manager.
 - :class:`LogprobHeadConfig` — the options (a frozen dataclass).
+- :func:`output_processor` — for megatron-core >= 0.18's hook:
+  ``model(..., labels=labels, output_processor=output_processor,
+  output_processor_context=OutputContext(...))`` returns the log-probs ``[b, s]``.
+- :class:`OutputContext` — its per-call options (a frozen dataclass).
 
-``LogprobHead`` and ``install_logprob_head`` are imported on first use (PEP 562), so that
-building a config does not import megatron-core (~9 s).
+Everything but the config is imported on first use (PEP 562), so that building a config
+does not import megatron-core (~9 s) or torch.
 """
 
 from __future__ import annotations
@@ -20,12 +24,25 @@ from typing import TYPE_CHECKING, Any
 from lp_megatron.config import LogprobHeadConfig
 
 if TYPE_CHECKING:
+    from lp_megatron.context import OutputContext
     from lp_megatron.head import LogprobHead, install_logprob_head
+    from lp_megatron.processor import output_processor
 
-__all__ = ["LogprobHead", "LogprobHeadConfig", "install_logprob_head"]
+__all__ = [
+    "LogprobHead",
+    "LogprobHeadConfig",
+    "OutputContext",
+    "install_logprob_head",
+    "output_processor",
+]
 __version__ = "0.1.0"
 
-_LAZY = {"LogprobHead": "head", "install_logprob_head": "head"}
+_LAZY = {
+    "LogprobHead": "head",
+    "install_logprob_head": "head",
+    "OutputContext": "context",
+    "output_processor": "processor",
+}
 
 
 def __getattr__(name: str) -> Any:

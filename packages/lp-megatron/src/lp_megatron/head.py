@@ -32,6 +32,9 @@ Models whose logits are post-processed after the output layer (MuP output scalin
 multi-token prediction, a non-standard output layer class) keep the stock
 layer; ``head.logprobs`` then computes the same quantities from the (vocabulary-parallel)
 logits with ``lp_kernels.vocab_parallel_logprob``, after one warning.
+
+``gather_sequence_parallel``, ``fused_logprobs`` and ``logprobs_from_logits`` are the steps
+above as plain functions; ``lp_megatron.processor`` (the output-processor hook) calls them too.
 """
 
 from __future__ import annotations
@@ -100,12 +103,8 @@ class HiddenOutputLayer(torch.nn.Module):
                     "model passed none"
                 )
         self.__dict__["last_weight"] = weight
-        self.__dict__["last_gathered"] = self.sequence_parallel
-        if self.sequence_parallel:
-            # forward: all-gather dim 0, backward: reduce-scatter dim 0
-            input_ = gather_from_sequence_parallel_region(
-                input_, tensor_parallel_output_grad=True, group=self.stock.tp_group
-            )
+        input_, gathered = gather_sequence_parallel(input_, self)  # its own SP flag
+        self.__dict__["last_gathered"] = gathered
         return input_, None
 
     # Checkpointing goes through the stock layer, so nothing changes while installed.
@@ -184,6 +183,102 @@ def _tp_layout(group: Any) -> tuple[Any, int, int]:
     if size == 1:
         return None, 0, 1
     return group, dist.get_rank(group), size
+
+
+def gather_sequence_parallel(hidden: torch.Tensor, layer: Any) -> tuple[torch.Tensor, bool]:
+    """``(hidden [s, b, h], gathered)``: the stock output layer's sequence-parallel gather.
+
+    Under sequence parallel (``layer.sequence_parallel``) ``hidden`` is ``[s/P, b, h]``;
+    forward: all-gather dim 0, backward: reduce-scatter dim 0, which sums the ranks' partial
+    gradients (so lp is then called with ``reduce_grad_hidden=False``). Otherwise ``hidden``
+    is returned as it is and ``gathered`` is False.
+    """
+    if not getattr(layer, "sequence_parallel", False):
+        return hidden, False
+    hidden = gather_from_sequence_parallel_region(
+        hidden, tensor_parallel_output_grad=True, group=layer.tp_group
+    )
+    return hidden, True
+
+
+def fused_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    layer: Any,
+    config: LogprobHeadConfig,
+    *,
+    gathered: bool,
+    return_entropy: bool = False,
+    return_lse: bool = False,
+    logit_scale: float | None = None,
+) -> LogProbOutput:
+    """``linear_logprob`` on this rank's vocabulary shard of the stock output ``layer``.
+
+    Args:
+        hidden: ``[*, H]``, the whole sequence (gathered under sequence parallel).
+        weight: ``[V/P, H]``, the layer's weight shard or the tied embedding's.
+        labels: ``[*]`` int64 global token ids.
+        layer: the stock ``ColumnParallelLinear`` (its ``tp_group`` and bias shard).
+        config: temperature, vocab_size and the lp options.
+        gathered: ``hidden`` went through :func:`gather_sequence_parallel`'s gather, whose
+            backward sums the gradient over TP; else lp all-reduces it. One sum either way.
+        logit_scale: a multiplier of the logits before the temperature (MuP), or None.
+    """
+    group, rank, _ = _tp_layout(getattr(layer, "tp_group", None))
+    return linear_logprob(
+        hidden,
+        weight,
+        labels,
+        tp_group=group,
+        vocab_start=rank * weight.shape[0],
+        bias=logit_bias(layer),  # this rank's shard, or None
+        reduce_grad_hidden=not gathered,
+        logit_scale=logit_scale,
+        deterministic=config.deterministic,
+        deterministic_tile=config.deterministic_tile,
+        backend=config.backend,
+        **_common_options(config, return_entropy, return_lse),
+    )
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    layer: Any,
+    config: LogprobHeadConfig,
+    *,
+    return_entropy: bool = False,
+    return_lse: bool = False,
+) -> LogProbOutput:
+    """The fallback: ``vocab_parallel_logprob`` on the stock layer's logits ``[*, V/P]`` (or
+    ``[*, V]`` when gathered at runtime: then every rank computes alone)."""
+    group, rank, size = _tp_layout(getattr(layer, "tp_group", None))
+    if group is not None and logits.shape[-1] == layer.output_size_per_partition * size:
+        group, rank = None, 0  # runtime_gather_output=True: full logits on every rank
+    return vocab_parallel_logprob(
+        logits,
+        labels,
+        tp_group=group,
+        vocab_start=rank * logits.shape[-1],
+        deterministic=config.deterministic,
+        deterministic_tile=config.deterministic_tile or 128,  # logits: 128 columns
+        **_common_options(config, return_entropy, return_lse),
+    )
+
+
+def _common_options(
+    config: LogprobHeadConfig, return_entropy: bool, return_lse: bool
+) -> dict[str, Any]:
+    return dict(
+        temperature=config.temperature,
+        ignore_index=config.ignore_index,
+        return_entropy=return_entropy,
+        return_lse=return_lse,
+        vocab_size=config.vocab_size,
+        chunk_size=config.chunk_size,
+        validate=config.validate,
+    )
 
 
 def _labels_guard(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -291,20 +386,10 @@ class LogprobHead:
             raise RuntimeError(
                 "this pipeline stage has no output layer; log-probs exist on the last stage"
             )
-        cfg = self.config
-        common: dict[str, Any] = dict(
-            temperature=cfg.temperature,
-            ignore_index=cfg.ignore_index,
-            return_entropy=return_entropy,
-            return_lse=return_lse,
-            vocab_size=cfg.vocab_size,
-            chunk_size=cfg.chunk_size,
-            validate=cfg.validate,
-        )
         stock = self._stock if self._layer is not None else self.model.output_layer
-        group, rank, size = _tp_layout(getattr(stock, "tp_group", None))
+        extras = dict(return_entropy=return_entropy, return_lse=return_lse)
         if self._layer is None:
-            return self._logprobs_from_logits(output, labels, stock, group, rank, size, common)
+            return logprobs_from_logits(output, labels, stock, self.config, **extras)
         weight = self._layer.last_weight
         if weight is None:
             raise RuntimeError("run the model forward (labels=None) before head.logprobs()")
@@ -317,43 +402,14 @@ class LogprobHead:
                 f"output has last dim {output.shape[-1]}, the hidden size is {weight.shape[1]}: "
                 "pass what the model returned while the head was installed"
             )
-        return linear_logprob(
+        return fused_logprobs(
             output,
             weight,
             labels,
-            tp_group=group,
-            vocab_start=rank * weight.shape[0],
-            bias=logit_bias(stock),  # this rank's shard, or None
-            # SP: the gather's reduce-scatter sums grad_hidden over TP; else lp does it.
-            reduce_grad_hidden=not self._layer.last_gathered,
-            deterministic=cfg.deterministic,
-            deterministic_tile=cfg.deterministic_tile,
-            backend=cfg.backend,
-            **common,
-        )
-
-    def _logprobs_from_logits(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        stock: Any,
-        group: Any,
-        rank: int,
-        size: int,
-        common: dict[str, Any],
-    ) -> LogProbOutput:
-        """Fallback: the stock layer produced (possibly vocabulary-parallel) logits."""
-        v_local = stock.output_size_per_partition
-        if group is not None and logits.shape[-1] == v_local * size:
-            group, rank = None, 0  # runtime_gather_output=True: full logits on every rank
-        return vocab_parallel_logprob(
-            logits,
-            labels,
-            tp_group=group,
-            vocab_start=rank * logits.shape[-1],
-            deterministic=self.config.deterministic,
-            deterministic_tile=self.config.deterministic_tile or 128,  # logits: 128 columns
-            **common,
+            stock,
+            self.config,
+            gathered=self._layer.last_gathered,
+            **extras,
         )
 
 
