@@ -107,6 +107,9 @@ class HeadConfig:
     """Token rows per step of lp's torch backend (a memory knob); None = its default."""
     validate: bool = True
     """Check the label ids against the vocabulary (one host sync per call)."""
+    deterministic: bool = False
+    """lp's tensor-parallel invariant mode (``linear_logprob(deterministic=True)``): under
+    torch-native TP the outputs and gradients do not depend on the TP degree."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperature", _check_temperature(self.temperature))
@@ -124,8 +127,9 @@ class HeadConfig:
             or self.chunk_size <= 0
         ):
             raise ValueError(f"chunk_size must be None or a positive int, got {self.chunk_size!r}")
-        if not isinstance(self.validate, bool):
-            raise TypeError(f"validate must be a bool, got {self.validate!r}")
+        for name in ("validate", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -248,6 +252,7 @@ class LogprobHead:
             ignore_index=cfg.ignore_index,
             return_entropy=call.return_entropy,
             return_lse=call.return_lse,
+            deterministic=cfg.deterministic,
             backend=cfg.backend,
             chunk_size=cfg.chunk_size,
             validate=cfg.validate,
@@ -461,6 +466,7 @@ def install_logprob_head(
     backend: Backend = "auto",
     chunk_size: int | None = None,
     validate: bool = True,
+    deterministic: bool = False,
 ) -> LogprobHead:
     """Make a transformers causal LM's output layer compute lp's log-probs, not logits.
 
@@ -484,6 +490,7 @@ def install_logprob_head(
         backend: lp_kernels backend (``"auto"``, ``"torch"``, ``"triton"``).
         chunk_size: token rows per step of the torch backend; None = its default.
         validate: check label ids (one host sync per call).
+        deterministic: lp's TP-invariant mode (:attr:`HeadConfig.deterministic`).
 
     Returns:
         The :class:`LogprobHead`. Installing again with the same options returns it.
@@ -508,6 +515,7 @@ def install_logprob_head(
         backend=backend,
         chunk_size=chunk_size,
         validate=validate,
+        deterministic=deterministic,
     )
     if not isinstance(model, torch.nn.Module) or not callable(
         getattr(model, "get_output_embeddings", None)
