@@ -17,7 +17,7 @@ from lp_testing import (
     reference_grads,
     reference_outputs,
 )
-from lp_testing.reference import OUTPUTS
+from lp_testing.reference import OUTPUTS, reference_extras
 
 
 def test_outputs_match_hand_computation() -> None:
@@ -324,3 +324,14 @@ def test_reference_softcap_is_tanh_before_temperature() -> None:
         from lp_testing import reference_all
 
         reference_all(torch.ones(1, 2), torch.ones(3, 2), torch.tensor([0]), bias=torch.ones(2))
+
+
+def test_reference_extras_hand_computation() -> None:
+    z = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 3.0, 3.0, -2.0], [5.0, 1.0, 0.0, 0.0]])
+    targets = torch.tensor([0, 2, -100])
+    out = reference_extras(z, targets)
+    p = torch.softmax(z[1].double(), -1)
+    assert math.isclose(float(out["log_sum_sq_probs"][0]), -math.log(4), rel_tol=1e-12)
+    assert math.isclose(float(out["log_sum_sq_probs"][1]), math.log(float((p * p).sum())))
+    assert out["mean_logit"].tolist() == [0.0, 1.25, 0.0]  # the ignored row: 0
+    assert out["is_top1"].tolist() == [True, False, False]  # a tie: the first column wins

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from lp_kernels import _checks
 from lp_kernels.core import amp
 from lp_kernels.core.chunks import chunk_tiles, default_chunk_rows
+from lp_kernels.core.extras import EXTRAS, check_extras
 from lp_kernels.core.matmul import common_operands
 from lp_kernels.core.tiles import DETERMINISTIC_TILE, default_deterministic_tile
 from lp_kernels.core.transform import LogitTransform
@@ -71,6 +72,8 @@ class CallOptions:
     hint: str | None = None
     """Appended to the per-call rank contract's errors, for a caller that knows a likely
     cause of ranks disagreeing."""
+    extras: Any = ()
+    """The ``extras=`` statistics (checked by :func:`lp_kernels.core.extras.check_extras`)."""
     loss: bool = False
     """The call is ``linear_logprob_loss``'s (the record then carries its ``chunk_size``)."""
 
@@ -114,6 +117,7 @@ def prepare(
 
 def _prepare(inputs, weight, targets, transform, bias, o: CallOptions) -> Prepared:
     linear = weight is not None
+    o = dataclasses.replace(o, extras=check_extras(o.extras))
     name = "hidden" if linear else "logits"
     inputs, weight, bias = _checked_tensors(inputs, weight, bias, name)
     _checks.check_targets(targets, inputs.shape[:-1], inputs.device, name)
@@ -218,6 +222,7 @@ def _exchange(inputs, weight, targets, transform, bias, layout_args, name, o: Ca
         bias=bias,
         loss=o.loss,
         chunk_size=o.chunk_size,
+        extras=o.extras,
     )
     return exchange_call_record(
         o.tp_group,
@@ -256,14 +261,13 @@ def _params(transform, layout, v_local: int, tile: int, linear: bool, device, o:
         reduce_grad_hidden=bool(o.reduce_grad_hidden),
         deterministic=bool(o.deterministic),
         deterministic_tile=tile,
+        extras=o.extras,
     )
 
 
-def shaped(out: tuple, lead: torch.Size):
-    """``(logprob, entropy, lse)`` of a Function, viewed with the leading shape ``lead``."""
-    logprob, entropy, lse = out
-    return LogProbOutput(
-        logprob.view(lead),
-        entropy.view(lead) if entropy is not None else None,
-        lse.view(lead) if lse is not None else None,
-    )
+def shaped(out: tuple, lead: torch.Size) -> LogProbOutput:
+    """``(logprob, entropy, lse, log_sum_sq_probs, mean_logit, is_top1)`` of a Function
+    (None where not asked), viewed with the leading shape ``lead``."""
+    views = [None if x is None else x.view(lead) for x in out]
+    logprob, entropy, lse, *extras = views
+    return LogProbOutput(logprob, entropy, lse, **dict(zip(EXTRAS, extras, strict=True)))

@@ -17,7 +17,7 @@ leading dimensions. The numerics live in the backends and in ``lp_kernels.core``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -50,6 +50,7 @@ def linear_logprob(
     ignore_index: int = -100,
     return_entropy: bool = False,
     return_lse: bool = False,
+    extras: Sequence[str] = (),
     tp_group: Any = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
@@ -118,6 +119,19 @@ def linear_logprob(
         return_entropy: also return the entropy of ``softmax(logits / T)`` per row
             (differentiable).
         return_lse: also return the log-sum-exp per row (differentiable; z-loss).
+        extras: any of ``"log_sum_sq_probs"``, ``"mean_logit"``, ``"is_top1"``: per-row
+            statistics of the same ``z`` (the whole transform: bias, ``logit_scale``,
+            ``softcap``, temperature) over the real vocabulary, computed in the forward
+            without gradient (detached) on both backends, under ``tp_group`` and with
+            ``deterministic`` (then bitwise TP-invariant too). ``log_sum_sq_probs``: fp32
+            ``log sum_v p_v^2`` (the collision log-probability; ``-log V`` for a flat row, 0
+            for a one-hot one), from ``log sum e^(2 (z - max)) - 2 (lse - max)``;
+            ``mean_logit``: fp32 ``sum_v z_v / vocab_size``; ``is_top1``: bool, the target
+            is the first column of the row's largest ``z`` (``argmax(z) == target``; ties,
+            across shards too, go to the lowest id). Ignored rows give 0, 0 and False,
+            rows whose lse is not finite NaN, NaN and False. Default ``()``: none, and the
+            kernels and bits of the call are those without this argument. A bad value
+            raises ``TypeError`` / ``ValueError`` naming ``extras``.
         tp_group: ``torch.distributed`` group the vocabulary is sharded over. Every
             rank passes the same ``hidden`` and ``targets`` and its own shard;
             shards may be uneven. Every rank returns the same outputs. The backward's
@@ -168,12 +182,14 @@ def linear_logprob(
     Returns:
         ``LogProbOutput(logprob, entropy, lse)``, each ``[*]`` float32 (entropy and
         lse None unless requested); plain tensors, the same on every rank, also for
-        DTensor inputs.
+        DTensor inputs. It unpacks as that triple; the ``extras`` are its attributes
+        ``log_sum_sq_probs``, ``mean_logit`` (``[*]`` float32) and ``is_top1`` (``[*]``
+        bool), None unless asked.
 
     Raises:
         TypeError: wrong tensor types or dtypes; a DTensor weight placement other than
             ``Shard(0)`` or ``Replicate``.
-        ValueError: shape mismatches, bad options, targets out of range (with
+        ValueError: shape mismatches, bad options (``extras`` included), targets out of range (with
             ``validate=True``), an inconsistent shard layout (on every rank), shard
             bounds off multiples of 128 with ``deterministic=True``, ranks that disagree
             within a call (``validate=True``, on every rank); a DTensor weight with
@@ -206,6 +222,7 @@ def linear_logprob(
         ignore_index=ignore_index,
         return_entropy=return_entropy,
         return_lse=return_lse,
+        extras=extras,
         tp_group=tp_group,
         vocab_start=vocab_start,
         vocab_size=vocab_size,
@@ -378,6 +395,7 @@ def vocab_parallel_logprob(
     ignore_index: int = -100,
     return_entropy: bool = False,
     return_lse: bool = False,
+    extras: Sequence[str] = (),
     tp_group: Any = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
@@ -413,6 +431,9 @@ def vocab_parallel_logprob(
             those rows are then ignored, e.g. a pad token masked by its id).
         return_entropy: also return the entropy per row (differentiable).
         return_lse: also return the log-sum-exp per row (differentiable).
+        extras: per-row statistics without gradient, as in
+            :func:`lp_kernels.linear_logprob`: ``"log_sum_sq_probs"``, ``"mean_logit"`` (a
+            masked ``-inf`` entry makes it ``-inf``) and ``"is_top1"``.
         tp_group: the group the vocabulary is sharded over (every rank passes the
             same targets); every rank returns the same outputs.
         vocab_start: global id of this rank's first column; default 0, or
@@ -434,7 +455,8 @@ def vocab_parallel_logprob(
             otherwise), as in :func:`lp_kernels.linear_logprob`.
 
     Returns:
-        ``LogProbOutput(logprob, entropy, lse)``, each ``[*]`` float32.
+        ``LogProbOutput(logprob, entropy, lse)``, each ``[*]`` float32, with the ``extras``
+        as attributes (None unless asked).
 
     Example:
         >>> import torch
@@ -456,6 +478,7 @@ def vocab_parallel_logprob(
         ignore_index=ignore_index,
         return_entropy=return_entropy,
         return_lse=return_lse,
+        extras=extras,
         tp_group=tp_group,
         vocab_start=vocab_start,
         vocab_size=vocab_size,

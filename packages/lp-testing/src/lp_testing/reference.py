@@ -39,6 +39,7 @@ __all__ = [
     "materialized_baseline_from_logits",
     "reference_all",
     "reference_chunked",
+    "reference_extras",
     "reference_from_logits",
     "reference_grads",
     "reference_outputs",
@@ -77,6 +78,25 @@ def _statistics(z: Tensor, targets: Tensor, ignore_index: int) -> dict[str, Tens
     }
     zero = torch.zeros((), dtype=z.dtype, device=z.device)
     return {name: torch.where(keep, value, zero) for name, value in out.items()}
+
+
+def reference_extras(z: Tensor, targets: Tensor, ignore_index: int = -100) -> dict[str, Tensor]:
+    """fp64 truth of ``extras=``'s statistics from materialized softmax arguments ``z [N, V]``
+    (the transformed logits over the real vocabulary):
+
+    - ``log_sum_sq_probs = log sum_v softmax(z)_v^2`` (``logsumexp(2 log_softmax(z))``),
+    - ``mean_logit = z.mean(-1)``,
+    - ``is_top1 = argmax(z) == target`` (the first maximal column),
+
+    each 0 (False) on rows whose target is ``ignore_index``."""
+    z = z.double()
+    keep = targets != ignore_index
+    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    return {
+        "log_sum_sq_probs": torch.where(keep, torch.logsumexp(2 * z.log_softmax(-1), -1), zero),
+        "mean_logit": torch.where(keep, z.mean(-1), zero),
+        "is_top1": keep & (z.argmax(-1) == targets),
+    }
 
 
 def _upstream(

@@ -16,19 +16,47 @@ from lp_kernels.core.tiles import TileOwnership, tile_ownership
 from lp_kernels.core.transform import LogitTransform
 
 
-class LogProbOutput(NamedTuple):
-    """What :func:`lp_kernels.linear_logprob` and :func:`lp_kernels.vocab_parallel_logprob` return.
-
-    Every field has the leading shape of ``targets`` and dtype float32. Rows whose
-    target is ``ignore_index`` hold 0 in every field and receive no gradient.
-    """
-
+class _Outputs(NamedTuple):
     logprob: torch.Tensor
     """``log softmax(z)[target]`` with ``z = logits / temperature`` over the real vocabulary."""
     entropy: torch.Tensor | None
     """``-sum softmax(z) * log_softmax(z)``, or None unless ``return_entropy=True``."""
     lse: torch.Tensor | None
     """``logsumexp(z)``, or None unless ``return_lse=True``."""
+
+
+class LogProbOutput(_Outputs):
+    """What :func:`lp_kernels.linear_logprob` and :func:`lp_kernels.vocab_parallel_logprob` return.
+
+    A named triple ``(logprob, entropy, lse)`` (it unpacks as one) with the ``extras=``
+    statistics as attributes. Every field has the leading shape of ``targets`` and dtype
+    float32 (``is_top1``: bool). Rows whose target is ``ignore_index`` hold 0 (False) in
+    every field and receive no gradient.
+    """
+
+    log_sum_sq_probs: torch.Tensor | None = None
+    """``log sum_v softmax(z)_v^2`` (detached), or None unless asked in ``extras``."""
+    mean_logit: torch.Tensor | None = None
+    """The mean of ``z`` over the real vocabulary (detached), or None unless asked."""
+    is_top1: torch.Tensor | None = None
+    """bool: the target is the first column of the row's largest ``z``, or None unless
+    asked."""
+
+    def __new__(
+        cls,
+        logprob: torch.Tensor,
+        entropy: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        *,
+        log_sum_sq_probs: torch.Tensor | None = None,
+        mean_logit: torch.Tensor | None = None,
+        is_top1: torch.Tensor | None = None,
+    ) -> LogProbOutput:
+        self = super().__new__(cls, logprob, entropy, lse)
+        self.log_sum_sq_probs = log_sum_sq_probs
+        self.mean_logit = mean_logit
+        self.is_top1 = is_top1
+        return self
 
 
 class LossOutput(NamedTuple):
@@ -87,6 +115,9 @@ class LogprobParams:
     """This rank's index in ``tp_group``."""
     deterministic: bool = False
     """Tensor-parallel invariant mode (see lp_kernels.backends.torch.deterministic)."""
+    extras: tuple[str, ...] = ()
+    """The ``extras=`` statistics asked for (``core.extras.EXTRAS`` order); computed in the
+    forward without gradient."""
     deterministic_tile: int = 128
     """Width of the global vocabulary tiles of ``deterministic=True`` (a multiple of 128):
     the unit of the forward's ordered merge and of grad_hidden's fixed-point sum."""

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lp_kernels.core.extras import EXTRAS
 from lp_kernels.core.transform import LogitTransform
 from lp_kernels.distributed.layout import LAYOUT_FIELDS, ShardLayout, cache_layout, check_table
 
@@ -61,6 +62,7 @@ _CALL = (
     ("return_entropy", "return_entropy"),
     ("return_lse", "return_lse"),
     ("reduce_grad_hidden", "reduce_grad_hidden"),
+    ("extras", "extras"),
     *((name, name) for name in TRANSFORM_FIELDS),
     ("ignore_index", "ignore_index"),
     ("inputs_grad", "whether {inputs} requires grad"),
@@ -117,6 +119,7 @@ def call_fields(
     bias: torch.Tensor | None = None,
     loss: bool = False,
     chunk_size: int | None = None,
+    extras: tuple[str, ...] = (),
 ) -> tuple[int, ...]:
     """The host part of the per-call record (the fields of ``_CALL``), as int64 values.
     ``loss``: the call is ``linear_logprob_loss``'s, whose ``chunk_size`` sets the blocks
@@ -128,6 +131,7 @@ def call_fields(
         int(return_entropy),
         int(return_lse),
         int(reduce_grad_hidden),
+        sum(1 << EXTRAS.index(name) for name in extras),
         *(0 if x is None else _float_bits(x) for _, x in transform.record()),
         ignore_index,
         int(inputs_grad),
@@ -154,6 +158,8 @@ def _shown(field: str, value: int) -> str:
         return ("cpu", "cuda", "other")[value]
     if field in ("inputs_grad", "weight_grad", "grad_enabled") or field.startswith("return_"):
         return str(bool(value))
+    if field == "extras":
+        return repr(tuple(name for j, name in enumerate(EXTRAS) if value >> j & 1))
     if field == "reduce_grad_hidden":
         return str(bool(value))
     if field == "targets_checksum":

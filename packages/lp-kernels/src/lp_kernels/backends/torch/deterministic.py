@@ -46,6 +46,14 @@ import torch
 from lp_kernels.backends.torch.linear import Grads, dlogits_chunks, logits_chunks
 from lp_kernels.core.chunks import padded_rows
 from lp_kernels.core.compile import backend_backward
+from lp_kernels.core.extras import (
+    NO_EXTRAS,
+    empty_partials,
+    extra_outputs,
+    extra_terms,
+    mark_extras,
+    merge_extras,
+)
 from lp_kernels.core.fixed_point import from_fixed_point, row_exponents
 from lp_kernels.core.matmul import addmm_f32_, mm_f32
 from lp_kernels.core.stats import (
@@ -133,7 +141,7 @@ def _global_tiles(gathered: torch.Tensor, tiles: list[int]) -> torch.Tensor:
     return torch.cat([gathered[r, :, :count] for r, count in enumerate(tiles)], dim=1)
 
 
-def merged_tile_stats(blocks, t_own, in_own, n: int, p: LogprobParams, device):
+def merged_tile_stats(blocks, t_own, in_own, n: int, p: LogprobParams, device, first_id=0):
     """Tile partials of every block, exchanged and merged in global tile order.
 
     ``blocks`` yields ``(r0, r1, rows, j, count, z)``: token rows ``[r0, r1)`` padded to
@@ -141,20 +149,48 @@ def merged_tile_stats(blocks, t_own, in_own, n: int, p: LogprobParams, device):
     ``count`` are this rank's owned tiles ``[j, j + count)`` (the first owned tile is 0);
     any after them are ignored. ``t_own`` / ``in_own``: the target's column counted from
     the first owned tile's start, and whether it is an owned column. Returns ``(lse, E or
-    None, target logit, entropy or None)``, each ``[N]`` fp32. Shared with
+    None, target logit, entropy or None, extras)``, each ``[N]`` fp32; ``extras``: with
+    ``p.extras`` the merged extras ``(x [N, 3], i [N])`` (``first_id``: the global id of
+    the first owned tile's first column), else None. Shared with
     ``vocab_parallel_logprob(deterministic=True)``.
     """
     tile = p.deterministic_tile
     tiles = _rank_tiles(p)
     stats = torch.zeros((n, max(tiles), N_STATS), dtype=torch.float32, device=device)
+    extra = empty_partials((n, max(tiles)), device) if p.extras else None
     for r0, r1, rows, j, count, z in blocks:
+        if extra is not None:  # before _tile_stats (which may reuse z)
+            x, i = tile_extras(z, first_id + j * tile, p)
+            extra[0][r0:r1, j : j + count] = x[: r1 - r0, :count]
+            extra[1][r0:r1, j : j + count] = i[: r1 - r0, :count]
         t_rel = padded_rows(t_own, r0, r1, rows) - j * tile  # z's column
         in_z = (t_rel >= 0) & (t_rel < count * tile)
         hit = padded_rows(in_own, r0, r1, rows, False) & in_z  # (a view: not in place)
         part = _tile_stats(z, t_rel, hit, tile, entropy=p.return_entropy)
         stats[r0:r1, j : j + count] = part[: r1 - r0, :count]
     merged = _global_tiles(gather_stats(stats, p.tp_group, p.tp_size), tiles)
-    return _merge_tiles(merged, entropy=p.return_entropy)
+    out = _merge_tiles(merged, entropy=p.return_entropy)
+    if extra is None:
+        return *out, None
+    # the global tile sequence, merged tile by tile in order (one sequence on every layout)
+    x, i = (_global_tiles(gather_stats(t, p.tp_group, p.tp_size), tiles) for t in extra)
+    return *out, merge_extras(x.transpose(0, 1), i.transpose(0, 1))
+
+
+def tile_extras(z: torch.Tensor, first_id: int, p: LogprobParams):
+    """``(x [C, T, 3], i [C, T])``: the extras partial of each ``tile``-column tile of ``z
+    [C, width]`` (``core.extras``), whose column 0 is id ``first_id``; columns at or past
+    ``vocab_size`` (the vocabulary's last tile) take no part."""
+    rows, width = z.shape
+    tile = p.deterministic_tile
+    n_tiles = -(-width // tile)
+    if width != n_tiles * tile:
+        zz = torch.zeros((rows, n_tiles * tile), dtype=z.dtype, device=z.device)
+        zz[:, :width] = z
+        z = zz
+    ids = first_id + torch.arange(n_tiles * tile, device=z.device).view(n_tiles, tile)
+    starts = ids[:, 0]  # each tile's first id: its partial's column counts from there
+    return extra_terms(z.view(rows, n_tiles, tile), starts, ids < p.vocab_size)
 
 
 def _owned_tiles(w_real: torch.Tensor, halo: torch.Tensor, own, tile: int):
@@ -204,9 +240,13 @@ def forward(hidden, weight, bias, targets, p: LogprobParams):
         for j, ((_, w_j), b_j) in enumerate(zip(tiles, b_tiles, strict=True))
         for r0, r1, rows, _, z, _ in logits_chunks(hidden, w_j, p, b_real=b_j)
     )
-    lse, mean_z, zt, ent = merged_tile_stats(chunks, t_own, in_own, n, p, hidden.device)
+    first_id = p.vocab_start + own.skip
+    lse, mean_z, zt, ent, extra = merged_tile_stats(
+        chunks, t_own, in_own, n, p, hidden.device, first_id
+    )
     outputs = masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
-    return outputs, lse, mean_z, halo, b_halo
+    extras = NO_EXTRAS if extra is None else extra_outputs(*extra, lse, targets, p)
+    return (*outputs, *extras), lse, mean_z, halo, b_halo
 
 
 def backward(saved, upstream: Grads, needs: tuple[bool, bool, bool], p: LogprobParams) -> Grads:
@@ -313,11 +353,12 @@ class LinearLogprobTorchDeterministic(torch.autograd.Function):
         outputs, *stats = forward(hidden, weight, bias, targets, p)
         ctx.save_for_backward(hidden, weight, bias, targets, *stats)
         ctx.params = p
+        mark_extras(ctx, outputs)
         return outputs
 
     @staticmethod
     @backend_backward
-    def backward(ctx, g_lp, g_ent, g_lse):
+    def backward(ctx, g_lp, g_ent, g_lse, *_):
         needs = tuple(ctx.needs_input_grad[:3])
         grads = backward(ctx.saved_tensors, (g_lp, g_ent, g_lse), needs, ctx.params)
         return (*grads, None, None)

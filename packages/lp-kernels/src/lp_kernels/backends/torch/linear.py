@@ -7,6 +7,8 @@ Data flow for one rank (V_r = this shard's real columns, C = chunk rows)::
                 (m, s, a, t) per row  -> stats[N, 4]       (core.stats.local_stats)
               all-gather stats over tp_group -> [P, N, 4] -> merge in rank order
               -> logprob, entropy, lse (saved: lse, E)
+              extras= (core.extras): each chunk's (x, q, u, i) per row from the same z,
+              gathered and merged in rank order beside the statistics (no gradient)
     backward  for each chunk:
                 z recomputed; d z = p * (g_lse - g_lp - g_ent (z - E)) + g_lp onehot
                 d l = d z * dz/dl, rounded to the input dtype for the two GEMMs
@@ -34,6 +36,7 @@ import torch
 
 from lp_kernels.core.chunks import chunks, padded_rows
 from lp_kernels.core.compile import backend_backward
+from lp_kernels.core.extras import NO_EXTRAS, ExtraRows, extra_outputs, mark_extras, merge_extras
 from lp_kernels.core.matmul import addmm_f32_, mm_f32, scratch
 from lp_kernels.core.stats import (
     N_STATS,
@@ -149,7 +152,10 @@ def forward(
     b_real = None if bias is None else bias[:v_real].float()
     t_local, in_shard, ignored = target_columns(targets, p.ignore_index, p.vocab_start, v_real)
     stats = scratch.empty((n, N_STATS), dtype=torch.float32, device=hidden.device)
+    extra = ExtraRows(n, hidden.device) if p.extras else None
     for r0, r1, rows, _, z, _ in logits_chunks(hidden, weight[:v_real], p, b_real=b_real):
+        if extra is not None:  # before local_stats turns z into z - m
+            extra.add(r0, r1, z, p.vocab_start)
         part = torch.empty((rows, N_STATS), dtype=torch.float32, device=hidden.device)
         local_stats(
             z,
@@ -161,7 +167,18 @@ def forward(
         stats[r0:r1] = part[: r1 - r0]
     gathered = gather_stats(stats, p.tp_group, p.tp_size)
     lse, mean_z, zt, ent = merge_stats(gathered, entropy=p.return_entropy)
-    return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse), lse, mean_z
+    outputs = masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
+    return (*outputs, *merged_extras(extra, lse, targets, p)), lse, mean_z
+
+
+def merged_extras(extra: ExtraRows | None, lse, targets, p: LogprobParams) -> tuple:
+    """The ``extras=`` outputs from every rank's :class:`ExtraRows` (gathered, merged in rank
+    order); :data:`NO_EXTRAS` without it."""
+    if extra is None:
+        return NO_EXTRAS
+    x = gather_stats(extra.x, p.tp_group, p.tp_size)
+    i = gather_stats(extra.i, p.tp_group, p.tp_size)
+    return extra_outputs(*merge_extras(x, i), lse, targets, p)
 
 
 class ChunkGrads:
@@ -243,11 +260,12 @@ class LinearLogprobTorch(torch.autograd.Function):
         outputs, lse, mean_z = forward(hidden, weight, bias, targets, p)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_z)
         ctx.params = p
+        mark_extras(ctx, outputs)
         return outputs
 
     @staticmethod
     @backend_backward
-    def backward(ctx, g_lp, g_ent, g_lse):
+    def backward(ctx, g_lp, g_ent, g_lse, *_):
         hidden, weight, bias, targets, lse, mean_z = ctx.saved_tensors
         upstream = (g_lp, g_ent, g_lse)
         needs = tuple(ctx.needs_input_grad[:3])

@@ -25,9 +25,10 @@ from collections.abc import Iterator
 import torch
 
 from lp_kernels.backends.torch.deterministic import merged_tile_stats
-from lp_kernels.backends.torch.linear import Grads
+from lp_kernels.backends.torch.linear import Grads, merged_extras
 from lp_kernels.core.chunks import chunk_tiles, chunks, padded_rows
 from lp_kernels.core.compile import backend_backward
+from lp_kernels.core.extras import NO_EXTRAS, ExtraRows, extra_outputs, mark_extras
 from lp_kernels.core.matmul import scratch
 from lp_kernels.core.stats import (
     N_STATS,
@@ -88,13 +89,17 @@ def forward(logits: torch.Tensor, targets: torch.Tensor, p: LogprobParams):
             for r0, r1, rows in chunks(n, p.chunk_size)
             for j, count, z in _tile_chunks(logits, r0, r1, rows, v_real, p)
         )
-        lse, mean_z, zt, ent = merged_tile_stats(
-            tile_chunks, t_local, in_shard, n, p, logits.device
+        lse, mean_z, zt, ent, extra = merged_tile_stats(
+            tile_chunks, t_local, in_shard, n, p, logits.device, p.vocab_start
         )
+        extras = NO_EXTRAS if extra is None else extra_outputs(*extra, lse, targets, p)
     else:
         stats = scratch.empty((n, N_STATS), dtype=torch.float32, device=logits.device)
+        rows_x = ExtraRows(n, logits.device) if p.extras else None
         for r0, r1, rows in chunks(n, p.chunk_size):
             z, _ = _chunk_z(logits, r0, r1, rows, v_real, p)
+            if rows_x is not None:  # before local_stats turns z into z - m
+                rows_x.add(r0, r1, z, p.vocab_start)
             part = torch.empty((rows, N_STATS), dtype=torch.float32, device=logits.device)
             local_stats(
                 z,
@@ -107,7 +112,9 @@ def forward(logits: torch.Tensor, targets: torch.Tensor, p: LogprobParams):
             stats[r0:r1] = part[: r1 - r0]
         gathered = gather_stats(stats, p.tp_group, p.tp_size)
         lse, mean_z, zt, ent = merge_stats(gathered, entropy=p.return_entropy)
-    return masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse), lse, mean_z
+        extras = merged_extras(rows_x, lse, targets, p)
+    outputs = masked_outputs(ignored, zt, lse, ent, return_lse=p.return_lse)
+    return (*outputs, *extras), lse, mean_z
 
 
 def backward(logits, targets, lse, mean_z, upstream: Grads, p: LogprobParams) -> torch.Tensor:
@@ -147,11 +154,12 @@ class VocabParallelLogprob(torch.autograd.Function):
         outputs, lse, mean_z = forward(logits, targets, p)
         ctx.save_for_backward(logits, targets, lse, mean_z)
         ctx.params = p
+        mark_extras(ctx, outputs)
         return outputs
 
     @staticmethod
     @backend_backward
-    def backward(ctx, g_lp, g_ent, g_lse):
+    def backward(ctx, g_lp, g_ent, g_lse, *_):
         logits, targets, lse, mean_z = ctx.saved_tensors
         grad = backward(logits, targets, lse, mean_z, (g_lp, g_ent, g_lse), ctx.params)
         return grad, None, None

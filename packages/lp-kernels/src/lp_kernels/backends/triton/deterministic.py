@@ -79,7 +79,12 @@ from lp_kernels.backends.triton.fixed_point import (
     round_into,
     row_scales,
 )
-from lp_kernels.backends.triton.forward import forward_stats, gather_partials, merge_outputs
+from lp_kernels.backends.triton.forward import (
+    forward_stats,
+    gather_partials,
+    merge_outputs,
+    merged_extras,
+)
 from lp_kernels.backends.triton.gemm import matmul_acc
 from lp_kernels.backends.triton.plan import (
     backward_chunks,
@@ -90,6 +95,7 @@ from lp_kernels.backends.triton.plan import (
     tiles_per_round,
 )
 from lp_kernels.core.compile import backend_backward
+from lp_kernels.core.extras import NO_EXTRAS, mark_extras
 from lp_kernels.core.matmul import addmm_f32_, scratch
 from lp_kernels.core.stats import bias_grad
 from lp_kernels.core.tiles import DETERMINISTIC_TILE as TILE
@@ -186,9 +192,21 @@ def forward(hidden, weight, bias, targets, p: LogprobParams, cfg: KernelConfig):
     for r0 in range(0, max(n, 1), step):
         r1 = min(n, r0 + step)
         stats = [
-            forward_stats(hidden[r0:r1], w, targets[r0:r1], first, pf, cfg, b, tile=tile)
+            forward_stats(
+                hidden[r0:r1],
+                w,
+                targets[r0:r1],
+                first,
+                pf,
+                cfg,
+                b,
+                tile=tile,
+                extras=bool(p.extras),
+            )
             for w, first, pf, b in launches
         ]
+        if p.extras:  # (stats, x, i) per launch
+            stats, x_parts, i_parts = ([s[k] for s in stats] for k in range(3))
         stats = stats[0] if len(stats) == 1 else torch.cat(stats)  # [T_max * S, rows, 4]
         # each tile's splits merged into one partial, then gathered: [P * T_max, rows, 4]
         gathered = gather_partials(stats, p, tile_splits(tile, cfg))
@@ -199,7 +217,11 @@ def forward(hidden, weight, bias, targets, p: LogprobParams, cfg: KernelConfig):
             entropy=p.return_entropy,
             return_lse=p.return_lse,
         )
-        parts.append((lse, mean_z, *outputs))
+        extra = NO_EXTRAS
+        if p.extras:  # the same runs and order: empty partials add exact zeros
+            x_i = (torch.cat(x_parts), torch.cat(i_parts))
+            extra = merged_extras(x_i, lse, targets[r0:r1], p, tile_splits(tile, cfg))
+        parts.append((lse, mean_z, *outputs, *extra))
     lse, mean_z, *outputs = (
         None if part[0] is None else torch.cat(part) if len(part) > 1 else part[0]
         for part in zip(*parts, strict=True)
@@ -524,11 +546,12 @@ class LinearLogprobTritonDeterministic(torch.autograd.Function):
         outputs, saved = forward(hidden, weight, bias, targets, p, ctx.cfg[0])
         ctx.save_for_backward(*saved)
         ctx.params = p
+        mark_extras(ctx, outputs)
         return outputs
 
     @staticmethod
     @backend_backward
-    def backward(ctx, g_lp, g_ent, g_lse):
+    def backward(ctx, g_lp, g_ent, g_lse, *_):
         needs = tuple(ctx.needs_input_grad[:3])
         upstream_grads = (g_lp, g_ent, g_lse)
         grads = backward(ctx.saved_tensors, upstream_grads, needs, ctx.params, *ctx.cfg)

@@ -12,6 +12,11 @@ all-gathered. ``merge_kernel`` visits the partials of each row in (rank, partial
 lse and E (the backward's), and the op's logprob, entropy and lse, masked as
 ``lp_kernels.core.stats.masked_outputs`` masks them, in one launch. The algebra is
 ``lp_kernels.core.stats``'.
+
+``extras=`` (``EXTRAS``, off by default: the default launches compile as before) adds each
+split's extras partial ``(x, q, u, i)`` beside its softmax partial (``softmax.extras_update``,
+never the ping-pong kernel); the host merges them in the same runs and (rank, partial)
+order with ``lp_kernels.core.extras``.
 """
 
 from __future__ import annotations
@@ -33,17 +38,27 @@ from lp_kernels.backends.triton.pingpong import pingpong_ok, pingpong_stats
 from lp_kernels.backends.triton.plan import merge_block_k, shard_splits, tile_splits
 from lp_kernels.backends.triton.softmax import (
     cap_constants,
+    extras_update,
     softmax_finish,
     softmax_update,
     transform_args,
 )
 from lp_kernels.backends.triton.tl_utils import IGNORED, logits_block, swizzle, target_codes
+from lp_kernels.core.extras import (
+    N_EXTRA,
+    NO_COLUMN,
+    extra_outputs,
+    merge_extra_runs,
+    merge_extras,
+)
 from lp_kernels.core.matmul import scratch
 from lp_kernels.core.stats import N_STATS
 from lp_kernels.core.types import LogprobParams
 from lp_kernels.distributed.collectives import gather_stats
 
 # ----------------------------------------------------------------------------- kernels
+
+_NO_COLUMN = tl.constexpr(NO_COLUMN)
 
 
 @triton.jit(do_not_specialize=["N", "V_real", "ignore_index", "col0", "splits", "rows"])
@@ -54,6 +69,8 @@ def fwd_stats_kernel(
     stats_ptr,
     b_ptr,
     l_ptr,
+    x_ptr,
+    i_ptr,
     N,
     H,
     V_real,
@@ -83,6 +100,7 @@ def fwd_stats_kernel(
     CAP: tl.constexpr,
     SCALE: tl.constexpr,
     TILE_W: tl.constexpr = 0,
+    EXTRAS: tl.constexpr = False,
 ):
     """Per (row, split): m = max z, s = sum e^(z-m), a = sum e^(z-m)(z-m), t = z[target],
     with z the transformed logits (``softmax``). ``t_ptr``: the raw target ids, ``col0`` the
@@ -92,7 +110,10 @@ def fwd_stats_kernel(
 
     Splits are ``V_SPLIT`` columns from column 0, or, with ``TILE_W`` (``deterministic=True``'s
     tile width), ``V_SPLIT`` columns from each ``TILE_W``-wide tile's first column, the
-    tile's last split cut at its end: ``cdiv(TILE_W, V_SPLIT)`` splits per tile, in order."""
+    tile's last split cut at its end: ``cdiv(TILE_W, V_SPLIT)`` splits per tile, in order.
+
+    ``EXTRAS``: also each split's extras partial (``softmax.extras_update``): ``(x, q, u)`` to
+    ``x_ptr [S, N, 3]`` fp32 and the first id of the maximum to ``i_ptr [S, N]`` int64."""
     i_n, i_s = swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, rows)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -103,6 +124,11 @@ def fwd_stats_kernel(
     b_a = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_lt = tl.zeros([BLOCK_N], dtype=tl.float32)  # the target's raw logit l
     k_e, k_z, k_a, k_t = cap_constants(cap, inv_cap, inv_t)
+    if EXTRAS:
+        b_xm = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+        b_xq = tl.zeros([BLOCK_N], dtype=tl.float32)
+        b_xu = tl.zeros([BLOCK_N], dtype=tl.float32)
+        b_xi = tl.full([BLOCK_N], _NO_COLUMN, dtype=tl.int64)
     if TILE_W > 0:
         SUBS: tl.constexpr = (TILE_W + V_SPLIT - 1) // V_SPLIT
         i_t = i_s // SUBS
@@ -175,12 +201,22 @@ def fwd_stats_kernel(
             CAP,
             SCALE,
         )
+        if EXTRAS:
+            b_xm, b_xq, b_xu, b_xi = extras_update(
+                b_xm, b_xq, b_xu, b_xi, b_l, m_v, col0 + v0, scale, inv_t, k_e, k_z, CAP, SCALE
+            )
     b_m, b_zt = softmax_finish(b_m, b_lt, scale, cap, inv_cap, inv_t, k_z, ENTROPY, CAP, SCALE)
     p_out = stats_ptr + (i_s.to(tl.int64) * N + o_n) * 4
     tl.store(p_out + 0, b_m, mask=m_n)
     tl.store(p_out + 1, b_s, mask=m_n)
     tl.store(p_out + 2, b_a, mask=m_n)
     tl.store(p_out + 3, b_zt, mask=m_n)
+    if EXTRAS:
+        p_x = x_ptr + (i_s.to(tl.int64) * N + o_n) * 3  # (x, q, u): core.extras.N_EXTRA
+        tl.store(p_x + 0, b_xm, mask=m_n)
+        tl.store(p_x + 1, b_xq, mask=m_n)
+        tl.store(p_x + 2, b_xu, mask=m_n)
+        tl.store(i_ptr + i_s.to(tl.int64) * N + o_n, b_xi, mask=m_n)
 
 
 @triton.jit
@@ -337,7 +373,8 @@ def forward_stats(
     b_real: torch.Tensor | None = None,
     l_out: torch.Tensor | None = None,
     tile: int = 0,
-) -> torch.Tensor:
+    extras: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[S, N, 4]`` fp32 partial statistics of this shard's splits. ``targets``: the raw
     ``[N]`` ids (contiguous; ``p.ignore_index`` marks ignored rows), ``first_id``: the
     vocabulary id of ``w_real``'s first row; ``b_real``: the fp32 bias of ``w_real``'s rows,
@@ -349,7 +386,9 @@ def forward_stats(
     ``deterministic=True``).
 
     S is set by the largest shard of the group, so that every rank makes the same partials;
-    splits past this shard's end report ``m = -inf, s = a = t = 0``.
+    splits past this shard's end report ``m = -inf, s = a = t = 0``. ``extras``: return
+    ``(stats, x [S, N, 3], i [S, N])`` with the splits' extras partials (``core.extras``;
+    never the ping-pong kernel).
     """
     n, h_dim = hidden.shape
     v_real = w_real.shape[0]
@@ -359,9 +398,13 @@ def forward_stats(
     else:
         width, splits = shard_splits(v_real, p, cfg)
     stats = scratch.empty((splits, n, N_STATS), dtype=torch.float32, device=hidden.device)
+    x_out = i_out = None
+    if extras:
+        x_out = torch.empty((splits, n, N_EXTRA), dtype=torch.float32, device=hidden.device)
+        i_out = torch.empty((splits, n), dtype=torch.int64, device=hidden.device)
     if n == 0 or splits == 0:
-        return stats
-    if not tile and l_out is None and pingpong_ok(hidden, w_real, p, cfg):
+        return (stats, x_out, i_out) if extras else stats
+    if not (tile or extras) and l_out is None and pingpong_ok(hidden, w_real, p, cfg):
         return pingpong_stats(hidden, w_real, targets, first_id, p, cfg, stats, width, b_real)
     blocks_n = triton.cdiv(n, cfg.logits.block_n)
     h_src, w_src, tma = logits_sources(hidden, w_real, cfg)
@@ -372,6 +415,8 @@ def forward_stats(
         stats_ptr=stats,
         b_ptr=b_real,
         l_ptr=None if l_out is None else logits_out(l_out, n, v_real, cfg, tma),
+        x_ptr=x_out,
+        i_ptr=i_out,
         N=n,
         H=h_dim,
         V_real=v_real,
@@ -395,10 +440,11 @@ def forward_stats(
         STORE_L=l_out is not None,
         IGNORED=IGNORED,
         TILE_W=tile,
+        EXTRAS=extras,
         **transform_args(p.transform),
         **launch_opts(cfg.logits, hidden.device),
     )
-    return stats
+    return (stats, x_out, i_out) if extras else stats
 
 
 def logits_out(l_out: torch.Tensor, n: int, v_real: int, cfg: KernelConfig, tma: bool):
@@ -509,3 +555,18 @@ def merge_runs(stats: torch.Tensor, run: int, entropy: bool) -> torch.Tensor:
         **compile_opts(dev),
     )
     return out
+
+
+def merged_extras(parts, lse, targets, p: LogprobParams, run: int | None = None) -> tuple:
+    """The ``extras=`` outputs from this rank's split partials ``parts = (x [K, N, 3], i [K,
+    N])`` (:func:`forward_stats`), gathered as :func:`gather_partials` gathers the softmax
+    partials (runs of ``run`` merged first) and merged in (rank, partial) order; ``lse``: the
+    raw log-sum-exp, ``targets`` the raw ids."""
+    x, i = parts
+    if run is None:
+        run = x.shape[0] if p.tp_size > 1 else 1
+    if run > 1 and x.shape[0] > 1:
+        x, i = merge_extra_runs(x, i, run)
+    x = gather_stats(x, p.tp_group, p.tp_size).flatten(0, 1)
+    i = gather_stats(i, p.tp_group, p.tp_size).flatten(0, 1)
+    return extra_outputs(*merge_extras(x, i), lse, targets, p)

@@ -59,10 +59,16 @@ from lp_kernels.backends.triton.backward import (
     upstream,
 )
 from lp_kernels.backends.triton.config import KernelConfig, config_for
-from lp_kernels.backends.triton.forward import forward_stats, gather_partials, merge_outputs
+from lp_kernels.backends.triton.forward import (
+    forward_stats,
+    gather_partials,
+    merge_outputs,
+    merged_extras,
+)
 from lp_kernels.backends.triton.gemm import matmul_acc
 from lp_kernels.backends.triton.plan import chunks_per_launch, vocab_chunks
 from lp_kernels.core.compile import backend_backward
+from lp_kernels.core.extras import NO_EXTRAS, mark_extras
 from lp_kernels.core.matmul import addmm_f32_, scratch
 from lp_kernels.core.stats import bias_grad
 from lp_kernels.core.types import LogprobParams
@@ -77,12 +83,20 @@ def forward(hidden, weight, bias, targets, p: LogprobParams, cfg: KernelConfig):
     them; E only with entropy)."""
     hidden, w_real, targets = kernel_inputs(hidden, weight, targets, p)
     b_real = None if bias is None else bias[: w_real.shape[0]].float()
-    stats = forward_stats(hidden, w_real, targets, p.vocab_start, p, cfg, b_real)
+    extra = NO_EXTRAS
+    if p.extras:  # the fused kernel, with the extras partials beside the softmax's
+        stats, *parts = forward_stats(
+            hidden, w_real, targets, p.vocab_start, p, cfg, b_real, extras=True
+        )
+    else:
+        stats = forward_stats(hidden, w_real, targets, p.vocab_start, p, cfg, b_real)
     gathered = gather_partials(stats, p)  # TP: one partial per rank, then gathered
     lse, mean_z, outputs = merge_outputs(
         gathered, targets, p.ignore_index, entropy=p.return_entropy, return_lse=p.return_lse
     )
-    return outputs, (hidden, weight, bias, targets, lse, mean_z)
+    if p.extras:
+        extra = merged_extras(parts, lse, targets, p)
+    return (*outputs, *extra), (hidden, weight, bias, targets, lse, mean_z)
 
 
 class HiddenRows:
@@ -202,11 +216,12 @@ class LinearLogprobTriton(torch.autograd.Function):
         outputs, saved = forward(hidden, weight, bias, targets, p, ctx.cfg)
         ctx.save_for_backward(*saved)
         ctx.params = p
+        mark_extras(ctx, outputs)
         return outputs
 
     @staticmethod
     @backend_backward
-    def backward(ctx, g_lp, g_ent, g_lse):
+    def backward(ctx, g_lp, g_ent, g_lse, *_):
         needs = tuple(ctx.needs_input_grad[:3])
         grads = backward(ctx.saved_tensors, (g_lp, g_ent, g_lse), needs, ctx.params, ctx.cfg)
         return (*grads, None, None)

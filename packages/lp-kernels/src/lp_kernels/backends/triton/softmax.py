@@ -245,6 +245,46 @@ def softmax_update(
 
 
 @triton.jit
+def extras_update(
+    b_xm,
+    b_xq,
+    b_xu,
+    b_xi,
+    b_l,
+    m_v,
+    col0,
+    scale,
+    inv_t,
+    k_e,
+    k_z,
+    CAP: tl.constexpr,
+    SCALE: tl.constexpr,
+):
+    """The rows' running extras partial (``lp_kernels.core.extras``) after one block of raw
+    logits ``b_l [rows, cols]`` whose columns, ids ``col0 + 0 .. cols - 1``, are real where
+    ``m_v``: ``x = max z``, ``q = sum e^(2 (z - x))`` (rescaled as ``s`` is), ``u = sum z``
+    and ``i``, the first id of the maximum (a later block takes it only when larger).
+    ``z`` is the transform's value (``cap_z`` under a cap). Start from the empty partial
+    ``(-inf, 0, 0, NO_COLUMN)``."""
+    if SCALE:
+        b_l = b_l * scale
+    if CAP:  # noqa: SIM108  (a constexpr branch)
+        b_z = cap_z_block(b_l, k_e, k_z, inv_t)
+    else:
+        b_z = b_l * inv_t
+    b_z = tl.where(m_v[None, :], b_z, float("-inf"))
+    b_bm = tl.max(b_z, axis=1)
+    b_bi = tl.argmax(b_z, axis=1, tie_break_left=True).to(tl.int64) + col0
+    b_xi = tl.where(b_bm > b_xm, b_bi, b_xi)
+    b_mn = tl.maximum(b_xm, b_bm)
+    b_mz = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # no mass yet: terms e^-inf = 0
+    b_q = tl.exp(2.0 * (b_z - b_mz[:, None]))
+    b_xq = b_xq * tl.exp(2.0 * (b_xm - b_mz)) + tl.sum(b_q, axis=1)
+    b_xu += tl.sum(tl.where(m_v[None, :], b_z, 0.0), axis=1)
+    return b_mn, b_xq, b_xu, b_xi
+
+
+@triton.jit
 def softmax_finish(
     b_m,
     b_lt,
