@@ -1,6 +1,7 @@
 """Nox sessions for lp.
 
     cpu           (default, what CI runs)  install the workspace from uv.lock, run the CPU tests
+    adapters      the trainer adapter tests (lp_hf.trl ...) with the trainers installed
     compat        a fast CPU subset on every supported Python (compat-3.10 ... compat-3.13)
     compat-floor  the same subset on Python 3.10 with the lowest torch/triton lp declares
     wheels        build every package (wheel + sdist), check them, install each alone, import it
@@ -72,6 +73,43 @@ COMPAT_TESTS = [
     "packages/lp-testing/tests",
     "packages/lp-megatron/tests/test_megatron_head.py::test_parity_with_stock_logits[tp2]",
 ]
+# Trainers of the adapter tests: wheels installed with `uv pip install --no-deps` over the locked
+# workspace (their own dependency trees are heavy or GPU-only; the tests need only these).
+TRAINER_WHEELS = {
+    "trl": [
+        "trl==1.16.0",
+        "accelerate==1.16.0",
+        "datasets==5.2.0",
+        "dill==0.4.1",
+        "multiprocess==0.70.19",
+        "pandas==3.1.1",
+        "psutil==7.2.2",
+        "pyarrow==26.0.1",
+        "xxhash==4.1.0",
+    ],
+    "openrlhf": ["openrlhf==0.11.2", "pylatexenc==2.10"],
+    "skyrl-train": [
+        "skyrl-train==0.3.1",
+        "loguru==0.8.0",
+        "jaxtyping==0.3.11",
+        "wadler-lindig==0.1.8",
+        "omegaconf==2.3.0",
+        "antlr4-python3-runtime==4.9.3",
+    ],
+    # SkyRL's Megatron fused LM-head seam is in skyrl 0.4 (skyrl-train 0.3 has none); the two
+    # share no top-level package
+    "skyrl": ["skyrl==0.4.0", "cloudpathlib==0.26.0"],
+}
+# The adapter tests: they skip where their trainer is missing (the cpu session), and fail
+# there under LP_TRAINERS_REQUIRED=1 (the adapters session; lp_testing.trainers reads it).
+ADAPTER_TESTS = [
+    "packages/lp-hf/tests/test_trl.py",
+    "packages/lp-hf/tests/test_openrlhf.py",
+    "packages/lp-hf/tests/test_skyrl.py",
+    "packages/lp-megatron/tests/test_megatron_skyrl.py",
+    "packages/lp-bench/tests/test_trl_provider.py",
+]
+TRAINERS_REQUIRED = {"LP_TRAINERS_REQUIRED": "1"}
 VERSIONS = (
     "import sys, torch, triton; print(f'python {sys.version.split()[0]}, torch {torch.__version__},"
     " triton {triton.__version__}')"
@@ -127,10 +165,13 @@ def _source_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(paths)}
 
 
-def _pytest(session: nox.Session, marker: str, *paths: str) -> None:
-    """Run pytest on the `marker` selection (of `paths`, default the configured testpaths);
-    exit code 5 (no tests collected) fails."""
-    env = {"OMP_NUM_THREADS": "1"}  # fork after a threaded torch op hangs in OpenMP otherwise
+def _pytest(
+    session: nox.Session, marker: str, *paths: str, env: dict[str, str] | None = None
+) -> None:
+    """Run pytest on the `marker` selection (of `paths`, default the configured testpaths),
+    with `env` added; exit code 5 (no tests collected) fails."""
+    # fork after a threaded torch op hangs in OpenMP otherwise
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
     if not _no_venv(session):
         session.run("pytest", "-m", marker, *paths, *session.posargs, env=env)
         return
@@ -155,6 +196,19 @@ def cpu(session: nox.Session) -> None:
     """CPU tests (torch backend, Triton interpreter, gloo ranks). What CI runs."""
     _uv_sync(session, "--all-packages")
     _pytest(session, CPU_TESTS)
+
+
+@nox.session(python=PYTHON)
+def adapters(session: nox.Session) -> None:
+    """The trainer adapter tests, with the trainers of TRAINER_WHEELS installed: a missing or
+    broken trainer fails them instead of skipping."""
+    _needs_venv(session)
+    _uv_sync(session, "--all-packages")
+    wheels = [pin for pins in TRAINER_WHEELS.values() for pin in pins]
+    session.run_install(
+        "uv", "pip", "install", "--python", _venv_python(session), "--no-deps", *wheels
+    )
+    _pytest(session, CPU_TESTS, *ADAPTER_TESTS, env=TRAINERS_REQUIRED)
 
 
 @nox.session(python=PYTHONS)
@@ -192,7 +246,8 @@ def compat_floor(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def wheels(session: nox.Session) -> None:
-    """Build every package's wheel and sdist, check them, install each wheel alone, import it.
+    """Build every package's wheel and sdist, check them, install each wheel alone, import it;
+    then, as a new TRL user would, `lp-hf[trl]` from the wheels and examples/trl_grpo.py.
 
     Each wheel goes into a fresh `uv venv`, its dependencies resolved from the wheels just
     built (`--find-links`) and PyPI, constrained to uv.lock's versions so that uv's cache
@@ -250,6 +305,31 @@ def wheels(session: nox.Session) -> None:
             external=True,
             env={"PYTHONPATH": ""},
         )
+    # A new user of a trainer adapter: the built wheels with lp-hf's trl extra in a fresh venv,
+    # then the example that trains with TRL's GRPOTrainer and `lp_hf.trl.use_lp(trainer)`.
+    venv = venvs / "trl-user"
+    python = str(venv / "bin" / "python")
+    session.run("uv", "venv", "--quiet", "--python", PYTHON, str(venv), external=True)
+    hf_wheel = next(w for w in wheel_files if w.name.startswith("lp_hf-"))
+    session.run(
+        "uv",
+        "pip",
+        "install",
+        "--python",
+        python,
+        "--find-links",
+        str(dist),
+        "--constraints",
+        str(constraints),
+        f"lp-hf[trl] @ {hf_wheel.resolve().as_uri()}",
+        external=True,
+    )
+    session.run(
+        python,
+        str(ROOT / "examples" / "trl_grpo.py"),
+        external=True,
+        env={"PYTHONPATH": "", "OMP_NUM_THREADS": "1"},
+    )
 
 
 @nox.session(name="gpu-tp", python=PYTHON)
