@@ -99,6 +99,15 @@ TRAINER_WHEELS = {
     # SkyRL's Megatron fused LM-head seam is in skyrl 0.4 (skyrl-train 0.3 has none); the two
     # share no top-level package
     "skyrl": ["skyrl==0.4.0", "cloudpathlib==0.26.0"],
+    # verl imports omegaconf 2.3 and antlr4 too (pinned with skyrl-train above)
+    "verl": [
+        "verl==0.9.1",
+        "tensordict==0.15.3",
+        "pyvers==0.2.3",
+        "cloudpickle==3.1.3",
+        "codetiming==1.4.0",
+        "orjson==3.13.0",
+    ],
 }
 # The adapter tests: they skip where their trainer is missing (the cpu session), and fail
 # there under LP_TRAINERS_REQUIRED=1 (the adapters session; lp_testing.trainers reads it).
@@ -106,6 +115,7 @@ ADAPTER_TESTS = [
     "packages/lp-hf/tests/test_trl.py",
     "packages/lp-hf/tests/test_openrlhf.py",
     "packages/lp-hf/tests/test_skyrl.py",
+    "packages/lp-hf/tests/test_verl.py",
     "packages/lp-megatron/tests/test_megatron_skyrl.py",
     "packages/lp-bench/tests/test_trl_provider.py",
 ]
