@@ -51,7 +51,7 @@ def test_loss_rows_for_every_cpu_provider_against_the_reference():
     loss and gradients within fp32 rounding of the fp64 reference; peers skipped."""
     from lp_bench.providers import PEERS
 
-    # cce has no loss; liger is skipped when it is not installed (else it would run)
+    # cce has no loss; liger and trl are skipped when not installed (else they would run)
     peers = [p for p in PEERS if p == "cce" or importlib.util.find_spec(PEERS[p]) is None]
     cfg = BenchConfig(
         shapes=(SHAPE,),
@@ -69,7 +69,7 @@ def test_loss_rows_for_every_cpu_provider_against_the_reference():
     for (entropy, prov), r in by.items():
         assert list(r) == list(ROW_KEYS)
         assert r["mode"] == "loss" and r["floor_ms"] is None and r["floor_matmuls"] is None
-        if prov in ("liger", "cce"):
+        if prov in peers:
             assert r["skipped"] and r["ms"] is None, r
             continue
         assert r["error"] is None and r["skipped"] is None, r

@@ -208,7 +208,7 @@ def test_logits_call_and_generation_stay_stock(models) -> None:
 def test_version_guard(models, monkeypatch: pytest.MonkeyPatch) -> None:
     actor = _actor(models)
     monkeypatch.setattr(lp_openrlhf, "openrlhf_version", lambda: "0.12.0")
-    with pytest.raises(RuntimeError, match=r"supports OpenRLHF 0\.11\.x.*found openrlhf 0\.12\.0"):
+    with pytest.raises(RuntimeError, match=r"supports openrlhf 0\.11\.x.*found openrlhf 0\.12\.0"):
         lp_openrlhf.use_lp(actor)
     assert "forward" not in actor.__dict__
 

@@ -30,7 +30,7 @@ pytest.importorskip("transformers")
 from _hf_models import ARCHS, assert_grads_close, grads, tiny_model
 
 import lp_hf.verl as lp_verl
-from lp_hf.openrlhf import HeadOptions
+from lp_hf.adapters import HeadOptions
 from lp_testing import import_trainer
 
 TOL = dict(rtol=1e-5, atol=1e-5)

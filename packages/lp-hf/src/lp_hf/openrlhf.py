@@ -30,12 +30,11 @@ when ``lm_head`` is called, as they do for the stock forward).
 from __future__ import annotations
 
 import importlib.metadata
-import inspect
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lp_hf.adapters import HeadOptions, check_parameters, check_series, head_logprobs
 from lp_hf.head import Backend, install_logprob_head
 
 __all__ = ["SUPPORTED_VERSIONS", "remove_lp", "use_lp"]
@@ -59,17 +58,6 @@ _PARAMETERS = (
 _IGNORE = -100
 
 
-@dataclass(frozen=True)
-class HeadOptions:
-    """lp-hf head options of one adapted trainer model (see :func:`use_lp`); shared with
-    :mod:`lp_hf.skyrl`."""
-
-    deterministic: bool = False
-    backend: Backend = "auto"
-    chunk_size: int | None = None
-    validate: bool = True
-
-
 def openrlhf_version() -> str:
     """The installed OpenRLHF version (``importlib.metadata``)."""
     return importlib.metadata.version("openrlhf")
@@ -77,19 +65,11 @@ def openrlhf_version() -> str:
 
 def _actor_class() -> type:
     version = openrlhf_version()
-    if version.split(".")[:2] != SUPPORTED_VERSIONS.split("."):
-        raise RuntimeError(
-            f"lp_hf.openrlhf supports OpenRLHF {SUPPORTED_VERSIONS}.x (the Actor.forward it "
-            f"reproduces was read there); found openrlhf {version}"
-        )
+    check_series("lp_hf.openrlhf", "openrlhf", version, SUPPORTED_VERSIONS, "Actor.forward")
     from openrlhf.models.actor import Actor
 
-    names = tuple(inspect.signature(Actor.forward).parameters)
-    if names != _PARAMETERS:
-        raise RuntimeError(
-            f"openrlhf {version}'s Actor.forward takes {names}, not the arguments "
-            f"lp_hf.openrlhf reproduces {_PARAMETERS}"
-        )
+    what = f"openrlhf {version}'s Actor.forward"
+    check_parameters("lp_hf.openrlhf", what, Actor.forward, _PARAMETERS)
     return Actor
 
 
@@ -207,35 +187,6 @@ class _LpForward:
                 for f in fields
             ]
         return (fields[0], fields[1]), output
-
-
-def head_logprobs(
-    model: torch.nn.Module,
-    options: HeadOptions,
-    ids: torch.Tensor,
-    temperature: float,
-    **kwargs: Any,
-) -> tuple[Any, Any]:
-    """``head.logprobs(ids, temperature=temperature, **kwargs)`` with lp-hf's head installed
-    on ``model`` for this call only, and the model's own output without its ``logits`` field
-    (a forward hook keeps it). Shared with :mod:`lp_hf.skyrl`."""
-    layer = model.get_output_embeddings()
-    if layer is not None and "forward" in layer.__dict__:
-        raise RuntimeError(
-            "lp_hf: the model's output layer already has a replaced forward (a LogprobHead "
-            "installed by hand, or offload hooks); remove it first"
-        )
-    captured: list[Any] = []
-    head = install_logprob_head(model, **vars(options))
-    hook = model.register_forward_hook(lambda _m, _a, out: captured.append(out))
-    try:
-        out = head.logprobs(ids, temperature=temperature, **kwargs)
-    finally:
-        hook.remove()
-        head.remove()
-    output = captured[-1]
-    rest = {name: value for name, value in output.items() if name != "logits"}
-    return out, type(output)(**rest)
 
 
 def use_lp(

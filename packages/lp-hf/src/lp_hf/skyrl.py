@@ -32,13 +32,12 @@ inside the wrapped module's forward, so its weight is unsharded there as for the
 from __future__ import annotations
 
 import importlib.metadata
-import inspect
 from typing import Any
 
 import torch
 
+from lp_hf.adapters import HeadOptions, check_parameters, check_series, head_logprobs
 from lp_hf.head import Backend, install_logprob_head
-from lp_hf.openrlhf import HeadOptions, head_logprobs
 
 __all__ = ["SUPPORTED_VERSIONS", "remove_lp", "use_lp"]
 
@@ -64,19 +63,12 @@ def skyrl_train_version() -> str:
 
 def _wrapper_class() -> type:
     version = skyrl_train_version()
-    if version.split(".")[:2] != SUPPORTED_VERSIONS.split("."):
-        raise RuntimeError(
-            f"lp_hf.skyrl supports skyrl-train {SUPPORTED_VERSIONS}.x (the HFModelWrapper.forward "
-            f"it reproduces was read there); found skyrl-train {version}"
-        )
+    seam = "HFModelWrapper.forward"
+    check_series("lp_hf.skyrl", "skyrl-train", version, SUPPORTED_VERSIONS, seam)
     from skyrl_train.model_wrapper import HFModelWrapper
 
-    names = tuple(inspect.signature(HFModelWrapper.forward).parameters)
-    if names != _PARAMETERS:
-        raise RuntimeError(
-            f"skyrl-train {version}'s HFModelWrapper.forward takes {names}, not the arguments "
-            f"lp_hf.skyrl reproduces {_PARAMETERS}"
-        )
+    what = f"skyrl-train {version}'s {seam}"
+    check_parameters("lp_hf.skyrl", what, HFModelWrapper.forward, _PARAMETERS)
     return HFModelWrapper
 
 

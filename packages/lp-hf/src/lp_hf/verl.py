@@ -41,15 +41,14 @@ builds a model.
 from __future__ import annotations
 
 import importlib.metadata
-import inspect
 import warnings
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from lp_hf.adapters import HeadOptions, check_parameters, check_series, head_logprobs
 from lp_hf.head import Backend, install_logprob_head
-from lp_hf.openrlhf import HeadOptions, head_logprobs
 
 __all__ = [
     "BACKEND",
@@ -82,21 +81,12 @@ def verl_version() -> str:
 
 def _monkey_patch_module() -> ModuleType:
     version = verl_version()
-    if version.split(".")[:2] != SUPPORTED_VERSIONS.split("."):
-        raise RuntimeError(
-            f"lp_hf.verl supports verl {SUPPORTED_VERSIONS}.x (its fused-kernel hook was read "
-            f"there); found verl {version}"
-        )
+    check_series("lp_hf.verl", "verl", version, SUPPORTED_VERSIONS, "fused-kernel hook")
     from verl.models.transformers import monkey_patch
 
     hook = getattr(monkey_patch, "patch_forward_with_backends", None)
-    stock = getattr(hook, "stock", hook)
-    names = tuple(inspect.signature(stock).parameters) if callable(stock) else ()
-    if names != _HOOK_PARAMETERS:
-        raise RuntimeError(
-            f"verl {version}'s monkey_patch.patch_forward_with_backends takes {names}, not the "
-            f"arguments lp_hf.verl wraps {_HOOK_PARAMETERS}"
-        )
+    what = f"verl {version}'s monkey_patch.patch_forward_with_backends"
+    check_parameters("lp_hf.verl", what, getattr(hook, "stock", hook), _HOOK_PARAMETERS)
     return monkey_patch
 
 
@@ -219,7 +209,7 @@ def use_lp_forward(model: torch.nn.Module, options: HeadOptions | None = None) -
     Args:
         model: a transformers text causal LM (verl's actor or reference model, before or
             after FSDP wraps it).
-        options: lp-hf head options; default :class:`lp_hf.openrlhf.HeadOptions()`.
+        options: lp-hf head options; default :class:`lp_hf.adapters.HeadOptions()`.
 
     Returns:
         ``model``: its ``forward`` returns ``CausalLMOutputForPPO(log_probs, entropy)``.
