@@ -290,23 +290,22 @@ def wheels(session: nox.Session) -> None:
     wheel_files = sorted(dist.glob("*.whl"))
     if len(wheel_files) != len(PACKAGES):
         session.error(f"{len(PACKAGES)} packages but {len(wheel_files)} wheels in {dist}")
-    for wheel in wheel_files:
-        venv = venvs / wheel.name.split("-")[0]
-        python = str(venv / "bin" / "python")
+
+    def fresh_venv(name: str, requirement: str) -> str:
+        """A new venv with ``requirement`` resolved from the built wheels and PyPI (pinned
+        to uv.lock's versions); its python."""
+        venv = venvs / name
         session.run("uv", "venv", "--quiet", "--python", PYTHON, str(venv), external=True)
+        python = str(venv / "bin" / "python")
         session.run(
-            "uv",
-            "pip",
-            "install",
-            "--python",
-            python,
-            "--find-links",
-            str(dist),
-            "--constraints",
-            str(constraints),
-            str(wheel),
+            *("uv", "pip", "install", "--python", python, "--find-links", str(dist)),
+            *("--constraints", str(constraints), requirement),
             external=True,
         )
+        return python
+
+    for wheel in wheel_files:
+        python = fresh_venv(wheel.name.split("-")[0], str(wheel))
         # PYTHONPATH unset: only what the wheel installed may be imported.
         session.run(
             python,
@@ -317,23 +316,8 @@ def wheels(session: nox.Session) -> None:
         )
     # A new user of a trainer adapter: the built wheels with lp-hf's trl extra in a fresh venv,
     # then the example that trains with TRL's GRPOTrainer and `lp_hf.trl.use_lp(trainer)`.
-    venv = venvs / "trl-user"
-    python = str(venv / "bin" / "python")
-    session.run("uv", "venv", "--quiet", "--python", PYTHON, str(venv), external=True)
     hf_wheel = next(w for w in wheel_files if w.name.startswith("lp_hf-"))
-    session.run(
-        "uv",
-        "pip",
-        "install",
-        "--python",
-        python,
-        "--find-links",
-        str(dist),
-        "--constraints",
-        str(constraints),
-        f"lp-hf[trl] @ {hf_wheel.resolve().as_uri()}",
-        external=True,
-    )
+    python = fresh_venv("trl-user", f"lp-hf[trl] @ {hf_wheel.resolve().as_uri()}")
     session.run(
         python,
         str(ROOT / "examples" / "trl_grpo.py"),

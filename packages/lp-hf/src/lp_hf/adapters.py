@@ -13,7 +13,15 @@ import torch
 
 from lp_hf.head import Backend, install_logprob_head
 
-__all__ = ["HeadOptions", "check_parameters", "check_series", "head_logprobs"]
+__all__ = [
+    "HeadOptions",
+    "check_class",
+    "check_parameters",
+    "check_series",
+    "head_logprobs",
+    "remove_forward",
+    "set_forward",
+]
 
 
 @dataclass(frozen=True)
@@ -74,3 +82,51 @@ def head_logprobs(
     output = captured[-1]
     rest = {name: value for name, value in output.items() if name != "logits"}
     return out, type(output)(**rest)
+
+
+def check_class(adapter: str, obj: Any, cls: type, what: str, hint: str) -> None:
+    """Raise ``TypeError`` unless ``obj`` is a ``cls`` that runs ``cls.forward`` itself
+    (``what``: the class as users name it; ``hint``: what to pass instead)."""
+    if not isinstance(obj, cls):
+        raise TypeError(f"use_lp takes {what}, got {type(obj).__name__} ({hint})")
+    if type(obj).forward is not cls.forward:
+        raise TypeError(
+            f"{type(obj).__name__} overrides {cls.__name__}.forward; {adapter} reproduces "
+            f"{cls.__name__}.forward only"
+        )
+
+
+def set_forward(
+    obj: torch.nn.Module,
+    model: torch.nn.Module,
+    forward: Callable[[torch.nn.Module, HeadOptions], Any],
+    options: HeadOptions,
+    noun: str,
+) -> None:
+    """Give ``obj`` the instance ``forward`` ``forward(obj, options)`` (a class: adapted
+    again with the same options, nothing changes), after lp-hf's install checks on
+    ``model``, the causal LM it calls.
+
+    Raises:
+        ValueError: ``obj`` already uses lp with other options, or has another instance
+            ``forward``; a model lp-hf refuses.
+    """
+    current = obj.__dict__.get("forward")
+    if isinstance(current, forward):  # type: ignore[arg-type]
+        if current.options != options:
+            raise ValueError(
+                f"this {noun} already uses lp with {current.options}; call remove_lp first"
+            )
+        return
+    if current is not None:
+        raise ValueError(f"this {noun}'s forward is already replaced by an instance attribute")
+    install_logprob_head(model, **vars(options)).remove()  # lp-hf's checks, up front
+    obj.__dict__["forward"] = forward(obj, options)
+
+
+def remove_forward(obj: torch.nn.Module, forward: type) -> torch.nn.Module:
+    """Give ``obj`` its class's forward back if :func:`set_forward` gave it a ``forward``
+    (idempotent)."""
+    if isinstance(obj.__dict__.get("forward"), forward):
+        del obj.__dict__["forward"]
+    return obj

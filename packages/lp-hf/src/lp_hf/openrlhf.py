@@ -34,8 +34,16 @@ from typing import Any
 
 import torch
 
-from lp_hf.adapters import HeadOptions, check_parameters, check_series, head_logprobs
-from lp_hf.head import Backend, install_logprob_head
+from lp_hf.adapters import (
+    HeadOptions,
+    check_class,
+    check_parameters,
+    check_series,
+    head_logprobs,
+    remove_forward,
+    set_forward,
+)
+from lp_hf.head import Backend
 
 __all__ = ["SUPPORTED_VERSIONS", "remove_lp", "use_lp"]
 
@@ -230,35 +238,15 @@ def use_lp(
         ...                                  return_output=True, return_entropy=True)
     """
     actor_cls = _actor_class()
-    if not isinstance(actor, actor_cls):
-        raise TypeError(
-            f"use_lp takes an openrlhf.models.Actor, got {type(actor).__name__} (a DeepSpeed "
-            "engine: pass engine.module)"
-        )
-    if type(actor).forward is not actor_cls.forward:
-        raise TypeError(
-            f"{type(actor).__name__} overrides Actor.forward; lp_hf.openrlhf "
-            "reproduces Actor.forward only"
-        )
+    hint = "a DeepSpeed engine: pass engine.module"
+    check_class("lp_hf.openrlhf", actor, actor_cls, "an openrlhf.models.Actor", hint)
     if getattr(actor, "is_vlm", False):
         raise ValueError("lp_hf.openrlhf supports text actors; this Actor is a vision-language one")
     options = HeadOptions(deterministic, backend, chunk_size, validate)
-    current = actor.__dict__.get("forward")
-    if isinstance(current, _LpForward):
-        if current.options != options:
-            raise ValueError(
-                f"this actor already uses lp with {current.options}; call remove_lp(actor) first"
-            )
-        return actor
-    if current is not None:
-        raise ValueError("this actor's forward is already replaced by an instance attribute")
-    install_logprob_head(actor.model, **vars(options)).remove()  # lp-hf's checks, up front
-    actor.__dict__["forward"] = _LpForward(actor, options)
+    set_forward(actor, actor.model, _LpForward, options, "actor")
     return actor
 
 
 def remove_lp(actor: torch.nn.Module) -> torch.nn.Module:
     """Give an actor adapted by :func:`use_lp` its class's forward back (idempotent)."""
-    if isinstance(actor.__dict__.get("forward"), _LpForward):
-        del actor.__dict__["forward"]
-    return actor
+    return remove_forward(actor, _LpForward)

@@ -36,8 +36,16 @@ from typing import Any
 
 import torch
 
-from lp_hf.adapters import HeadOptions, check_parameters, check_series, head_logprobs
-from lp_hf.head import Backend, install_logprob_head
+from lp_hf.adapters import (
+    HeadOptions,
+    check_class,
+    check_parameters,
+    check_series,
+    head_logprobs,
+    remove_forward,
+    set_forward,
+)
+from lp_hf.head import Backend
 
 __all__ = ["SUPPORTED_VERSIONS", "remove_lp", "use_lp"]
 
@@ -197,34 +205,14 @@ def use_lp(
         ...     temperature=1.0, return_output=True, compute_entropy=True)
     """
     wrapper_cls = _wrapper_class()
-    if not isinstance(wrapper, wrapper_cls):
-        raise TypeError(
-            f"use_lp takes a skyrl_train HFModelWrapper, got {type(wrapper).__name__} (an FSDP1 "
-            "module: pass its .module)"
-        )
-    if type(wrapper).forward is not wrapper_cls.forward:
-        raise TypeError(
-            f"{type(wrapper).__name__} overrides HFModelWrapper.forward; lp_hf.skyrl "
-            "reproduces HFModelWrapper.forward only"
-        )
+    what = "a skyrl_train HFModelWrapper"
+    check_class("lp_hf.skyrl", wrapper, wrapper_cls, what, "an FSDP1 module: pass its .module")
     _check_parallel(wrapper)
     options = HeadOptions(deterministic, backend, chunk_size, validate)
-    current = wrapper.__dict__.get("forward")
-    if isinstance(current, _LpForward):
-        if current.options != options:
-            raise ValueError(
-                f"this wrapper already uses lp with {current.options}; call remove_lp first"
-            )
-        return wrapper
-    if current is not None:
-        raise ValueError("this wrapper's forward is already replaced by an instance attribute")
-    install_logprob_head(wrapper.model, **vars(options)).remove()  # lp-hf's checks, up front
-    wrapper.__dict__["forward"] = _LpForward(wrapper, options)
+    set_forward(wrapper, wrapper.model, _LpForward, options, "wrapper")
     return wrapper
 
 
 def remove_lp(wrapper: torch.nn.Module) -> torch.nn.Module:
     """Give a wrapper adapted by :func:`use_lp` its class's forward back (idempotent)."""
-    if isinstance(wrapper.__dict__.get("forward"), _LpForward):
-        del wrapper.__dict__["forward"]
-    return wrapper
+    return remove_forward(wrapper, _LpForward)

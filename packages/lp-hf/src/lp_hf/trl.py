@@ -182,7 +182,7 @@ class LpKernel:
             backend=opts.backend,
             chunk_size=opts.chunk_size,
             validate=opts.validate,
-            **({"extras": extras} if extras else {}),
+            extras=extras,
         )
         fields = [getattr(out, EXTRAS[name]) if name in outputs else None for name in FIELDS[2:]]
         return (out.logprob, out.entropy, *fields)

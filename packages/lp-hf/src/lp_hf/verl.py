@@ -47,8 +47,14 @@ from typing import Any
 
 import torch
 
-from lp_hf.adapters import HeadOptions, check_parameters, check_series, head_logprobs
-from lp_hf.head import Backend, install_logprob_head
+from lp_hf.adapters import (
+    HeadOptions,
+    check_parameters,
+    check_series,
+    head_logprobs,
+    set_forward,
+)
+from lp_hf.head import Backend
 
 __all__ = [
     "BACKEND",
@@ -231,15 +237,7 @@ def use_lp_forward(model: torch.nn.Module, options: HeadOptions | None = None) -
             f"lp_hf.verl: {type(model).__name__} has no decoder at .model (verl's fused "
             "forwards call model.model, then lm_head)"
         )
-    current = model.__dict__.get("forward")
-    if isinstance(current, _LpForward):
-        if current.options != options:
-            raise ValueError(f"this model already uses lp with {current.options}")
-        return model
-    if current is not None:
-        raise ValueError("this model's forward is already replaced by an instance attribute")
-    install_logprob_head(model, **vars(options)).remove()  # lp-hf's checks, up front
-    model.__dict__["forward"] = _LpForward(model, options)
+    set_forward(model, model, _LpForward, options, "model")
     model._verl_fused_kernels_backend = BACKEND
     return model
 
