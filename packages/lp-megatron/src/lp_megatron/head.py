@@ -150,7 +150,7 @@ def _fallback_reasons(gpt: Any) -> list[str]:
     cfg = gpt.config
     layer = gpt.output_layer
     reasons = []
-    if getattr(cfg, "use_mup", False) and getattr(cfg, "mup_output_mult", 1.0) != 1.0:
+    if mup_logit_scale(cfg) is not None:  # GPTModel scales what the layer returns: h, not l
         reasons.append(f"MuP output scaling (mup_output_mult={cfg.mup_output_mult})")
     stock_scale = getattr(LanguageModule, "_scale_logits", None)  # absent before MuP support
     if stock_scale is not None and getattr(type(gpt), "_scale_logits", stock_scale) is not (
@@ -159,11 +159,35 @@ def _fallback_reasons(gpt: Any) -> list[str]:
         reasons.append(f"{type(gpt).__name__} overrides _scale_logits")
     if getattr(cfg, "mtp_num_layers", None):
         reasons.append("multi-token prediction (mtp_num_layers) reuses the output layer")
-    if getattr(cfg, "defer_embedding_wgrad_compute", False):
+    return reasons + layer_fallback_reasons(layer, cfg)
+
+
+def layer_fallback_reasons(layer: Any, config: Any) -> list[str]:
+    """What lp would not reproduce of the output layer itself (the head and the processor)."""
+    reasons = []
+    if getattr(config, "defer_embedding_wgrad_compute", False):
         reasons.append("defer_embedding_wgrad_compute")
     if type(layer) is not tensor_parallel.ColumnParallelLinear:
         reasons.append(f"output layer is {type(layer).__name__}, not ColumnParallelLinear")
     return reasons
+
+
+def mup_logit_scale(config: Any) -> float | None:
+    """MuP's output multiplier, which the stock ``_scale_logits`` applies to the logits: lp's
+    ``logit_scale`` (None without MuP)."""
+    if getattr(config, "use_mup", False) and getattr(config, "mup_output_mult", 1.0) != 1.0:
+        return float(config.mup_output_mult)
+    return None
+
+
+def check_vocab_size(vocab_size: int | None, layer: Any, name: str) -> None:
+    """``ValueError`` naming ``name`` if ``vocab_size`` exceeds the output layer's rows."""
+    rows = getattr(layer, "output_size", None)
+    if vocab_size is not None and rows is not None and vocab_size > rows:
+        raise ValueError(
+            f"{name}={vocab_size} exceeds the output layer's {rows} rows; pass the real "
+            "vocabulary size or None"
+        )
 
 
 def logit_bias(layer: Any) -> torch.Tensor | None:
@@ -454,13 +478,7 @@ def install_logprob_head(model: Any, config: LogprobHeadConfig | None = None) ->
                     "call head.remove() first"
                 )
             return existing
-        layer = gpt.output_layer
-        v_padded = getattr(layer, "output_size", None)
-        if config.vocab_size is not None and v_padded is not None and config.vocab_size > v_padded:
-            raise ValueError(
-                f"config.vocab_size={config.vocab_size} exceeds the output layer's "
-                f"{v_padded} rows; pass the real vocabulary size or None"
-            )
+        check_vocab_size(config.vocab_size, gpt.output_layer, "config.vocab_size")
         reasons = _fallback_reasons(gpt)
         reason = "; ".join(reasons) if reasons else None
         if reason is not None:

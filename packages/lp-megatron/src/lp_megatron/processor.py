@@ -38,12 +38,18 @@ import warnings
 from typing import Any
 
 import torch
-from megatron.core import tensor_parallel
 from megatron.core.models.common.language_module.language_module import LanguageModule
 
 from lp_kernels import LogProbOutput
 from lp_megatron.context import OutputContext
-from lp_megatron.head import fused_logprobs, gather_sequence_parallel, logprobs_from_logits
+from lp_megatron.head import (
+    check_vocab_size,
+    fused_logprobs,
+    gather_sequence_parallel,
+    layer_fallback_reasons,
+    logprobs_from_logits,
+    mup_logit_scale,
+)
 
 _LABEL_DTYPES = (torch.int64, torch.int32)
 
@@ -97,23 +103,13 @@ def _labels(
 
 
 def _fallback_reason(output_layer: Any, scale_logits: Any, config: Any) -> str | None:
-    """Why lp would not reproduce this model's logits from its weight, or None."""
-    reasons = []
-    if type(output_layer) is not tensor_parallel.ColumnParallelLinear:
-        reasons.append(f"output layer is {type(output_layer).__name__}, not ColumnParallelLinear")
+    """Why lp would not reproduce this model's logits from its weight, or None (MuP's
+    multiplier is reproduced: :func:`lp_megatron.head.mup_logit_scale`)."""
+    reasons = layer_fallback_reasons(output_layer, config)
     stock = getattr(LanguageModule, "_scale_logits", None)
     if scale_logits is not None and getattr(scale_logits, "__func__", None) is not stock:
         reasons.append("the model overrides _scale_logits")
-    if getattr(config, "defer_embedding_wgrad_compute", False):
-        reasons.append("defer_embedding_wgrad_compute")
     return "; ".join(reasons) or None
-
-
-def _logit_scale(config: Any) -> float | None:
-    """MuP's output multiplier, which the stock ``_scale_logits`` applies to the logits."""
-    if getattr(config, "use_mup", False) and getattr(config, "mup_output_mult", 1.0) != 1.0:
-        return float(config.mup_output_mult)
-    return None
 
 
 def _stock_logits(
@@ -194,19 +190,19 @@ def output_processor(
     """
     ctx = _context(context)
     cfg = ctx.config
-    rows = getattr(output_layer, "output_size", None)
-    if cfg.vocab_size is not None and rows is not None and cfg.vocab_size > rows:
-        raise ValueError(
-            f"OutputContext.config.vocab_size={cfg.vocab_size} exceeds the output layer's "
-            f"{rows} rows; pass the real vocabulary size or None"
-        )
+    check_vocab_size(cfg.vocab_size, output_layer, "OutputContext.config.vocab_size")
     extras = dict(return_entropy=ctx.return_entropy, return_lse=ctx.return_lse)
     reason = _fallback_reason(output_layer, scale_logits, config)
     if reason is not None:
         logits = _stock_logits(
-            hidden_states, output_layer, output_weight, scale_logits, runtime_gather_output,
-            reason, cfg.allow_fallback,
-        )  # fmt: skip
+            hidden_states,
+            output_layer,
+            output_weight,
+            scale_logits,
+            runtime_gather_output,
+            reason,
+            cfg.allow_fallback,
+        )
         targets = _labels(ctx, labels, loss_mask, logits.shape[0], logits.shape[1])
         out = logprobs_from_logits(logits, targets, output_layer, cfg, **extras)
     else:
@@ -216,8 +212,14 @@ def output_processor(
         hidden, gathered = gather_sequence_parallel(hidden_states, output_layer)
         targets = _labels(ctx, labels, loss_mask, hidden.shape[0], hidden.shape[1])
         out = fused_logprobs(
-            hidden, weight, targets, output_layer, cfg, gathered=gathered,
-            logit_scale=_logit_scale(config), **extras,
-        )  # fmt: skip
+            hidden,
+            weight,
+            targets,
+            output_layer,
+            cfg,
+            gathered=gathered,
+            logit_scale=mup_logit_scale(config),
+            **extras,
+        )
     # [s, b] -> [b, s], as GPTModel returns its per-token loss
     return LogProbOutput(*(None if t is None else t.transpose(0, 1).contiguous() for t in out))
