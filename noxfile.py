@@ -300,6 +300,9 @@ def wheels(session: nox.Session) -> None:
         session.run(
             *("uv", "pip", "install", "--python", python, "--find-links", str(dist)),
             *("--constraints", str(constraints), requirement),
+            # uv caches a --find-links wheel by its path, and the dist folder's path is the
+            # same on every run: without a refresh an older build of a package is installed
+            *(arg for package in PACKAGES for arg in ("--refresh-package", package.name)),
             external=True,
         )
         return python
