@@ -37,8 +37,8 @@ CASES = {  # case -> what every rank's message must contain
     "no bias, rank 1: a bias)",
     "hint": "disagree on the targets in this call (an order-sensitive checksum of their "
     "values: rank 0: ",
-    "loss-chunk": "disagree on chunk_size (linear_logprob_loss exchanges statistics per block) "
-    "in this call (rank 0: None, rank 1: 16)",
+    "loss-chunk": "disagree on chunk_size (the loss and divergence ops exchange statistics "
+    "per block) in this call (rank 0: None, rank 1: 16)",
     "loss-op": "disagree on the op in this call (rank 0: linear_logprob_loss, rank 1: "
     "linear_logprob)",
 }

@@ -9,6 +9,10 @@ Public API:
 - :func:`linear_logprob_loss` — a per-token loss of those log-probs (RL objectives,
   ready-made in :mod:`lp_kernels.losses`) with its gradients finished in the forward:
   three GEMMs per step instead of four.
+- :func:`linear_divergence` — distillation: the forward KL, reverse KL or generalized JSD
+  between a student head and a teacher head, per row, over the whole vocabulary;
+  :func:`vocab_parallel_divergence` from the student's logits and the teacher's log-probs;
+  :class:`DivergenceOutput` their result.
 - :class:`LogProbOutput` — the ``(logprob, entropy, lse)`` result; :class:`LossOutput`
   the loss op's.
 - :func:`default_deterministic_tile` and :func:`deterministic_tile_for` — the tile
@@ -17,18 +21,22 @@ Public API:
 """
 
 from lp_kernels.core.tiles import default_deterministic_tile, deterministic_tile_for
-from lp_kernels.core.types import LogProbOutput, LossOutput
+from lp_kernels.core.types import DivergenceOutput, LogProbOutput, LossOutput
 from lp_kernels.distributed.layout import clear_layout_cache
+from lp_kernels.divergence import linear_divergence, vocab_parallel_divergence
 from lp_kernels.ops import linear_logprob, linear_logprob_loss, vocab_parallel_logprob
 
 __all__ = [
+    "DivergenceOutput",
     "LogProbOutput",
     "LossOutput",
     "clear_layout_cache",
     "default_deterministic_tile",
     "deterministic_tile_for",
+    "linear_divergence",
     "linear_logprob",
     "linear_logprob_loss",
+    "vocab_parallel_divergence",
     "vocab_parallel_logprob",
 ]
 __version__ = "0.1.0"

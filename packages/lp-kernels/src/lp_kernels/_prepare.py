@@ -76,6 +76,9 @@ class CallOptions:
     """The ``extras=`` statistics (checked by :func:`lp_kernels.core.extras.check_extras`)."""
     loss: bool = False
     """The call is ``linear_logprob_loss``'s (the record then carries its ``chunk_size``)."""
+    divergence: tuple = ()
+    """A divergence op's options beyond these (kind, beta, the teacher's side), for the
+    per-call record (which then carries ``chunk_size`` too); empty for the other ops."""
 
 
 def prepare(
@@ -223,6 +226,7 @@ def _exchange(inputs, weight, targets, transform, bias, layout_args, name, o: Ca
         loss=o.loss,
         chunk_size=o.chunk_size,
         extras=o.extras,
+        divergence=o.divergence,
     )
     return exchange_call_record(
         o.tp_group,

@@ -79,6 +79,19 @@ class LossOutput(NamedTuple):
     """``logsumexp(z)`` (detached)."""
 
 
+class DivergenceOutput(NamedTuple):
+    """What :func:`lp_kernels.linear_divergence` and
+    :func:`lp_kernels.vocab_parallel_divergence` return: each field float32 with the
+    leading shape of the student's input, 0 on rows outside ``mask``."""
+
+    divergence: torch.Tensor
+    """The per-row divergence of the call's ``kind`` (differentiable into the student)."""
+    student_entropy: torch.Tensor
+    """``-sum p log p`` of the student's distribution (detached)."""
+    teacher_entropy: torch.Tensor
+    """``-sum q log q`` of the teacher's distribution (detached)."""
+
+
 @dataclass(frozen=True)
 class LogprobParams:
     """Resolved, validated options of one call (internal; built by the public functions)."""

@@ -37,6 +37,7 @@ passes cannot itself be checked: pass the same on every rank.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from typing import Any
 
@@ -50,7 +51,13 @@ from lp_kernels.distributed.layout import LAYOUT_FIELDS, ShardLayout, cache_layo
 _Q = 2**31 - 1  # a prime: the checksum's modulus
 _NO_TARGET = (2**62, -(2**62))  # (smallest, largest) when every target is ignore_index
 _BACKENDS = ("auto", "torch", "triton")
-_OPS = ("linear_logprob", "vocab_parallel_logprob", "linear_logprob_loss")
+_OPS = (
+    "linear_logprob",
+    "vocab_parallel_logprob",
+    "linear_logprob_loss",
+    "linear_divergence",
+    "vocab_parallel_divergence",
+)
 # The logit transform's fields (float64 bits; 0 for None: every field is > 0 when set).
 TRANSFORM_FIELDS = tuple(name for name, _ in LogitTransform().record())
 
@@ -58,7 +65,7 @@ TRANSFORM_FIELDS = tuple(name for name, _ in LogitTransform().record())
 _CALL = (
     ("n", "the number of rows N"),
     ("op", "the op"),
-    ("chunk_size", "chunk_size (linear_logprob_loss exchanges statistics per block)"),
+    ("chunk_size", "chunk_size (the loss and divergence ops exchange statistics per block)"),
     ("return_entropy", "return_entropy"),
     ("return_lse", "return_lse"),
     ("reduce_grad_hidden", "reduce_grad_hidden"),
@@ -71,6 +78,7 @@ _CALL = (
     ("grad_enabled", "grad mode (torch.is_grad_enabled())"),
     ("backend", "backend"),
     ("device", "device type"),
+    ("divergence", "the divergence's options (kind, beta, the teacher's side)"),
 )
 _TARGETS = ("targets_checksum", "targets_min", "targets_max")
 CALL_FIELDS = LAYOUT_FIELDS + tuple(name for name, _ in _CALL) + _TARGETS
@@ -120,14 +128,20 @@ def call_fields(
     loss: bool = False,
     chunk_size: int | None = None,
     extras: tuple[str, ...] = (),
+    divergence: tuple = (),
 ) -> tuple[int, ...]:
     """The host part of the per-call record (the fields of ``_CALL``), as int64 values.
-    ``loss``: the call is ``linear_logprob_loss``'s, whose ``chunk_size`` sets the blocks
-    of its per-block exchanges (so it must agree; other ops record 0)."""
+    ``loss``: the call is ``linear_logprob_loss``'s; ``divergence``: a divergence op's
+    options (kind, beta, the teacher's side; empty for the other ops), recorded as a
+    63-bit digest. Both exchange statistics per block of ``chunk_size`` rows (so it must
+    agree; other ops record 0)."""
+    op = 2 if loss else 0 if linear else 1
+    if divergence:
+        op = 3 if linear else 4
     return (
         n,
-        2 if loss else 0 if linear else 1,
-        (chunk_size or 0) if loss else 0,
+        op,
+        (chunk_size or 0) if loss or divergence else 0,
         int(return_entropy),
         int(return_lse),
         int(reduce_grad_hidden),
@@ -140,7 +154,17 @@ def call_fields(
         int(torch.is_grad_enabled()),
         _BACKENDS.index(backend),
         0 if device.type == "cpu" else 1 if device.type == "cuda" else 2,
+        _digest(divergence),
     )
+
+
+def _digest(record: tuple) -> int:
+    """A 63-bit digest of a tuple of Python scalars and strings (0 for the empty tuple),
+    the same in every process."""
+    if not record:
+        return 0
+    raw = hashlib.blake2b(repr(record).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") >> 1
 
 
 def _shown(field: str, value: int) -> str:
@@ -162,6 +186,8 @@ def _shown(field: str, value: int) -> str:
         return repr(tuple(name for j, name in enumerate(EXTRAS) if value >> j & 1))
     if field == "reduce_grad_hidden":
         return str(bool(value))
+    if field == "divergence":
+        return "none" if value == 0 else f"digest {value:#x}"
     if field == "targets_checksum":
         return f"{value:#010x}"
     return str(value)

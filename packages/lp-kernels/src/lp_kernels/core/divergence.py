@@ -1,0 +1,114 @@
+"""Divergences between a student's and a teacher's next-token distributions: per-row sums
+and the student's logit gradient, from fp32 softmax arguments of one block of rows.
+
+With ``z`` the student's and ``y`` the teacher's softmax arguments over a row's real columns
+(the whole logit transform of each side applied), ``lp = z - lse(z)``, ``lq = y - lse(y)``,
+``p = exp(lp)``, ``q = exp(lq)`` and, for ``jsd``, ``lm = log(beta q + (1 - beta) p)``::
+
+    kind          divergence D                          d D / d z_v
+    forward_kl    sum q (lq - lp)                        p_v - q_v
+    reverse_kl    sum p (lp - lq)                        p_v (lp_v - lq_v - D)
+    jsd           beta sum q (lq - lm)                   (1 - beta) p_v (lp_v - lm_v - K)
+                  + (1 - beta) K,  K = sum p (lp - lm)
+
+    student entropy -sum p lp,  teacher entropy -sum q lq
+
+Every sum is over a block's columns (a shard's, under tensor parallel); the log-sum-exps
+are the whole vocabulary's, so the blocks' sums add up to the row's. A term whose weight
+(``p`` or ``q``) is exactly 0 is 0, so ``-inf`` entries (a masked vocabulary, a top-k
+teacher) drop out: ``forward_kl`` and ``jsd`` stay finite where ``q = 0``; ``reverse_kl``
+is ``+inf`` where ``p > 0 = q``, its true value. ``lp - lq`` is formed as ``(z - y) - (lse(z)
+- lse(y))``, one rounding of the row's constant, not two large numbers cancelling.
+All of it in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+Kind = Literal["forward_kl", "reverse_kl", "jsd"]
+KINDS: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
+
+N_SUMS = 4
+"""Per-row sums a block reports: the divergence, the two entropies and ``K`` (``jsd``)."""
+
+
+def check_kind(kind, beta) -> float:
+    """``beta`` as a float after checking ``kind`` and ``beta`` (``TypeError`` /
+    ``ValueError`` naming the argument); ``beta`` is read by ``jsd`` only."""
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if isinstance(beta, bool) or not isinstance(beta, int | float):
+        raise TypeError(f"beta must be a Python float, got {type(beta).__name__}")
+    if kind == "jsd" and not 0.0 < beta < 1.0:
+        raise ValueError(f"beta must be in (0, 1) for kind='jsd', got {beta}")
+    return float(beta)
+
+
+def _weighted(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``sum w x`` over columns, a term with ``w = 0`` taken as 0 (``x`` may be infinite)."""
+    return torch.where(w > 0, w * x, 0.0).sum(dim=1)
+
+
+def _log_mixture(lp: torch.Tensor, lq: torch.Tensor, beta: float) -> torch.Tensor:
+    """``log(beta q + (1 - beta) p)`` from the log-probabilities."""
+    return torch.logaddexp(lp + math.log1p(-beta), lq + math.log(beta))
+
+
+def block_sums(
+    z: torch.Tensor,
+    y: torch.Tensor,
+    lse_s: torch.Tensor,
+    lse_t: torch.Tensor,
+    kind: str,
+    beta: float,
+) -> torch.Tensor:
+    """``[C, 4]``: this block's part of each row's divergence, student entropy, teacher
+    entropy and ``K`` (0 unless ``jsd``), for ``z``, ``y`` ``[C, Vr]`` and the rows' whole
+    log-sum-exps ``lse_s``, ``lse_t`` ``[C]``."""
+    lp = z - lse_s[:, None]
+    lq = y - lse_t[:, None]
+    p, q = torch.exp(lp), torch.exp(lq)
+    out = torch.zeros((z.shape[0], N_SUMS), dtype=torch.float32, device=z.device)
+    out[:, 1] = -_weighted(p, lp)
+    out[:, 2] = -_weighted(q, lq)
+    if kind == "jsd":
+        lm = _log_mixture(lp, lq, beta)
+        k = _weighted(p, lp - lm)
+        out[:, 0] = beta * _weighted(q, lq - lm) + (1.0 - beta) * k
+        out[:, 3] = k
+        return out
+    d = (z - y) - (lse_s - lse_t)[:, None]  # lp - lq
+    out[:, 0] = _weighted(p, d) if kind == "reverse_kl" else _weighted(q, -d)
+    return out
+
+
+def d_student_(
+    z: torch.Tensor,
+    y: torch.Tensor,
+    lse_s: torch.Tensor,
+    lse_t: torch.Tensor,
+    div: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    kind: str,
+    beta: float,
+) -> torch.Tensor:
+    """``d loss / d z`` for a per-row upstream gradient ``g [C]`` of the divergence, in
+    ``z``'s storage (``z`` is overwritten). ``div`` and ``k`` are the rows' whole
+    divergence and ``K``; a row with ``g = 0`` gets exact zeros."""
+    lp = z - lse_s[:, None]
+    p = torch.exp(lp)
+    if kind == "forward_kl":
+        dz = p - torch.exp(y - lse_t[:, None])
+    elif kind == "reverse_kl":
+        d = (z - y) - (lse_s - lse_t)[:, None]
+        dz = torch.where(p > 0, p * (d - div[:, None]), 0.0)
+    else:
+        lm = _log_mixture(lp, y - lse_t[:, None], beta)
+        dz = torch.where(p > 0, (1.0 - beta) * p * ((lp - lm) - k[:, None]), 0.0)
+    dz = torch.where(g[:, None] != 0, dz * g[:, None], 0.0)
+    return z.copy_(dz)

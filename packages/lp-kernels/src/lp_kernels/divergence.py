@@ -1,0 +1,324 @@
+"""lp's distillation ops: an exact full-vocabulary divergence between a student's and a
+teacher's next-token distributions, without materialized ``[N, V]`` logits.
+
+- :func:`linear_divergence` from both heads' hidden states and LM-head weights (shards);
+- :func:`vocab_parallel_divergence` from the student's logits and the teacher's log-probs.
+
+Each builds the two :class:`~lp_kernels.core.transform.LogitTransform`, prepares the
+arguments through the one preparation path of the other ops (``lp_kernels._prepare``:
+checks, autocast, the tensor-parallel layout, the per-call rank record, which carries the
+divergence's own options), and runs the backend. The numerics are in
+:mod:`lp_kernels.core.divergence` and :mod:`lp_kernels.backends.torch.divergence`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from lp_kernels import _checks
+from lp_kernels._prepare import Prepared, prepare
+from lp_kernels.backends.torch.divergence import (
+    DivergenceParams,
+    LinearDivergenceTorch,
+    VocabParallelDivergenceTorch,
+)
+from lp_kernels.core import amp
+from lp_kernels.core.chunks import default_chunk_rows
+from lp_kernels.core.compile import eager_under_compile
+from lp_kernels.core.divergence import check_kind
+from lp_kernels.core.tiles import DETERMINISTIC_TILE
+from lp_kernels.core.transform import LogitTransform
+from lp_kernels.core.types import DivergenceOutput
+
+_MASKED = -1
+"""The row code of a masked row (the other rows' code is 0): the ops pass ``mask`` to the
+preparation path as targets with this ``ignore_index``, so that ranks disagreeing on the
+mask raise like ranks disagreeing on targets."""
+
+_BUFFERS = 8
+"""fp32 ``[C, V_local]`` buffers a chunk of the torch backend holds at its peak (both
+sides' logits and the terms of their sums): the default chunk keeps them within the budget
+of one such buffer of ``linear_logprob``."""
+
+
+def _check_constant(x: Any, name: str) -> None:
+    """A teacher tensor must not require grad: its gradient would be silently dropped."""
+    if isinstance(x, torch.Tensor) and x.requires_grad:
+        raise ValueError(
+            f"{name} requires grad, but the teacher is a constant of the divergence (no "
+            f"gradient reaches it): pass {name}.detach(), or compute it under torch.no_grad()"
+        )
+
+
+def _check_backend(backend: Any, deterministic: Any) -> None:
+    if backend == "triton":
+        raise ValueError(
+            "backend='triton' is not available for the divergence ops yet: use "
+            "backend='torch' or 'auto' (chunked torch ops, on every device)"
+        )
+    if deterministic:
+        raise ValueError(
+            "deterministic=True is not available for the divergence ops yet: their torch "
+            "backend is run-to-run reproducible, but its bits depend on the shard layout"
+        )
+
+
+def _row_codes(mask: Any, lead: torch.Size, device: torch.device, first: str) -> torch.Tensor:
+    """``[*]`` int64: 0 for the rows to compute, :data:`_MASKED` for the others."""
+    if mask is None:
+        return torch.zeros(lead, dtype=torch.int64, device=device)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        what = type(mask).__name__ if not isinstance(mask, torch.Tensor) else mask.dtype
+        raise TypeError(f"mask must be None or a bool tensor, got {what}")
+    if mask.shape != lead:
+        raise ValueError(
+            f"mask must have the leading shape of {first}, {tuple(lead)}, got "
+            f"{tuple(mask.shape)}"
+        )
+    if mask.device != device:
+        raise ValueError(f"mask must be on {first}'s device {device}, got {mask.device}")
+    return torch.where(mask, 0, _MASKED)
+
+
+def _chunked(prep: Prepared, chunk_size: Any) -> Prepared:
+    """``prep`` with the divergence's default chunk (from the widest shard, so the same on
+    every rank: each chunk makes collectives) unless ``chunk_size`` was given."""
+    if chunk_size is not None:
+        return prep
+    p = prep.params
+    rows = max(16, default_chunk_rows(p.max_v_local, prep.inputs.device) // _BUFFERS)
+    return prep._replace(params=dataclasses.replace(p, chunk_size=rows))
+
+
+def _check_teacher_layout(student: Prepared, teacher: Prepared) -> None:
+    """Both heads must cover the same vocabulary rows (on every rank alike: the layouts
+    compared are the gathered ones)."""
+    s, t = student.params, teacher.params
+    layouts = [(x.vocab_size, x.shard_starts, x.shard_sizes) for x in (s, t)]
+    if layouts[0] != layouts[1]:
+        raise ValueError(
+            "teacher_weight must hold the student's vocabulary rows (the same V_local and "
+            f"vocab_start on every rank): weight has {student.weight.shape[0]} rows here "
+            f"(shards {s.shard_sizes}, vocab_size {s.vocab_size}), teacher_weight "
+            f"{teacher.weight.shape[0]} (shards {t.shard_sizes}, vocab_size {t.vocab_size})"
+        )
+
+
+@eager_under_compile
+def linear_divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    teacher_temperature: float | None = None,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    logit_scale: float | None = None,
+    teacher_logit_scale: float | None = None,
+    tp_group: Any = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    reduce_grad_hidden: bool = True,
+    deterministic: bool = False,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+    validate: bool = True,
+) -> DivergenceOutput:
+    """The divergence between a student's and a teacher's next-token distributions per row,
+    over the whole vocabulary, without materializing either ``[N, V]`` logits.
+
+    With ``p = softmax(z_s)`` and ``q = softmax(z_t)``, each side's ``z`` its raw logits
+    ``h W^T + b`` through its own transform (``logit_scale``, ``softcap``, temperature; as
+    :func:`lp_kernels.linear_logprob`) over the real vocabulary:
+
+    ============== ====================================================================
+    ``forward_kl`` ``KL(q || p) = sum q (log q - log p)``
+    ``reverse_kl`` ``KL(p || q) = sum p (log p - log q)``
+    ``jsd``        ``beta KL(q || m) + (1 - beta) KL(p || m)``, ``m = beta q + (1 - beta) p``
+    ============== ====================================================================
+
+    (``jsd`` is TRL's and Liger's generalized Jensen-Shannon divergence.) The teacher is a
+    constant; the divergence is differentiable into ``hidden``, ``weight`` and ``bias`` with
+    any per-row upstream gradient. All statistics and sums are fp32; gradients come back in
+    the input dtypes, the logits gradient rounded once to the GEMM dtype as in
+    ``linear_logprob``. Bitwise reproducible run to run.
+
+    Args:
+        hidden: ``[*, H]`` the student's last hidden states (float32, bfloat16, float16).
+        weight: ``[V_local, H]`` the student's LM head, or its vocabulary shard under
+            ``tp_group`` (a DTensor as for ``linear_logprob``).
+        teacher_hidden: ``[*, H_t]`` the teacher's last hidden states for the same rows
+            (``H_t`` may differ from ``H``); must not require grad.
+        teacher_weight: ``[V_local, H_t]`` the teacher's LM head: the student's vocabulary
+            rows (the same shard under ``tp_group``); must not require grad.
+        kind: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
+        beta: the ``jsd`` mixture weight of the teacher, in ``(0, 1)`` (unused otherwise).
+        temperature: the student's softmax temperature (> 0).
+        teacher_temperature: the teacher's; None: ``temperature``.
+        mask: None or bool ``[*]``: rows where it is False give 0 in every output and no
+            gradient (their hidden states may be anything, NaN included).
+        bias, softcap, logit_scale: the student's logit transform, as for
+            ``linear_logprob``.
+        teacher_bias, teacher_softcap, teacher_logit_scale: the teacher's (a bias must
+            not require grad).
+        tp_group, vocab_start, vocab_size, reduce_grad_hidden, validate: as for
+            ``linear_logprob``; both heads are sharded alike. The per-call rank record also
+            carries ``kind``, ``beta``, the teacher's transform, width and dtype, the mask
+            (as the targets are) and ``chunk_size``.
+        deterministic: tensor-parallel invariance; not available yet (``ValueError``).
+        backend: ``"auto"`` or ``"torch"``: chunked torch ops on every device. ``"triton"``
+            is not available yet (``ValueError``).
+        chunk_size: rows per chunk (a memory knob: a chunk holds a few fp32 ``[C,
+            V_local]`` buffers). None: a default from the widest shard and the device.
+            Under ``tp_group`` every rank must pass the same (each chunk exchanges its
+            rows' statistics).
+
+    Returns:
+        ``DivergenceOutput(divergence, student_entropy, teacher_entropy)``, each ``[*]``
+        float32, the same on every rank; the entropies are detached.
+
+    Raises:
+        TypeError, ValueError: as ``linear_logprob``, and: a teacher tensor that requires
+            grad, a ``teacher_hidden`` of another leading shape, a ``teacher_weight`` with
+            other vocabulary rows, a bad ``kind``, ``beta`` or ``mask``.
+        RuntimeError: a second derivative (lp's ops are differentiable once).
+
+    Example:
+        >>> import torch
+        >>> from lp_kernels import linear_divergence
+        >>> hidden = torch.randn(3, 5, 32, requires_grad=True)
+        >>> weight = torch.randn(1000, 32, requires_grad=True)
+        >>> teacher_hidden, teacher_weight = torch.randn(3, 5, 64), torch.randn(1000, 64)
+        >>> out = linear_divergence(hidden, weight, teacher_hidden, teacher_weight)
+        >>> out.divergence.mean().backward()
+        >>> out.divergence.shape, bool((out.divergence >= 0).all())
+        (torch.Size([3, 5]), True)
+    """
+    beta = check_kind(kind, beta)
+    student_t = LogitTransform.checked(
+        temperature=temperature, softcap=softcap, logit_scale=logit_scale
+    )
+    t_temperature = temperature if teacher_temperature is None else teacher_temperature
+    teacher_t = LogitTransform.checked(
+        temperature=t_temperature, softcap=teacher_softcap, logit_scale=teacher_logit_scale
+    )
+    for x, name in ((teacher_hidden, "teacher_hidden"), (teacher_weight, "teacher_weight")):
+        _checks.check_tensor(x, name)
+        _check_constant(x, name)
+    _check_constant(teacher_bias, "teacher_bias")
+    _check_backend(backend, deterministic)
+    _checks.check_tensor(hidden, "hidden")
+    if teacher_hidden.shape[:-1] != hidden.shape[:-1]:
+        raise ValueError(
+            f"teacher_hidden must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
+            f"got shape {tuple(teacher_hidden.shape)}"
+        )
+    codes = _row_codes(mask, hidden.shape[:-1], hidden.device, "hidden")
+    record = (kind, beta, teacher_t.record(), teacher_hidden.shape[-1])
+    record += (str(teacher_hidden.dtype), str(teacher_weight.dtype), teacher_bias is not None)
+    common = {
+        "ignore_index": _MASKED,
+        "tp_group": tp_group,
+        "vocab_start": vocab_start,
+        "vocab_size": vocab_size,
+        "reduce_grad_hidden": reduce_grad_hidden,
+        "backend": backend,
+        "chunk_size": chunk_size,
+        "validate": validate,
+        "divergence": record,
+    }
+    s = _chunked(prepare(hidden, weight, codes, student_t, bias=bias, **common), chunk_size)
+    t = prepare(teacher_hidden, teacher_weight, codes, teacher_t, bias=teacher_bias, **common)
+    _check_teacher_layout(s, t)
+    dp = DivergenceParams(s.params, teacher_t, kind, beta)
+    ignored = s.targets == _MASKED
+    with amp.autocast_off(s.inputs.device):  # lp's precision policy is its own
+        out = LinearDivergenceTorch.apply(
+            s.inputs, s.weight, s.bias, t.inputs, t.weight, t.bias, ignored, dp
+        )
+    return DivergenceOutput(*(x.view(s.lead) for x in out))
+
+
+@eager_under_compile
+def vocab_parallel_divergence(
+    logits: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    *,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
+    tp_group: Any = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+    validate: bool = True,
+) -> DivergenceOutput:
+    """:func:`linear_divergence` for a student that holds its logits and a teacher that
+    ships log-probs (a teacher server, a cached teacher pass).
+
+    The teacher's distribution is ``q = softmax(teacher_logprobs)`` over the real
+    vocabulary: log-probs are taken as logits and renormalized, so normalized log-probs
+    give themselves, and a top-k payload scattered into ``-inf`` elsewhere gives the
+    renormalized top-k distribution (its ``-inf`` entries have ``q = 0``: ``forward_kl``
+    and ``jsd`` stay finite; ``reverse_kl`` is ``+inf`` wherever the student puts mass
+    there). ``temperature``, ``softcap`` and ``logit_scale`` apply to the student's logits
+    only. The divergence is differentiable into ``logits`` (fp32 math, the gradient in
+    ``logits``' dtype, zero on padding columns and masked rows).
+
+    Args:
+        logits: ``[*, V_local]`` the student's logits (or this rank's vocabulary shard).
+        teacher_logprobs: ``[*, V_local]`` float tensor of the same shape and device, the
+            same shard; must not require grad.
+        kind, beta, temperature, mask, softcap, logit_scale, tp_group, vocab_start,
+            vocab_size, chunk_size, validate: as for :func:`linear_divergence`.
+
+    Returns:
+        ``DivergenceOutput(divergence, student_entropy, teacher_entropy)`` ``[*]`` float32.
+    """
+    beta = check_kind(kind, beta)
+    transform = LogitTransform.checked(
+        temperature=temperature, softcap=softcap, logit_scale=logit_scale
+    )
+    _checks.check_tensor(logits, "logits")
+    _checks.check_tensor(teacher_logprobs, "teacher_logprobs")
+    _checks.check_float_dtype(teacher_logprobs, "teacher_logprobs")
+    _check_constant(teacher_logprobs, "teacher_logprobs")
+    if teacher_logprobs.shape != logits.shape or teacher_logprobs.device != logits.device:
+        raise ValueError(
+            f"teacher_logprobs must have logits' shape {tuple(logits.shape)} and device "
+            f"{logits.device}, got {tuple(teacher_logprobs.shape)} on {teacher_logprobs.device}"
+        )
+    codes = _row_codes(mask, logits.shape[:-1], logits.device, "logits")
+    prep = prepare(
+        logits,
+        None,
+        codes,
+        transform,
+        ignore_index=_MASKED,
+        tp_group=tp_group,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        deterministic_tile=DETERMINISTIC_TILE,
+        chunk_size=chunk_size,
+        validate=validate,
+        divergence=(kind, beta, str(teacher_logprobs.dtype)),
+    )
+    prep = _chunked(prep, chunk_size)
+    dp = DivergenceParams(prep.params, LogitTransform(), kind, beta)
+    teacher = teacher_logprobs.reshape(prep.inputs.shape)
+    with amp.autocast_off(prep.inputs.device):
+        out = VocabParallelDivergenceTorch.apply(prep.inputs, teacher, prep.targets == _MASKED, dp)
+    return DivergenceOutput(*(x.view(prep.lead) for x in out))
