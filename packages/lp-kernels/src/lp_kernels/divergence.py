@@ -7,8 +7,9 @@ teacher's next-token distributions, without materialized ``[N, V]`` logits.
 Each builds the two :class:`~lp_kernels.core.transform.LogitTransform`, prepares the
 arguments through the one preparation path of the other ops (``lp_kernels._prepare``:
 checks, autocast, the tensor-parallel layout, the per-call rank record, which carries the
-divergence's own options), and runs the backend. The numerics are in
-:mod:`lp_kernels.core.divergence` and :mod:`lp_kernels.backends.torch.divergence`.
+divergence's own options), and runs the backend (:mod:`lp_kernels.backends.divergence`: the
+host loop; its engines in ``backends.torch.divergence`` and ``backends.triton.divergence``).
+The formulas are in :mod:`lp_kernels.core.divergence`.
 """
 
 from __future__ import annotations
@@ -20,15 +21,12 @@ import torch
 
 from lp_kernels import _checks
 from lp_kernels._prepare import Prepared, prepare
-from lp_kernels.backends.torch.divergence import (
-    DivergenceParams,
-    LinearDivergenceTorch,
-    VocabParallelDivergenceTorch,
-)
+from lp_kernels.backends.divergence import LinearDivergence, VocabParallelDivergence
+from lp_kernels.backends.resolve import concrete_backend
 from lp_kernels.core import amp
 from lp_kernels.core.chunks import default_chunk_rows
 from lp_kernels.core.compile import eager_under_compile
-from lp_kernels.core.divergence import check_kind
+from lp_kernels.core.divergence import DivergenceParams, check_kind
 from lp_kernels.core.tiles import DETERMINISTIC_TILE
 from lp_kernels.core.transform import LogitTransform
 from lp_kernels.core.types import DivergenceOutput
@@ -38,10 +36,10 @@ _MASKED = -1
 preparation path as targets with this ``ignore_index``, so that ranks disagreeing on the
 mask raise like ranks disagreeing on targets."""
 
-_BUFFERS = 8
-"""fp32 ``[C, V_local]`` buffers a chunk of the torch backend holds at its peak (both
-sides' logits and the terms of their sums): the default chunk keeps them within the budget
-of one such buffer of ``linear_logprob``."""
+_BUFFERS = {"torch": 8, "triton": 3}
+"""fp32 ``[C, V_local]`` buffers a chunk of each backend holds at its peak (torch: both
+sides' logits and the terms of their sums; triton: both sides' GEMM outputs and ``d l``):
+the default chunk keeps them within the budget of one such buffer of ``linear_logprob``."""
 
 
 def _check_constant(x: Any, name: str) -> None:
@@ -53,12 +51,7 @@ def _check_constant(x: Any, name: str) -> None:
         )
 
 
-def _check_backend(backend: Any, deterministic: Any) -> None:
-    if backend == "triton":
-        raise ValueError(
-            "backend='triton' is not available for the divergence ops yet: use "
-            "backend='torch' or 'auto' (chunked torch ops, on every device)"
-        )
+def _check_deterministic(deterministic: Any) -> None:
     if deterministic:
         raise ValueError(
             "deterministic=True is not available for the divergence ops yet: their torch "
@@ -83,13 +76,14 @@ def _row_codes(mask: Any, lead: torch.Size, device: torch.device, first: str) ->
     return torch.where(mask, 0, _MASKED)
 
 
-def _chunked(prep: Prepared, chunk_size: Any) -> Prepared:
+def _chunked(prep: Prepared, chunk_size: Any, backend: str) -> Prepared:
     """``prep`` with the divergence's default chunk (from the widest shard, so the same on
     every rank: each chunk makes collectives) unless ``chunk_size`` was given."""
     if chunk_size is not None:
         return prep
     p = prep.params
-    rows = max(16, default_chunk_rows(p.max_v_local, prep.inputs.device) // _BUFFERS)
+    budget = default_chunk_rows(p.max_v_local, prep.inputs.device)
+    rows = max(16, budget // _BUFFERS[backend])
     return prep._replace(params=dataclasses.replace(p, chunk_size=rows))
 
 
@@ -176,10 +170,13 @@ def linear_divergence(
             carries ``kind``, ``beta``, the teacher's transform, width and dtype, the mask
             (as the targets are) and ``chunk_size``.
         deterministic: tensor-parallel invariance; not available yet (``ValueError``).
-        backend: ``"auto"`` or ``"torch"``: chunked torch ops on every device. ``"triton"``
-            is not available yet (``ValueError``).
+        backend: ``"torch"`` (chunked torch ops, every device), ``"triton"`` (cuBLAS
+            GEMMs of both heads, then Triton kernels for the transforms, statistics and
+            ``d l``; CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"``: triton on
+            CUDA devices of compute capability >= 8.0, else torch.
         chunk_size: rows per chunk (a memory knob: a chunk holds a few fp32 ``[C,
-            V_local]`` buffers). None: a default from the widest shard and the device.
+            V_local]`` buffers). None: a default from the widest shard, the device and the
+            backend.
             Under ``tp_group`` every rank must pass the same (each chunk exchanges its
             rows' statistics).
 
@@ -216,7 +213,7 @@ def linear_divergence(
         _checks.check_tensor(x, name)
         _check_constant(x, name)
     _check_constant(teacher_bias, "teacher_bias")
-    _check_backend(backend, deterministic)
+    _check_deterministic(deterministic)
     _checks.check_tensor(hidden, "hidden")
     if teacher_hidden.shape[:-1] != hidden.shape[:-1]:
         raise ValueError(
@@ -237,13 +234,15 @@ def linear_divergence(
         "validate": validate,
         "divergence": record,
     }
-    s = _chunked(prepare(hidden, weight, codes, student_t, bias=bias, **common), chunk_size)
+    s = prepare(hidden, weight, codes, student_t, bias=bias, **common)
     t = prepare(teacher_hidden, teacher_weight, codes, teacher_t, bias=teacher_bias, **common)
     _check_teacher_layout(s, t)
-    dp = DivergenceParams(s.params, teacher_t, kind, beta)
+    engine = concrete_backend(backend, s.inputs.device)
+    s = _chunked(s, chunk_size, engine)
+    dp = DivergenceParams(s.params, teacher_t, kind, beta, engine)
     ignored = s.targets == _MASKED
     with amp.autocast_off(s.inputs.device):  # lp's precision policy is its own
-        out = LinearDivergenceTorch.apply(
+        out = LinearDivergence.apply(
             s.inputs, s.weight, s.bias, t.inputs, t.weight, t.bias, ignored, dp
         )
     return DivergenceOutput(*(x.view(s.lead) for x in out))
@@ -316,9 +315,9 @@ def vocab_parallel_divergence(
         validate=validate,
         divergence=(kind, beta, str(teacher_logprobs.dtype)),
     )
-    prep = _chunked(prep, chunk_size)
+    prep = _chunked(prep, chunk_size, "torch")
     dp = DivergenceParams(prep.params, LogitTransform(), kind, beta)
     teacher = teacher_logprobs.reshape(prep.inputs.shape)
     with amp.autocast_off(prep.inputs.device):
-        out = VocabParallelDivergenceTorch.apply(prep.inputs, teacher, prep.targets == _MASKED, dp)
+        out = VocabParallelDivergence.apply(prep.inputs, teacher, prep.targets == _MASKED, dp)
     return DivergenceOutput(*(x.view(prep.lead) for x in out))

@@ -24,16 +24,43 @@ All of it in fp32.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from lp_kernels.core.transform import LogitTransform
+from lp_kernels.core.types import LogprobParams
 
 Kind = Literal["forward_kl", "reverse_kl", "jsd"]
 KINDS: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
 
 N_SUMS = 4
 """Per-row sums a block reports: the divergence, the two entropies and ``K`` (``jsd``)."""
+
+
+N_SAVED = 4
+"""Per-row statistics the backward reads: lse(z), lse(y), the divergence, ``K``."""
+
+
+@dataclass(frozen=True)
+class DivergenceParams:
+    """One divergence call's resolved options: the student's :class:`LogprobParams` (its
+    transform, layout, chunk), the teacher's transform, the kind, ``beta`` and the backend
+    (``"torch"`` or ``"triton"``)."""
+
+    student: LogprobParams
+    teacher_transform: LogitTransform
+    kind: str
+    beta: float
+    backend: str = "torch"
+
+    @property
+    def teacher(self) -> LogprobParams:
+        """The student's params with the teacher's transform."""
+        return dataclasses.replace(self.student, transform=self.teacher_transform)
 
 
 def check_kind(kind, beta) -> float:

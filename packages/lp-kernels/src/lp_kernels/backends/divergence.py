@@ -1,0 +1,162 @@
+"""``linear_divergence``'s autograd Function: the one host loop of both backends.
+
+Data flow for one rank (V_r = this shard's real columns, C = chunk rows)::
+
+    forward   for each chunk of C rows (an engine's chunks: its GEMMs of both heads):
+                (max, sum exp) partials of z and of y     engine.lse_partials
+                merged over the engine's splits, then all-gathered over tp_group and
+                merged in rank order                      -> lse(z), lse(y)   [C]
+                the chunk's sums (core.divergence)        engine.local_sums   [C, 4]
+                all-gathered, added in rank order          -> D, entropies, K
+              saved per row: lse(z), lse(y), D, K
+    backward  for each chunk: d l (GEMM dtype)            engine.dlogits
+              grad_h[c] = d l @ W_r, grad_W_r += d l^T @ h_c, grad_b += column sums
+              (torch.linear.ChunkGrads; grad_h all-reduced over tp_group)
+
+The engines: :class:`lp_kernels.backends.torch.divergence.TorchEngine` (torch ops on the
+transformed logits) and ``lp_kernels.backends.triton.divergence.TritonEngine`` (Triton
+kernels on the raw GEMM output: transform, statistics and d l in one pass each). Under
+tensor parallel every chunk makes two all-gathers of ``[C, k]``: every rank uses the same
+chunk rows (the per-call rank record checks ``chunk_size``). Run-to-run reproducible; a
+row's last bits depend on the shard layout and, with the triton engine, on the chunk rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lp_kernels.backends.torch.divergence import TorchEngine, logit_chunks
+from lp_kernels.backends.torch.linear import ChunkGrads
+from lp_kernels.core.chunks import padded_rows
+from lp_kernels.core.compile import backend_backward
+from lp_kernels.core.divergence import N_SAVED, N_SUMS, DivergenceParams
+from lp_kernels.core.matmul import scratch
+from lp_kernels.core.stats import masked_upstream, merge_stats
+from lp_kernels.core.types import LogprobParams
+from lp_kernels.distributed.collectives import gather_stats
+
+
+def _engine(dp: DivergenceParams):
+    if dp.backend == "triton":  # imported here: triton is optional
+        from lp_kernels.backends.triton.divergence import TritonEngine
+
+        return TritonEngine
+    return TorchEngine
+
+
+def whole_lse(parts: torch.Tensor, p: LogprobParams) -> torch.Tensor:
+    """The rows' log-sum-exp over the whole vocabulary from this rank's ``[S, C, 2]``
+    ``(max, sum exp)`` partials: merged over ``S`` in order, then over ``tp_group`` in rank
+    order (each rank's as the partial ``(lse, 1)``; ``(-inf, 0)`` for an empty one)."""
+    m, s = parts.unbind(dim=2)  # [S, C] each
+    big = m.amax(dim=0)
+    safe = torch.where(big == float("-inf"), 0.0, big)
+    lse = big + torch.log((torch.exp(m - safe) * s).sum(dim=0))
+    if p.tp_size == 1:
+        return lse
+    mine = torch.stack([lse, (lse > float("-inf")).float()], dim=1)
+    gathered = gather_stats(mine, p.tp_group, p.tp_size)
+    zeros = torch.zeros_like(gathered)
+    return merge_stats(torch.cat([gathered, zeros], dim=2), entropy=False)[0]
+
+
+def whole_sums(local: torch.Tensor, p: LogprobParams) -> torch.Tensor:
+    """``[C, 4]`` sums over the whole vocabulary: every rank's, added in rank order."""
+    parts = gather_stats(local, p.tp_group, p.tp_size)
+    sums = parts[0]
+    for r in range(1, parts.shape[0]):
+        sums = sums + parts[r]
+    return sums
+
+
+def chunk_forward(engine, state, dp: DivergenceParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(saved [C, 4], sums [C, 4])`` of one chunk: its rows' lse(z), lse(y), divergence
+    and ``K``, and their divergence, entropies and ``K``, over the whole vocabulary."""
+    p = dp.student
+    parts_s, parts_t = engine.lse_partials(state, dp)
+    lse_s, lse_t = whole_lse(parts_s, p), whole_lse(parts_t, p)
+    sums = whole_sums(engine.local_sums(state, lse_s, lse_t, dp), p)
+    saved = torch.stack([lse_s, lse_t, sums[:, 0], sums[:, 3]], dim=1)
+    return saved, sums
+
+
+class LinearDivergence(torch.autograd.Function):
+    """``linear_divergence``. Inputs: the student's ``hidden [N, H]``, ``weight``, ``bias``,
+    the teacher's, ``ignored [N]`` bool and :class:`DivergenceParams`; outputs
+    ``(divergence, student entropy, teacher entropy)`` ``[N]`` fp32, the entropies not
+    differentiable."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, ignored, dp):
+        ctx.set_materialize_grads(False)
+        engine = _engine(dp)
+        n = hidden.shape[0]
+        saved = scratch.empty((n, N_SAVED), dtype=torch.float32, device=hidden.device)
+        sums = scratch.empty((n, N_SUMS), dtype=torch.float32, device=hidden.device)
+        heads = (hidden, weight, bias, t_hidden, t_weight, t_bias)
+        for r0, r1, _, state in engine.chunks(*heads, dp):
+            rows_saved, rows_sums = chunk_forward(engine, state, dp)
+            saved[r0:r1] = rows_saved[: r1 - r0]
+            sums[r0:r1] = rows_sums[: r1 - r0]
+        ctx.save_for_backward(*heads, ignored, saved)
+        ctx.params = dp
+        outputs = tuple(torch.where(ignored, 0.0, sums[:, j]) for j in range(3))
+        ctx.mark_non_differentiable(*outputs[1:])
+        return outputs
+
+    @staticmethod
+    @backend_backward
+    def backward(ctx, g_div, *_):
+        *heads, ignored, saved = ctx.saved_tensors
+        hidden, weight, bias = heads[:3]
+        dp = ctx.params
+        needs = tuple(ctx.needs_input_grad[:3])
+        if g_div is None or not any(needs):
+            return (None,) * 8
+        engine = _engine(dp)
+        out = ChunkGrads(hidden, weight, bias, needs, dp.student)
+        (g,) = masked_upstream(ignored, g_div)
+        for r0, r1, h_c, state in engine.chunks(*heads, dp, backward=ignored):
+            rows = h_c.shape[0]
+            dl = engine.dlogits(
+                state, padded_rows(saved, r0, r1, rows), padded_rows(g, r0, r1, rows), dp
+            )
+            # ignored rows' hidden may be anything (NaN): their d l is 0, keep 0 * h out
+            h_c = torch.where(padded_rows(ignored, r0, r1, rows, False)[:, None], 0, h_c)
+            out.add(r0, r1, h_c, dl.to(hidden.dtype))
+        return (*out.finish(), None, None, None, None, None)
+
+
+class VocabParallelDivergence(torch.autograd.Function):
+    """``vocab_parallel_divergence`` (torch engine): inputs ``logits [N, V_local]``,
+    ``teacher_logprobs [N, V_local]``, ``ignored [N]`` and :class:`DivergenceParams`;
+    outputs as :class:`LinearDivergence`'s, the divergence differentiable into ``logits``
+    (zero on padding columns and ignored rows)."""
+
+    @staticmethod
+    def forward(ctx, logits, teacher, ignored, dp):
+        ctx.set_materialize_grads(False)
+        n = logits.shape[0]
+        saved = scratch.empty((n, N_SAVED), dtype=torch.float32, device=logits.device)
+        sums = scratch.empty((n, N_SUMS), dtype=torch.float32, device=logits.device)
+        for r0, r1, state in logit_chunks(logits, teacher, dp):
+            saved[r0:r1], sums[r0:r1] = chunk_forward(TorchEngine, state, dp)
+        ctx.save_for_backward(logits, teacher, ignored, saved)
+        ctx.params = dp
+        outputs = tuple(torch.where(ignored, 0.0, sums[:, j]) for j in range(3))
+        ctx.mark_non_differentiable(*outputs[1:])
+        return outputs
+
+    @staticmethod
+    @backend_backward
+    def backward(ctx, g_div, *_):
+        logits, teacher, ignored, saved = ctx.saved_tensors
+        dp = ctx.params
+        if g_div is None or not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        (g,) = masked_upstream(ignored, g_div)
+        grad = torch.zeros_like(logits)
+        for r0, r1, state in logit_chunks(logits, teacher, dp, slope=True):
+            dl = TorchEngine.dlogits(state, saved[r0:r1], g[r0:r1], dp)
+            grad[r0:r1, : dl.shape[1]] = dl
+        return grad, None, None, None
