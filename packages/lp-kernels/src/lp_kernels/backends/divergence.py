@@ -44,24 +44,33 @@ def _engine(dp: DivergenceParams):
     return TorchEngine
 
 
-def whole_lse(parts: torch.Tensor, p: LogprobParams) -> torch.Tensor:
-    """The rows' log-sum-exp over the whole vocabulary from this rank's ``[S, C, 2]``
-    ``(max, sum exp)`` partials: merged over ``S`` in order, then over ``tp_group`` in rank
-    order (each rank's as the partial ``(lse, 1)``; ``(-inf, 0)`` for an empty one)."""
+def merged_lse(parts: torch.Tensor) -> torch.Tensor:
+    """``[C]`` log-sum-exp of ``[S, C, 2]`` ``(max, sum exp(. - max))`` partials, merged over
+    the first axis as one reduction (its bits follow the shape, not the layout)."""
     m, s = parts.unbind(dim=2)  # [S, C] each
     big = m.amax(dim=0)
     safe = torch.where(big == float("-inf"), 0.0, big)
-    lse = big + torch.log((torch.exp(m - safe) * s).sum(dim=0))
+    return big + torch.log((torch.exp(m - safe) * s).sum(dim=0))
+
+
+def as_partial(lse: torch.Tensor) -> torch.Tensor:
+    """``[C, 2]``: a log-sum-exp as the partial ``(lse, 1)`` (``(-inf, 0)`` when empty)."""
+    return torch.stack([lse, (lse > float("-inf")).float()], dim=1)
+
+
+def whole_lse(parts: torch.Tensor, p: LogprobParams) -> torch.Tensor:
+    """The rows' log-sum-exp over the whole vocabulary from this rank's ``[S, C, 2]``
+    partials: merged over ``S``, then over ``tp_group`` in rank order."""
+    lse = merged_lse(parts)
     if p.tp_size == 1:
         return lse
-    mine = torch.stack([lse, (lse > float("-inf")).float()], dim=1)
-    gathered = gather_stats(mine, p.tp_group, p.tp_size)
+    gathered = gather_stats(as_partial(lse), p.tp_group, p.tp_size)
     zeros = torch.zeros_like(gathered)
     return merge_stats(torch.cat([gathered, zeros], dim=2), entropy=False)[0]
 
 
 def whole_sums(local: torch.Tensor, p: LogprobParams) -> torch.Tensor:
-    """``[C, 4]`` sums over the whole vocabulary: every rank's, added in rank order."""
+    """``[C, k]`` sums over the whole vocabulary: every rank's, added in rank order."""
     parts = gather_stats(local, p.tp_group, p.tp_size)
     sums = parts[0]
     for r in range(1, parts.shape[0]):
@@ -69,9 +78,17 @@ def whole_sums(local: torch.Tensor, p: LogprobParams) -> torch.Tensor:
     return sums
 
 
+def real_heads(weight, bias, t_weight, t_bias, p: LogprobParams) -> tuple:
+    """``(w_s, b_s, w_t, b_t)``: both heads' real rows and fp32 biases (or None)."""
+    v = p.local_real_columns(weight.shape[0])
+    b_s = None if bias is None else bias[:v].float()
+    b_t = None if t_bias is None else t_bias[:v].float()
+    return weight[:v], b_s, t_weight[:v], b_t
+
+
 def chunk_forward(engine, state, dp: DivergenceParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(saved [C, 4], sums [C, 4])`` of one chunk: its rows' lse(z), lse(y), divergence
-    and ``K``, and their divergence, entropies and ``K``, over the whole vocabulary."""
+    """``(saved [C, 4], sums [C, 5])`` of one chunk: its rows' lse(z), lse(y), divergence
+    and ``K``, and their sums (``core.divergence.N_SUMS``) over the whole vocabulary."""
     p = dp.student
     parts_s, parts_t = engine.lse_partials(state, dp)
     lse_s, lse_t = whole_lse(parts_s, p), whole_lse(parts_t, p)
@@ -94,7 +111,8 @@ class LinearDivergence(torch.autograd.Function):
         saved = scratch.empty((n, N_SAVED), dtype=torch.float32, device=hidden.device)
         sums = scratch.empty((n, N_SUMS), dtype=torch.float32, device=hidden.device)
         heads = (hidden, weight, bias, t_hidden, t_weight, t_bias)
-        for r0, r1, _, state in engine.chunks(*heads, dp):
+        w_s, b_s, w_t, b_t = real_heads(weight, bias, t_weight, t_bias, dp.student)
+        for r0, r1, _, state in engine.chunks(hidden, w_s, b_s, t_hidden, w_t, b_t, dp):
             rows_saved, rows_sums = chunk_forward(engine, state, dp)
             saved[r0:r1] = rows_saved[: r1 - r0]
             sums[r0:r1] = rows_sums[: r1 - r0]
@@ -107,8 +125,7 @@ class LinearDivergence(torch.autograd.Function):
     @staticmethod
     @backend_backward
     def backward(ctx, g_div, *_):
-        *heads, ignored, saved = ctx.saved_tensors
-        hidden, weight, bias = heads[:3]
+        hidden, weight, bias, t_hidden, t_weight, t_bias, ignored, saved = ctx.saved_tensors
         dp = ctx.params
         needs = tuple(ctx.needs_input_grad[:3])
         if g_div is None or not any(needs):
@@ -116,7 +133,9 @@ class LinearDivergence(torch.autograd.Function):
         engine = _engine(dp)
         out = ChunkGrads(hidden, weight, bias, needs, dp.student)
         (g,) = masked_upstream(ignored, g_div)
-        for r0, r1, h_c, state in engine.chunks(*heads, dp, backward=ignored):
+        w_s, b_s, w_t, b_t = real_heads(weight, bias, t_weight, t_bias, dp.student)
+        chunks = engine.chunks(hidden, w_s, b_s, t_hidden, w_t, b_t, dp, backward=ignored)
+        for r0, r1, h_c, state in chunks:
             rows = h_c.shape[0]
             dl = engine.dlogits(
                 state, padded_rows(saved, r0, r1, rows), padded_rows(g, r0, r1, rows), dp

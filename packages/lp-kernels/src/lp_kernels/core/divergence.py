@@ -37,8 +37,11 @@ from lp_kernels.core.types import LogprobParams
 Kind = Literal["forward_kl", "reverse_kl", "jsd"]
 KINDS: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
 
-N_SUMS = 4
-"""Per-row sums a block reports: the divergence, the two entropies and ``K`` (``jsd``)."""
+N_SUMS = 5
+"""Per-row sums a block reports: the divergence, the two entropies, ``K`` (``jsd``) and
+``A``, the sum of the gradient's terms' magnitudes before the row's constant (``sum p |lp -
+lq|``, ``jsd``: ``sum p |lp - lm|``; 0 for ``forward_kl``), which bounds ``sum |d D / d z|``
+(:func:`grad_bound`)."""
 
 
 N_SAVED = 4
@@ -93,9 +96,9 @@ def block_sums(
     kind: str,
     beta: float,
 ) -> torch.Tensor:
-    """``[C, 4]``: this block's part of each row's divergence, student entropy, teacher
-    entropy and ``K`` (0 unless ``jsd``), for ``z``, ``y`` ``[C, Vr]`` and the rows' whole
-    log-sum-exps ``lse_s``, ``lse_t`` ``[C]``."""
+    """``[C, 5]``: this block's part of each row's divergence, student entropy, teacher
+    entropy, ``K`` (0 unless ``jsd``) and ``A`` (:data:`N_SUMS`), for ``z``, ``y`` ``[C,
+    Vr]`` and the rows' whole log-sum-exps ``lse_s``, ``lse_t`` ``[C]``."""
     lp = z - lse_s[:, None]
     lq = y - lse_t[:, None]
     p, q = torch.exp(lp), torch.exp(lq)
@@ -107,10 +110,26 @@ def block_sums(
         k = _weighted(p, lp - lm)
         out[:, 0] = beta * _weighted(q, lq - lm) + (1.0 - beta) * k
         out[:, 3] = k
+        out[:, 4] = _weighted(p, (lp - lm).abs())
         return out
     d = (z - y) - (lse_s - lse_t)[:, None]  # lp - lq
-    out[:, 0] = _weighted(p, d) if kind == "reverse_kl" else _weighted(q, -d)
+    if kind == "reverse_kl":
+        out[:, 0] = _weighted(p, d)
+        out[:, 4] = _weighted(p, d.abs())
+    else:
+        out[:, 0] = _weighted(q, -d)
     return out
+
+
+def grad_bound(div: torch.Tensor, k: torch.Tensor, a: torch.Tensor, kind: str, beta: float):
+    """A float64 bound on ``sum_v |d D / d z_v|`` per row from its divergence, ``K`` and
+    ``A``: ``sum |p - q| <= 2``; ``sum p |lp - lq - D| <= A + |D|``; ``(1 - beta) sum p |lp
+    - lm - K| <= (1 - beta) (A + |K|)``."""
+    if kind == "forward_kl":
+        return torch.full(div.shape, 2.0, dtype=torch.float64, device=div.device)
+    if kind == "reverse_kl":
+        return a.double() + div.double().abs()
+    return (1.0 - beta) * (a.double() + k.double().abs())
 
 
 def d_student_(

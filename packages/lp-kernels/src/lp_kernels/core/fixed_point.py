@@ -83,9 +83,17 @@ def row_exponents(
     bound = torch.where(bound != 0, MARGIN * bound * t.gain * w_abs, 0.0)
     bad = ~torch.isfinite(bound) | ~head_ok
     bad |= ~ignored & (~torch.isfinite(h_abs) | ~torch.isfinite(lse))
+    return exponents(bound), bad
+
+
+def exponents(bound: torch.Tensor) -> torch.Tensor:
+    """Per-row exponents ``e_n = floor(60 - log2(bound_n))`` (float64 holding integers,
+    clamped to ``[E_MIN, E_MAX]``; 0 where the bound is 0 or not finite) from a float64
+    bound, margin included, on ``|grad_hidden[n, j]|``: every partial sum of the row's
+    fixed-point leaves then stays below ``2^60``."""
     e = torch.where(bound > 0, torch.floor(60 - torch.log2(bound)), 0.0)
     e = torch.nan_to_num(e, nan=0.0, posinf=float(E_MAX), neginf=float(E_MIN))
-    return e.clamp(E_MIN, E_MAX), bad
+    return e.clamp(E_MIN, E_MAX)
 
 
 def from_fixed_point(

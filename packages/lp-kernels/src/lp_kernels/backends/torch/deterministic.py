@@ -128,7 +128,7 @@ def _merge_tiles(stats: torch.Tensor, *, entropy: bool):
     return lse, big_m + mean_shift, zt, log_s - mean_shift
 
 
-def _rank_tiles(p: LogprobParams) -> list[int]:
+def rank_tiles(p: LogprobParams) -> list[int]:
     """Tiles owned by each rank, in rank order (see ``distributed.halo.tile_ownership``)."""
     return [
         tile_ownership(p.shard_starts, p.shard_sizes, p.vocab_size, p.deterministic_tile, r).tiles
@@ -136,7 +136,7 @@ def _rank_tiles(p: LogprobParams) -> list[int]:
     ]
 
 
-def _global_tiles(gathered: torch.Tensor, tiles: list[int]) -> torch.Tensor:
+def global_tiles(gathered: torch.Tensor, tiles: list[int]) -> torch.Tensor:
     """``[P, N, T_max, 4]`` -> ``[N, T_global, 4]``: each rank's owned tiles, in rank order."""
     return torch.cat([gathered[r, :, :count] for r, count in enumerate(tiles)], dim=1)
 
@@ -155,7 +155,7 @@ def merged_tile_stats(blocks, t_own, in_own, n: int, p: LogprobParams, device, f
     ``vocab_parallel_logprob(deterministic=True)``.
     """
     tile = p.deterministic_tile
-    tiles = _rank_tiles(p)
+    tiles = rank_tiles(p)
     stats = torch.zeros((n, max(tiles), N_STATS), dtype=torch.float32, device=device)
     extra = empty_partials((n, max(tiles)), device) if p.extras else None
     for r0, r1, rows, j, count, z in blocks:
@@ -168,12 +168,12 @@ def merged_tile_stats(blocks, t_own, in_own, n: int, p: LogprobParams, device, f
         hit = padded_rows(in_own, r0, r1, rows, False) & in_z  # (a view: not in place)
         part = _tile_stats(z, t_rel, hit, tile, entropy=p.return_entropy)
         stats[r0:r1, j : j + count] = part[: r1 - r0, :count]
-    merged = _global_tiles(gather_stats(stats, p.tp_group, p.tp_size), tiles)
+    merged = global_tiles(gather_stats(stats, p.tp_group, p.tp_size), tiles)
     out = _merge_tiles(merged, entropy=p.return_entropy)
     if extra is None:
         return *out, None
     # the global tile sequence, merged tile by tile in order (one sequence on every layout)
-    x, i = (_global_tiles(gather_stats(t, p.tp_group, p.tp_size), tiles) for t in extra)
+    x, i = (global_tiles(gather_stats(t, p.tp_group, p.tp_size), tiles) for t in extra)
     return *out, merge_extras(x.transpose(0, 1), i.transpose(0, 1))
 
 
@@ -193,7 +193,7 @@ def tile_extras(z: torch.Tensor, first_id: int, p: LogprobParams):
     return extra_terms(z.view(rows, n_tiles, tile), starts, ids < p.vocab_size)
 
 
-def _owned_tiles(w_real: torch.Tensor, halo: torch.Tensor, own, tile: int):
+def owned_tiles(w_real: torch.Tensor, halo: torch.Tensor, own, tile: int):
     """``[(begin, W_j)]`` for each owned tile: its first column in this shard and its
     weight rows, a view of ``w_real``; the tile that runs into the halo is a copy of its
     rows here joined to the halo (never the whole shard). ``w_real`` may be the fp32 bias
@@ -207,11 +207,11 @@ def _owned_tiles(w_real: torch.Tensor, halo: torch.Tensor, own, tile: int):
     return out
 
 
-def _tile_biases(b_real, b_halo, own, tile: int, count: int) -> list:
-    """Each owned tile's fp32 bias (as :func:`_owned_tiles`), or ``count`` Nones."""
+def tile_biases(b_real, b_halo, own, tile: int, count: int) -> list:
+    """Each owned tile's fp32 bias (as :func:`owned_tiles`), or ``count`` Nones."""
     if b_real is None:
         return [None] * count
-    return [b for _, b in _owned_tiles(b_real, b_halo, own, tile)]
+    return [b for _, b in owned_tiles(b_real, b_halo, own, tile)]
 
 
 def forward(hidden, weight, bias, targets, p: LogprobParams):
@@ -233,8 +233,8 @@ def forward(hidden, weight, bias, targets, p: LogprobParams):
     t_own, in_own, ignored = target_columns(
         targets, p.ignore_index, p.vocab_start + own.skip, own.ext
     )
-    tiles = _owned_tiles(weight[:v_real], halo, own, p.deterministic_tile)
-    b_tiles = _tile_biases(b_real, b_halo, own, p.deterministic_tile, len(tiles))
+    tiles = owned_tiles(weight[:v_real], halo, own, p.deterministic_tile)
+    b_tiles = tile_biases(b_real, b_halo, own, p.deterministic_tile, len(tiles))
     chunks = (
         (r0, r1, rows, j, 1, z)
         for j, ((_, w_j), b_j) in enumerate(zip(tiles, b_tiles, strict=True))
@@ -259,9 +259,9 @@ def backward(saved, upstream: Grads, needs: tuple[bool, bool, bool], p: LogprobP
     v_real = p.local_real_columns(weight.shape[0])
     w_real = weight[:v_real]
     own = p.tile_ownership()
-    tiles = _owned_tiles(w_real, halo, own, p.deterministic_tile)
+    tiles = owned_tiles(w_real, halo, own, p.deterministic_tile)
     b_real = None if bias is None else bias[:v_real].float()
-    b_tiles = _tile_biases(b_real, b_halo, own, p.deterministic_tile, len(tiles))
+    b_tiles = tile_biases(b_real, b_halo, own, p.deterministic_tile, len(tiles))
     # grad_bias over this shard's real columns, then the halo's (sent back like grad_W)
     acc_b = torch.zeros(v_real + own.halo, dtype=torch.float32, device=dev) if need_b else None
     sum_h = FixedPointRows(hidden, w_real, b_real, lse, targets, upstream, p) if need_h else None

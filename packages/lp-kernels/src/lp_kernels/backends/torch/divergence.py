@@ -33,19 +33,15 @@ class TorchEngine:
     its transform's slope (backward with a cap, else None) and the teacher's."""
 
     @staticmethod
-    def chunks(hidden, weight, bias, t_hidden, t_weight, t_bias, dp, *, backward=None):
+    def chunks(hidden, w_s, b_s, t_hidden, w_t, b_t, dp, *, backward=None):
         """``(r0, r1, h_c, state)`` per chunk of rows (padded to the call's chunk rows, as
-        ``logits_chunks`` pads them); ``backward``: the ignored rows, whose student logits
-        are taken from a zero row, with the slope."""
+        ``logits_chunks`` pads them) for real weight rows ``w_s``, ``w_t`` and their fp32
+        biases (or None); ``backward``: the ignored rows, whose student logits are taken
+        from a zero row, with the slope."""
         p = dp.student
-        v_real = p.local_real_columns(weight.shape[0])
-        b_s = None if bias is None else bias[:v_real].float()
-        b_t = None if t_bias is None else t_bias[:v_real].float()
         slope = backward is not None
-        student = logits_chunks(
-            hidden, weight[:v_real], p, b_real=b_s, zero_rows=backward, slope=slope
-        )
-        teacher = logits_chunks(t_hidden, t_weight[:v_real], dp.teacher, b_real=b_t)
+        student = logits_chunks(hidden, w_s, p, b_real=b_s, zero_rows=backward, slope=slope)
+        teacher = logits_chunks(t_hidden, w_t, dp.teacher, b_real=b_t)
         for (r0, r1, _, h_c, z, s), (*_, y, _) in zip(student, teacher, strict=True):
             yield r0, r1, h_c, (z, s, y)
 

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from lp_kernels.backends.triton.softmax import cap_value, transform_args
-from lp_kernels.core.divergence import KINDS, DivergenceParams
+from lp_kernels.core.divergence import KINDS, N_SUMS, DivergenceParams
 from lp_kernels.core.matmul import mm_f32
 
 BLOCK = 1024
@@ -114,7 +114,7 @@ def _sums_kernel(
     beta, log_1mb, log_b,
     S_BIAS: tl.constexpr, S_SCALE: tl.constexpr, S_CAP: tl.constexpr,
     T_BIAS: tl.constexpr, T_SCALE: tl.constexpr, T_CAP: tl.constexpr,
-    KIND: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+    KIND: tl.constexpr, N_SUMS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     j = tl.program_id(1)
@@ -128,6 +128,7 @@ def _sums_kernel(
     ent_s = 0.0
     ent_t = 0.0
     k = 0.0
+    a = 0.0
     for off in range(c0, c1, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         ok = cols < c1
@@ -146,17 +147,20 @@ def _sums_kernel(
             kb = _weighted(p, lp - lm)
             div += beta * _weighted(q, lq - lm) + (1.0 - beta) * kb
             k += kb
+            a += _weighted(p, tl.abs(lp - lm))
         else:
             d = (z - y) - (lse_s - lse_t)
             if KIND == 1:
                 div += _weighted(p, d)
+                a += _weighted(p, tl.abs(d))
             else:
                 div += _weighted(q, -d)
-    out = out_ptr + (j.to(tl.int64) * rows + row) * 4
+    out = out_ptr + (j.to(tl.int64) * rows + row) * N_SUMS
     tl.store(out, div)
     tl.store(out + 1, ent_s)
     tl.store(out + 2, ent_t)
     tl.store(out + 3, k)
+    tl.store(out + 4, a)
 
 
 @triton.jit
@@ -239,13 +243,12 @@ class TritonEngine:
     ``[C, V_r]``), their fp32 biases (or None) and the GEMM dtype of ``d l``."""
 
     @staticmethod
-    def chunks(hidden, weight, bias, t_hidden, t_weight, t_bias, dp, *, backward=None):
-        """``(r0, r1, h_c, state)`` per chunk of ``chunk_size`` rows (the last one shorter)."""
+    def chunks(hidden, w_s, b_s, t_hidden, w_t, b_t, dp, *, backward=None):
+        """``(r0, r1, h_c, state)`` per chunk of ``chunk_size`` rows (the last one shorter)
+        for real weight rows ``w_s``, ``w_t`` and their fp32 biases (or None)."""
         p = dp.student
-        v_real = p.local_real_columns(weight.shape[0])
-        b_s = None if bias is None else bias[:v_real].float().contiguous()
-        b_t = None if t_bias is None else t_bias[:v_real].float().contiguous()
-        w_s, w_t = weight[:v_real], t_weight[:v_real]
+        b_s = None if b_s is None else b_s.contiguous()
+        b_t = None if b_t is None else b_t.contiguous()
         for r0 in range(0, hidden.shape[0], p.chunk_size):
             r1 = min(r0 + p.chunk_size, hidden.shape[0])
             h_c = hidden[r0:r1]
@@ -266,10 +269,10 @@ class TritonEngine:
         l_s, l_t = state[:2]
         rows, v = l_s.shape
         lse = torch.stack([lse_s, lse_t], dim=1).contiguous()
-        parts = torch.zeros((max(1, triton.cdiv(v, SPLIT)), rows, 4), device=l_s.device)
+        parts = torch.zeros((max(1, triton.cdiv(v, SPLIT)), rows, N_SUMS), device=l_s.device)
         _launch(
             _sums_kernel, state, lse, parts, rows, v, l_s.stride(0), l_t.stride(0),
-            **_args(dp, state), **_kind_args(dp),
+            **_args(dp, state), **_kind_args(dp), N_SUMS=N_SUMS,
         )  # fmt: skip
         return parts.sum(dim=0)
 
