@@ -22,6 +22,7 @@ import torch
 from lp_kernels import _checks
 from lp_kernels._prepare import Prepared, prepare
 from lp_kernels.backends.divergence import LinearDivergence, VocabParallelDivergence
+from lp_kernels.backends.divergence_tiles import LinearDivergenceDeterministic
 from lp_kernels.backends.resolve import concrete_backend
 from lp_kernels.core import amp
 from lp_kernels.core.chunks import default_chunk_rows
@@ -51,14 +52,6 @@ def _check_constant(x: Any, name: str) -> None:
         )
 
 
-def _check_deterministic(deterministic: Any) -> None:
-    if deterministic:
-        raise ValueError(
-            "deterministic=True is not available for the divergence ops yet: their torch "
-            "backend is run-to-run reproducible, but its bits depend on the shard layout"
-        )
-
-
 def _row_codes(mask: Any, lead: torch.Size, device: torch.device, first: str) -> torch.Tensor:
     """``[*]`` int64: 0 for the rows to compute, :data:`_MASKED` for the others."""
     if mask is None:
@@ -77,12 +70,14 @@ def _row_codes(mask: Any, lead: torch.Size, device: torch.device, first: str) ->
 
 
 def _chunked(prep: Prepared, chunk_size: Any, backend: str) -> Prepared:
-    """``prep`` with the divergence's default chunk (from the widest shard, so the same on
-    every rank: each chunk makes collectives) unless ``chunk_size`` was given."""
+    """``prep`` with the divergence's default chunk unless ``chunk_size`` was given: from
+    the widest shard, the same on every rank (each chunk makes collectives), or with
+    ``deterministic`` from the tile, the same on every layout."""
     if chunk_size is not None:
         return prep
     p = prep.params
-    budget = default_chunk_rows(p.max_v_local, prep.inputs.device)
+    width = p.deterministic_tile if p.deterministic else p.max_v_local
+    budget = default_chunk_rows(width, prep.inputs.device)
     rows = max(16, budget // _BUFFERS[backend])
     return prep._replace(params=dataclasses.replace(p, chunk_size=rows))
 
@@ -124,6 +119,7 @@ def linear_divergence(
     vocab_size: int | None = None,
     reduce_grad_hidden: bool = True,
     deterministic: bool = False,
+    deterministic_tile: int | None = None,
     backend: str = "auto",
     chunk_size: int | None = None,
     validate: bool = True,
@@ -169,7 +165,11 @@ def linear_divergence(
             ``linear_logprob``; both heads are sharded alike. The per-call rank record also
             carries ``kind``, ``beta``, the teacher's transform, width and dtype, the mask
             (as the targets are) and ``chunk_size``.
-        deterministic: tensor-parallel invariance; not available yet (``ValueError``).
+        deterministic, deterministic_tile: tensor-parallel invariance, as for
+            ``linear_logprob``: outputs and gradients bitwise identical for any TP degree
+            and any layout whose shard bounds are multiples of 128, on both backends (the
+            same backend and ``chunk_size`` on each layout; the default chunk is). It
+            computes on global vocabulary tiles and takes the logits twice in the forward.
         backend: ``"torch"`` (chunked torch ops, every device), ``"triton"`` (cuBLAS
             GEMMs of both heads, then Triton kernels for the transforms, statistics and
             ``d l``; CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"``: triton on
@@ -213,7 +213,6 @@ def linear_divergence(
         _checks.check_tensor(x, name)
         _check_constant(x, name)
     _check_constant(teacher_bias, "teacher_bias")
-    _check_deterministic(deterministic)
     _checks.check_tensor(hidden, "hidden")
     if teacher_hidden.shape[:-1] != hidden.shape[:-1]:
         raise ValueError(
@@ -229,6 +228,8 @@ def linear_divergence(
         "vocab_start": vocab_start,
         "vocab_size": vocab_size,
         "reduce_grad_hidden": reduce_grad_hidden,
+        "deterministic": deterministic,
+        "deterministic_tile": deterministic_tile,
         "backend": backend,
         "chunk_size": chunk_size,
         "validate": validate,
@@ -241,10 +242,9 @@ def linear_divergence(
     s = _chunked(s, chunk_size, engine)
     dp = DivergenceParams(s.params, teacher_t, kind, beta, engine)
     ignored = s.targets == _MASKED
+    function = LinearDivergenceDeterministic if s.params.deterministic else LinearDivergence
     with amp.autocast_off(s.inputs.device):  # lp's precision policy is its own
-        out = LinearDivergence.apply(
-            s.inputs, s.weight, s.bias, t.inputs, t.weight, t.bias, ignored, dp
-        )
+        out = function.apply(s.inputs, s.weight, s.bias, t.inputs, t.weight, t.bias, ignored, dp)
     return DivergenceOutput(*(x.view(s.lead) for x in out))
 
 

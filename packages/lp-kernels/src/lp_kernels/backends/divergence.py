@@ -36,7 +36,8 @@ from lp_kernels.core.types import LogprobParams
 from lp_kernels.distributed.collectives import gather_stats
 
 
-def _engine(dp: DivergenceParams):
+def engine_of(dp: DivergenceParams):
+    """The engine of ``dp.backend`` (:class:`TorchEngine` or the triton one)."""
     if dp.backend == "triton":  # imported here: triton is optional
         from lp_kernels.backends.triton.divergence import TritonEngine
 
@@ -106,7 +107,7 @@ class LinearDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, ignored, dp):
         ctx.set_materialize_grads(False)
-        engine = _engine(dp)
+        engine = engine_of(dp)
         n = hidden.shape[0]
         saved = scratch.empty((n, N_SAVED), dtype=torch.float32, device=hidden.device)
         sums = scratch.empty((n, N_SUMS), dtype=torch.float32, device=hidden.device)
@@ -130,7 +131,7 @@ class LinearDivergence(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[:3])
         if g_div is None or not any(needs):
             return (None,) * 8
-        engine = _engine(dp)
+        engine = engine_of(dp)
         out = ChunkGrads(hidden, weight, bias, needs, dp.student)
         (g,) = masked_upstream(ignored, g_div)
         w_s, b_s, w_t, b_t = real_heads(weight, bias, t_weight, t_bias, dp.student)

@@ -83,9 +83,13 @@ def _weighted(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where(w > 0, w * x, 0.0).sum(dim=1)
 
 
-def _log_mixture(lp: torch.Tensor, lq: torch.Tensor, beta: float) -> torch.Tensor:
-    """``log(beta q + (1 - beta) p)`` from the log-probabilities."""
-    return torch.logaddexp(lp + math.log1p(-beta), lq + math.log(beta))
+def mixture_gaps(d: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lp - lm, lq - lm)`` from ``d = lp - lq``: with ``r = lm - lp = log((1 - beta) +
+    beta e^-d)``, a log-sum-exp of two O(1) terms where ``p`` and ``q`` are close (no
+    cancellation of the large ``lp`` and ``lm``); ``lq - lm = -d - r``, and ``-log beta``
+    where ``p = 0``."""
+    r = torch.logaddexp(torch.full_like(d, math.log1p(-beta)), math.log(beta) - d)
+    return -r, torch.where(torch.isinf(d) & (d < 0), -math.log(beta), -d - r)
 
 
 def block_sums(
@@ -105,14 +109,14 @@ def block_sums(
     out = torch.zeros((z.shape[0], N_SUMS), dtype=torch.float32, device=z.device)
     out[:, 1] = -_weighted(p, lp)
     out[:, 2] = -_weighted(q, lq)
-    if kind == "jsd":
-        lm = _log_mixture(lp, lq, beta)
-        k = _weighted(p, lp - lm)
-        out[:, 0] = beta * _weighted(q, lq - lm) + (1.0 - beta) * k
-        out[:, 3] = k
-        out[:, 4] = _weighted(p, (lp - lm).abs())
-        return out
     d = (z - y) - (lse_s - lse_t)[:, None]  # lp - lq
+    if kind == "jsd":
+        gap_p, gap_q = mixture_gaps(d, beta)
+        k = _weighted(p, gap_p)
+        out[:, 0] = beta * _weighted(q, gap_q) + (1.0 - beta) * k
+        out[:, 3] = k
+        out[:, 4] = _weighted(p, gap_p.abs())
+        return out
     if kind == "reverse_kl":
         out[:, 0] = _weighted(p, d)
         out[:, 4] = _weighted(p, d.abs())
@@ -154,7 +158,7 @@ def d_student_(
         d = (z - y) - (lse_s - lse_t)[:, None]
         dz = torch.where(p > 0, p * (d - div[:, None]), 0.0)
     else:
-        lm = _log_mixture(lp, y - lse_t[:, None], beta)
-        dz = torch.where(p > 0, (1.0 - beta) * p * ((lp - lm) - k[:, None]), 0.0)
+        gap_p, _ = mixture_gaps((z - y) - (lse_s - lse_t)[:, None], beta)
+        dz = torch.where(p > 0, (1.0 - beta) * p * (gap_p - k[:, None]), 0.0)
     dz = torch.where(g[:, None] != 0, dz * g[:, None], 0.0)
     return z.copy_(dz)

@@ -64,13 +64,13 @@ def _weighted(w, x):
 
 
 @triton.jit
-def _log_mixture(lp, lq, log_1mb, log_b):
-    """``log(beta q + (1 - beta) p)`` (``-inf`` where both are 0)."""
-    a = lp + log_1mb
-    b = lq + log_b
-    hi = tl.maximum(a, b)
-    lo = tl.minimum(a, b)
-    return tl.where(hi == float("-inf"), hi, hi + tl.log(1.0 + tl.exp(lo - hi)))
+def _mixture_gaps(d, log_1mb, log_b):
+    """``(lp - lm, lq - lm)`` from ``d = lp - lq`` (``core.divergence.mixture_gaps``)."""
+    b = log_b - d
+    hi = tl.maximum(log_1mb, b)
+    lo = tl.minimum(log_1mb, b)
+    r = hi + tl.log(1.0 + tl.exp(lo - hi))
+    return -r, tl.where(d == float("-inf"), -log_b, -d - r)
 
 
 @triton.jit
@@ -142,14 +142,14 @@ def _sums_kernel(
         q = tl.exp(lq)
         ent_s -= _weighted(p, lp)
         ent_t -= _weighted(q, lq)
+        d = (z - y) - (lse_s - lse_t)
         if KIND == 2:
-            lm = _log_mixture(lp, lq, log_1mb, log_b)
-            kb = _weighted(p, lp - lm)
-            div += beta * _weighted(q, lq - lm) + (1.0 - beta) * kb
+            gap_p, gap_q = _mixture_gaps(d, log_1mb, log_b)
+            kb = _weighted(p, gap_p)
+            div += beta * _weighted(q, gap_q) + (1.0 - beta) * kb
             k += kb
-            a += _weighted(p, tl.abs(lp - lm))
+            a += _weighted(p, tl.abs(gap_p))
         else:
-            d = (z - y) - (lse_s - lse_t)
             if KIND == 1:
                 div += _weighted(p, d)
                 a += _weighted(p, tl.abs(d))
@@ -199,8 +199,8 @@ def _dl_kernel(
             d = (z - y) - (lse_s - lse_t)
             dz = tl.where(p > 0, p * (d - div), 0.0)
         else:
-            lm = _log_mixture(lp, y - lse_t, log_1mb, log_b)
-            dz = tl.where(p > 0, (1.0 - beta) * p * ((lp - lm) - k), 0.0)
+            gap_p, _ = _mixture_gaps((z - y) - (lse_s - lse_t), log_1mb, log_b)
+            dz = tl.where(p > 0, (1.0 - beta) * p * (gap_p - k), 0.0)
         dl = tl.where(g != 0, dz * g * grad, 0.0)
         tl.store(dl_row + cols, dl.to(dl_ptr.dtype.element_ty), mask=ok)
 
