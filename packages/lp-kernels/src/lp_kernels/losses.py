@@ -1,4 +1,5 @@
-"""Per-token RL losses for ``linear_logprob_loss``, and the weights that aggregate them.
+"""Per-token RL losses for ``linear_logprob_loss``, the weights that aggregate them, and the
+reduction of a distillation divergence.
 
 Every loss here is elementwise: row i's value depends on row i's inputs only, so the op
 may evaluate it on any chunk of rows and sum the results. A loss object is called as
@@ -28,6 +29,16 @@ The named constructors and the aggregation each paper uses:
 ``dr_grpo()``  clip 0.2, no KL                           ``"seq-mean-token-sum-norm"``
 ``ppo()``      clip 0.2, optional dual clip              ``"token-mean"``
 =============  ========================================  ==============================
+
+Distillation: ``lp_kernels.linear_divergence`` returns a per-row ``divergence`` ``[*]``
+(0 on masked rows); :func:`distill_loss` reduces it to the scalar a trainer backpropagates:
+
+===================================  ============================================================
+``reduction="token-mean"``           ``sum(divergence[mask]) / count(mask)`` (TRL's GKD loss)
+``... num_items_in_batch=n``         ``sum(divergence[mask]) / n``: transformers' Trainer mean,
+                                     correct under gradient accumulation
+``reduction="sum"``                  ``sum(divergence[mask])``
+===================================  ============================================================
 
 Numerics: the ratio's log is clamped to ``[-max_log_ratio, max_log_ratio]`` (20 by default,
 as verl does) before ``exp``, so neither the surrogate nor k3 overflows. k3 near ``d = 0``
@@ -65,6 +76,8 @@ AggregationMode = Literal[
 ]
 _KL_ESTIMATORS = ("k1", "k2", "k3")
 _MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+DistillReduction = Literal["token-mean", "sum"]
+_DISTILL_REDUCTIONS = ("token-mean", "sum")
 
 
 def kl_k1(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
@@ -531,3 +544,87 @@ def token_weights(
     if mode == "seq-mean-token-sum":
         return m / sequences
     return m / (lengths.clamp(min=1) * sequences)
+
+
+def distill_loss(
+    divergence: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    reduction: DistillReduction = "token-mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The scalar distillation loss from ``linear_divergence``'s per-row ``divergence``.
+
+    Args:
+        divergence: ``[*]`` float per-row divergence (``DivergenceOutput.divergence``, fp32).
+        mask: ``[*]`` bool or 0/1 of the rows that count (the rows that predict completion
+            tokens), or None for every row. Rows outside it add nothing and get no gradient.
+        reduction: ``"token-mean"``: the masked sum divided by the number of masked rows
+            (at least 1, so an empty mask gives 0); ``"sum"``: the masked sum.
+        num_items_in_batch: ``"token-mean"`` only: the divisor instead of this batch's row
+            count, as transformers' ``Trainer`` passes it to ``compute_loss`` (the target
+            tokens of the whole accumulated step, an int >= 0 or a 0-d tensor; 0 counts
+            as 1). The micro-batch losses then add up to the step's token mean.
+
+    Returns:
+        A 0-d tensor in ``divergence``'s dtype, differentiable into ``divergence``.
+
+    Raises:
+        TypeError: ``divergence`` is not a floating tensor, ``mask`` not a bool or integer
+            tensor, ``num_items_in_batch`` not an int or a tensor.
+        ValueError: ``mask``'s shape is not ``divergence``'s, an unknown ``reduction``,
+            ``num_items_in_batch`` negative, not 0-d, or given with ``reduction="sum"``.
+
+    Example:
+        >>> d = torch.tensor([[0.5, 1.5, 9.0], [2.0, 9.0, 9.0]])
+        >>> m = torch.tensor([[True, True, False], [True, False, False]])
+        >>> distill_loss(d, m), distill_loss(d, m, num_items_in_batch=8)
+        (tensor(1.3333), tensor(0.5000))
+    """
+    if not isinstance(divergence, torch.Tensor) or not divergence.dtype.is_floating_point:
+        raise TypeError(f"divergence must be a floating tensor, got {_describe(divergence)}")
+    if reduction not in _DISTILL_REDUCTIONS:
+        _reject("reduction", f"one of {_DISTILL_REDUCTIONS}", reduction)
+    if num_items_in_batch is not None:
+        if reduction != "token-mean":
+            raise ValueError(
+                f"num_items_in_batch applies to reduction 'token-mean', not {reduction!r}"
+            )
+        _check_items(num_items_in_batch)
+    if mask is None:
+        total, rows = divergence.sum(), torch.tensor(divergence.numel(), device=divergence.device)
+    else:
+        if not isinstance(mask, torch.Tensor) or mask.dtype.is_floating_point or mask.is_complex():
+            raise TypeError(f"mask must be a bool or 0/1 integer tensor, got {_describe(mask)}")
+        if mask.shape != divergence.shape:
+            raise ValueError(
+                f"mask must have divergence's shape {tuple(divergence.shape)}, got "
+                f"{tuple(mask.shape)}"
+            )
+        keep = mask.to(device=divergence.device) != 0
+        total = torch.where(keep, divergence, 0.0).sum()  # where: a masked NaN stays out
+        rows = keep.sum()
+    if reduction == "sum":
+        return total
+    return total / _count("num_items_in_batch", num_items_in_batch, rows).to(total.dtype)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor"
+    return repr(value)
+
+
+def _check_items(value: Any) -> None:
+    """``num_items_in_batch``: an int >= 0 or a 0-d real tensor (its value is not read:
+    reading it would sync the host)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(
+                f"num_items_in_batch must be a 0-d real tensor, got shape "
+                f"{tuple(value.shape)} {value.dtype}"
+            )
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"num_items_in_batch must be None, an int or a 0-d tensor, got {value!r}")
+    elif value < 0:
+        _reject("num_items_in_batch", "an int >= 0", value)
