@@ -1,4 +1,5 @@
-"""fp64 references and the plain low-precision baseline for ``linear_logprob``.
+"""fp64 references and the plain low-precision baselines for ``linear_logprob`` and
+``linear_divergence`` (the divergence's formulas: the comment over its section below).
 
 Truth (fp64, logits materialized)::
 
@@ -30,15 +31,23 @@ a fused kernel is held to "no worse than k x what the materialized path gets".
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 __all__ = [
+    "DIVERGENCE_KINDS",
+    "DIVERGENCE_OUTPUTS",
     "OUTPUTS",
     "materialized_baseline",
     "materialized_baseline_from_logits",
+    "materialized_divergence_baseline",
+    "materialized_divergence_baseline_from_logits",
     "reference_all",
     "reference_chunked",
+    "reference_divergence",
+    "reference_divergence_from_logits",
     "reference_extras",
     "reference_from_logits",
     "reference_grads",
@@ -578,3 +587,354 @@ def materialized_baseline_from_logits(
         scaled = capped / temperature if temperature != 1.0 else capped
         stats = _baseline_statistics(scaled, targets, ignore_index, v)
         return _autograd_result(stats, targets.shape, upstream, {"grad_logits": x})
+
+
+# ----------------------------------------------------------------------------------------
+# Divergences between a student head and a teacher head (``linear_divergence``)
+#
+# Truth (fp64, both heads' logits materialized, rows whose mask is False dropped first)::
+#
+#     z_s = softcap_s(s_s (h W^T + b)) / T          z_t = softcap_t(s_t (h_t W_t^T + b_t)) / T_t
+#     log p = log_softmax(z_s[:, :V])               log q = log_softmax(z_t[:, :V])
+#     forward_kl = sum q (log q - log p)            reverse_kl = sum p (log p - log q)
+#     jsd = beta sum q (log q - log m) + (1 - beta) sum p (log p - log m),
+#           log m = logsumexp([log p + log(1 - beta), log q + log(beta)])
+#     student_entropy = -sum p log p,  teacher_entropy = -sum q log q
+#
+# A term whose weight (q or p) is exactly 0, such as a top-k teacher's -inf column, is 0
+# (the limit x log x -> 0), never 0 * inf. Gradients are autograd's through that graph for
+# ``sum(upstream * divergence)``; masked rows contribute nothing, so a NaN in a masked
+# hidden row reaches no output and no gradient.
+
+DIVERGENCE_OUTPUTS: tuple[str, ...] = ("divergence", "student_entropy", "teacher_entropy")
+"""Names of ``linear_divergence``'s per-row outputs, in ``DivergenceOutput`` order."""
+
+DIVERGENCE_KINDS: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
+"""The divergences ``linear_divergence`` computes."""
+
+
+def _weighted_gap(weight: Tensor, log_weight: Tensor, other: Tensor | float) -> Tensor:
+    """``sum_v weight (log_weight - other)`` per row, a term being 0 where ``weight == 0``."""
+    live = weight > 0
+    gap = torch.where(live, log_weight, torch.zeros_like(log_weight)) - other
+    return torch.where(live, weight * gap, torch.zeros_like(gap)).sum(-1)
+
+
+def _divergence_statistics(logp: Tensor, logq: Tensor, kind: str, beta: float) -> dict[str, Tensor]:
+    """Per-row divergence and both entropies from student / teacher log-probs ``[rows, V]``."""
+    p, q = logp.exp(), logq.exp()
+    if kind == "forward_kl":
+        div = _weighted_gap(q, logq, logp)
+    elif kind == "reverse_kl":
+        div = _weighted_gap(p, logp, logq)
+    else:
+        parts = torch.stack([logp + math.log(1 - beta), logq + math.log(beta)])
+        logm = torch.logsumexp(parts, dim=0)
+        div = beta * _weighted_gap(q, logq, logm) + (1 - beta) * _weighted_gap(p, logp, logm)
+    return {
+        "divergence": div,
+        "student_entropy": -_weighted_gap(p, logp, 0.0),
+        "teacher_entropy": -_weighted_gap(q, logq, 0.0),
+    }
+
+
+def _divergence_rows(
+    operand: str,
+    lead: torch.Size,
+    columns: int,
+    *,
+    kind: str,
+    beta: float,
+    mask: Tensor | None,
+    vocab_size: int | None,
+    upstream: Tensor | None,
+) -> tuple[int, Tensor]:
+    """The checks every divergence entry point makes; returns V and the kept rows' indices
+    (into the flattened leading shape ``lead`` of ``operand``)."""
+    if kind not in DIVERGENCE_KINDS:
+        raise ValueError(f"kind must be one of {DIVERGENCE_KINDS}, got {kind!r}")
+    if kind == "jsd" and not 0 < beta < 1:
+        raise ValueError(f"beta must be in (0, 1) for jsd, got {beta}")
+    v = columns if vocab_size is None else vocab_size
+    if not 1 <= v <= columns:
+        raise ValueError(f"vocab_size must be in [1, {columns}] (the columns given), got {v}")
+    if mask is not None and (mask.dtype != torch.bool or mask.shape != lead):
+        raise ValueError(
+            f"mask must be bool with {operand}'s leading shape {tuple(lead)}, got "
+            f"{mask.dtype} {tuple(mask.shape)}"
+        )
+    if upstream is not None and upstream.shape != lead:
+        raise ValueError(
+            f"upstream must have {operand}'s leading shape {tuple(lead)} (one value per row), "
+            f"got {tuple(upstream.shape)}"
+        )
+    keep = torch.ones(lead, dtype=torch.bool) if mask is None else mask.cpu()
+    return v, keep.reshape(-1).nonzero().squeeze(-1)
+
+
+def _head_z(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    v: int,
+    *,
+    logit_scale: float | None,
+    softcap: float | None,
+    temperature: float,
+    exact: bool,
+) -> Tensor:
+    """One head's softmax arguments ``[rows, V]``: fp64 from fp64 operands (``exact``), or
+    formed in the operands' (wider) dtype over every weight row, as a user writes it, and
+    upcast to float32 after the cut to ``V`` columns."""
+    if exact:
+        hidden, weight = hidden.to(torch.float64), weight[:v].to(torch.float64)
+        bias = None if bias is None else bias[:v].to(torch.float64)
+    else:
+        dtype = torch.promote_types(hidden.dtype, weight.dtype)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    logits = hidden @ weight.T
+    if bias is not None:
+        logits = logits + bias
+    if logit_scale is not None:
+        logits = logits * logit_scale
+    z = _softcapped(logits, softcap)
+    if temperature != 1.0:
+        z = z / temperature
+    return z if exact else z[:, :v].float()
+
+
+def _scatter_rows(stats: dict[str, Tensor], rows: Tensor, n: int) -> dict[str, Tensor]:
+    """Each kept-row statistic placed at ``rows`` of a zero ``[n]`` vector (differentiably)."""
+    return {
+        name: value.new_zeros(n).index_put((rows.to(value.device),), value)
+        for name, value in stats.items()
+    }
+
+
+def _linear_divergence(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    *,
+    exact: bool,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    teacher_temperature: float | None = None,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    logit_scale: float | None = None,
+    teacher_logit_scale: float | None = None,
+    vocab_size: int | None = None,
+    upstream: Tensor | None = None,
+) -> dict[str, Tensor | None]:
+    """:func:`reference_divergence` (``exact``) or :func:`materialized_divergence_baseline`."""
+    lead = hidden.shape[:-1]
+    if teacher_hidden.shape[:-1] != lead or teacher_weight.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"teacher_hidden {tuple(teacher_hidden.shape)} / teacher_weight "
+            f"{tuple(teacher_weight.shape)} must share hidden's leading shape {tuple(lead)} "
+            f"and weight's rows {weight.shape[0]}"
+        )
+    _check_bias(bias, weight)
+    _check_bias(teacher_bias, teacher_weight)
+    v, rows = _divergence_rows(
+        "hidden", lead, weight.shape[0], kind=kind, beta=beta, mask=mask,
+        vocab_size=vocab_size, upstream=upstream,
+    )  # fmt: skip
+    needed = upstream is not None
+
+    def leaf(x: Tensor | None, grad: bool) -> Tensor | None:
+        if x is None:
+            return None
+        x = x.detach().to(torch.float64) if exact else x.detach().clone()
+        return x.requires_grad_(grad)
+
+    h = leaf(hidden.reshape(-1, hidden.shape[-1]), needed)
+    w, b = leaf(weight, needed), leaf(bias, needed)
+    th = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
+    t_temp = temperature if teacher_temperature is None else teacher_temperature
+    with torch.enable_grad():
+        idx = rows.to(h.device)  # type: ignore[union-attr]
+        zs = _head_z(
+            h[idx], w, b, v, logit_scale=logit_scale, softcap=softcap,  # type: ignore[index]
+            temperature=temperature, exact=exact,
+        )  # fmt: skip
+        zt = _head_z(
+            th[idx], teacher_weight.detach(), leaf(teacher_bias, False), v,
+            logit_scale=teacher_logit_scale, softcap=teacher_softcap, temperature=t_temp,
+            exact=exact,
+        )  # fmt: skip
+        stats = _divergence_statistics(zs.log_softmax(-1), zt.log_softmax(-1), kind, beta)
+        flat = _scatter_rows(stats, rows, lead.numel())
+        up = {} if upstream is None else {"divergence": upstream.to(zs.dtype).reshape(-1)}
+        leaves = {"grad_hidden": h, "grad_weight": w, "grad_bias": b}
+        result = _autograd_result(flat, torch.Size([lead.numel()]), up, leaves)
+    for name in DIVERGENCE_OUTPUTS:
+        result[name] = result[name].reshape(lead)  # type: ignore[union-attr]
+    return _hidden_shaped(result, hidden)
+
+
+def reference_divergence(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    *,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    teacher_temperature: float | None = None,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    logit_scale: float | None = None,
+    teacher_logit_scale: float | None = None,
+    vocab_size: int | None = None,
+    upstream: Tensor | None = None,
+) -> dict[str, Tensor | None]:
+    """fp64 truth of ``linear_divergence`` (student head vs teacher head) and its gradients.
+
+    Args:
+        hidden: ``[*, H]`` student hidden states, any float dtype (upcast exactly).
+        weight: ``[V_pad, H]`` the full student head (not a shard).
+        teacher_hidden: ``[*, H_t]`` teacher hidden states (same leading shape).
+        teacher_weight: ``[V_pad, H_t]`` the full teacher head (same rows as ``weight``).
+        kind: ``"forward_kl"`` (KL(q || p)), ``"reverse_kl"`` (KL(p || q)) or ``"jsd"``.
+        beta: jsd's mixture weight of the teacher, in (0, 1).
+        temperature: the student's ``T``.
+        teacher_temperature: the teacher's ``T_t``; None: ``temperature``.
+        mask: ``[*]`` bool; False rows: every output 0, no gradient. None: every row.
+        bias, teacher_bias: ``[V_pad]`` each head's bias, or None.
+        softcap, teacher_softcap: each head's cap ``c`` (``c tanh(l / c)``), or None.
+        logit_scale, teacher_logit_scale: each head's multiplier (before the cap), or None.
+        vocab_size: real vocabulary V; rows ``>= V`` are padding. None: V_pad.
+        upstream: ``[*]`` per-row upstream gradient of the divergence, or None (no grads).
+
+    Returns:
+        ``{"divergence", "student_entropy", "teacher_entropy"}``: ``[*]`` float64, 0 on
+        masked rows; ``"grad_hidden"`` ``[*, H]``, ``"grad_weight"`` ``[V_pad, H]`` (0 on
+        padding rows) and ``"grad_bias"`` ``[V_pad]`` (None without bias) float64: the
+        gradients of ``sum(upstream * divergence)``; all None without ``upstream``.
+
+    Raises:
+        ValueError: a bad kind / beta / vocab_size / mask / upstream, or mismatched shapes.
+    """
+    return _linear_divergence(
+        hidden, weight, teacher_hidden, teacher_weight, exact=True, kind=kind, beta=beta,
+        temperature=temperature, teacher_temperature=teacher_temperature, mask=mask, bias=bias,
+        teacher_bias=teacher_bias, softcap=softcap, teacher_softcap=teacher_softcap,
+        logit_scale=logit_scale, teacher_logit_scale=teacher_logit_scale,
+        vocab_size=vocab_size, upstream=upstream,
+    )  # fmt: skip
+
+
+def materialized_divergence_baseline(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    **options: object,
+) -> dict[str, Tensor | None]:
+    """The plain computation a user writes (the yardstick of ``linear_divergence``): each
+    head's logits (bias, scale, cap, temperature) in its inputs' dtype over every weight
+    row, cut to V columns, upcast to float32, ``log_softmax``, the divergence in float32.
+
+    Arguments (keyword ``options`` included) as in :func:`reference_divergence`.
+
+    Returns:
+        The keys of :func:`reference_divergence`: outputs ``[*]`` float32; gradients in
+        the dtypes of hidden, weight and bias.
+    """
+    return _linear_divergence(
+        hidden, weight, teacher_hidden, teacher_weight, exact=False, **options  # type: ignore[arg-type]
+    )
+
+
+def _divergence_from_logits(
+    logits: Tensor,
+    teacher_logprobs: Tensor,
+    *,
+    exact: bool,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    mask: Tensor | None = None,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
+    vocab_size: int | None = None,
+    upstream: Tensor | None = None,
+) -> dict[str, Tensor | None]:
+    """:func:`reference_divergence_from_logits` (``exact``) or its materialized baseline."""
+    lead = logits.shape[:-1]
+    if teacher_logprobs.shape != logits.shape:
+        raise ValueError(
+            f"teacher_logprobs {tuple(teacher_logprobs.shape)} must have logits' shape "
+            f"{tuple(logits.shape)}"
+        )
+    v, rows = _divergence_rows(
+        "logits", lead, logits.shape[-1], kind=kind, beta=beta, mask=mask,
+        vocab_size=vocab_size, upstream=upstream,
+    )  # fmt: skip
+    cols = logits.shape[-1]
+    x = logits.detach().reshape(-1, cols)
+    x = (x.to(torch.float64) if exact else x.clone()).requires_grad_(upstream is not None)
+    teacher = teacher_logprobs.detach().reshape(-1, cols)[:, :v]
+    teacher = teacher.to(torch.float64 if exact else torch.float32)
+    with torch.enable_grad():
+        idx = rows.to(x.device)
+        l = x[idx][:, :v] if exact else x[idx]
+        if logit_scale is not None:
+            l = l * logit_scale
+        z = _softcapped(l, softcap)
+        if temperature != 1.0:
+            z = z / temperature
+        z = z if exact else z[:, :v].float()
+        logq = teacher[idx].log_softmax(-1)
+        stats = _divergence_statistics(z.log_softmax(-1), logq, kind, beta)
+        flat = _scatter_rows(stats, rows, lead.numel())
+        up = {} if upstream is None else {"divergence": upstream.to(z.dtype).reshape(-1)}
+        result = _autograd_result(flat, lead, up, {"grad_logits": x})
+    if result["grad_logits"] is not None:
+        result["grad_logits"] = result["grad_logits"].reshape(logits.shape)
+    return result
+
+
+def reference_divergence_from_logits(
+    logits: Tensor, teacher_logprobs: Tensor, **options: object
+) -> dict[str, Tensor | None]:
+    """fp64 truth of ``vocab_parallel_divergence`` (student logits vs teacher log-probs).
+
+    Args:
+        logits: ``[*, V_pad]`` the full (gathered) student logits, any float dtype.
+        teacher_logprobs: ``[*, V_pad]`` the teacher's log-probs, taken as logits and
+            renormalized over the first V columns (``-inf`` columns: a top-k payload).
+        **options: ``kind``, ``beta``, ``temperature``, ``mask``, ``softcap``,
+            ``logit_scale``, ``vocab_size``, ``upstream`` as in :func:`reference_divergence`
+            (the transform applies to the student only).
+
+    Returns:
+        ``{"divergence", "student_entropy", "teacher_entropy"}`` ``[*]`` float64 and
+        ``"grad_logits"`` ``[*, V_pad]`` float64 (0 in padding columns and masked rows), or
+        None without ``upstream``.
+    """
+    return _divergence_from_logits(logits, teacher_logprobs, exact=True, **options)  # type: ignore[arg-type]
+
+
+def materialized_divergence_baseline_from_logits(
+    logits: Tensor, teacher_logprobs: Tensor, **options: object
+) -> dict[str, Tensor | None]:
+    """The plain computation from low-precision logits: scale, cap and temperature in the
+    logits' dtype, then float32 ``log_softmax`` of both sides over V columns.
+
+    Arguments and keys as in :func:`reference_divergence_from_logits`; outputs float32,
+    ``grad_logits`` in the logits' dtype.
+    """
+    return _divergence_from_logits(logits, teacher_logprobs, exact=False, **options)  # type: ignore[arg-type]

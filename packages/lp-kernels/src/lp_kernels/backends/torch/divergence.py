@@ -62,6 +62,8 @@ class TorchEngine:
         z, slope, y = state
         lse_s, lse_t, div, k = saved.unbind(dim=1)
         dz = d_student_(z, y, lse_s, lse_t, div, k, g, dp.kind, dp.beta)
+        if slope is not None:  # a row with g = 0 may hold any logits (NaN: NaN slope)
+            slope = torch.where(g[:, None] != 0, slope, 0.0)
         return dp.student.transform.chain_(dz, slope)
 
 
