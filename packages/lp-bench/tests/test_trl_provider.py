@@ -1,12 +1,13 @@
-"""``lp bench``'s ``trl`` provider (TRL's fused head) against the materialized path, on CPU,
-where TRL's head folds its tiles in torch. Runs in the ``adapters`` nox session, which
-installs TRL; skipped where TRL is not installed."""
+"""``lp bench``'s ``trl`` provider (TRL's fused head; in distill mode its chunked divergence)
+against the materialized path, on CPU, where TRL folds its tiles in torch. Runs in the
+``adapters`` nox session, which installs TRL; skipped where TRL is not installed."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from lp_bench.distill import KINDS, DistillProblem, make_distill_provider, make_teacher
 from lp_bench.protocol import loss_per_token, make_bias, make_inputs, policy_loss
 from lp_bench.providers import LossProblem, make_provider, provider_available
 from lp_testing.trainers import import_trainer
@@ -52,3 +53,25 @@ def test_trl_loss_step_runs_the_loss_on_its_logprobs():
     torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
     for a, b in zip(leaves, ref_leaves, strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=2e-5, atol=2e-6)
+
+
+def _distill_step(name: str, kind: str):
+    """One distill step of provider ``name`` (teacher twice as wide, fp32):
+    (divergence, grad_hidden, grad_weight)."""
+    hidden, weight, _, grad_out = make_inputs(N, H, V, device="cpu", dtype=torch.float32)
+    problem = DistillProblem(*make_teacher(hidden, weight, 2), kind=kind, beta=0.5)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    div, _ = make_distill_provider(name, problem).step(h, w, grad_out)
+    return div, h.grad, w.grad
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trl_chunked_divergence_matches_the_materialized_path(kind):
+    """TRL's ``ChunkedDivergenceFunction`` with the provider's beta mapping (0: forward KL,
+    1: reverse KL, jsd: its beta) computes the materialized path's divergence and
+    gradients."""
+    import_trainer("trl")
+    got, want = _distill_step("trl", kind), _distill_step("materialized", kind)
+    assert float(want[0].min()) > 0.0
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)

@@ -7,6 +7,8 @@ Modules, each with one job (none imports another's private names):
   and the run loop that writes one row per (mode, entropy, provider, shape, dtype);
 - :mod:`lp_bench.providers`: what is timed (lp's backends, the materialized path, peers);
   providers only set up a step, they never time or measure;
+- :mod:`lp_bench.distill`: the distill mode's problem (a teacher head), its providers,
+  its floor and its reference;
 - :mod:`lp_bench.timing` / :mod:`lp_bench.memory`: the one harness that times and measures;
 - :mod:`lp_bench.check`: ``lp check``, the self-test; :mod:`lp_bench.demo`: ``lp demo``;
 - :mod:`lp_bench.table`, :mod:`lp_bench.report`, :mod:`lp_bench.plot`: rendering;

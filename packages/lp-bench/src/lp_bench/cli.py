@@ -1,6 +1,8 @@
 """``lp``: the command line of lp-bench (the project's main job).
 
-    lp bench   [--grid] [--mode train,fwd,loss] [--entropy [off|on|both]] [--shapes S1,..|NxHxV]
+    lp bench   [--grid] [--mode train,fwd,loss,distill] [--entropy [off|on|both]]
+               [--kind reverse_kl,forward_kl,jsd] [--beta B] [--teacher-scale 1,2]
+               [--shapes S1,..|NxHxV]
                [--backends ...] [--dtype ...] [--temperature T] [--softcap C] [--bias]
                [--reps R] [--warmup W]
                [--warm-s S] [--device auto|cpu|cuda] [--tp N] [--seed S] [--no-check]
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 from lp_bench import protocol
+from lp_bench.distill import DISTILL_SHAPES, KINDS, TEACHER_SCALES
 from lp_bench.environment import device_name, dist_version, environment
 from lp_bench.providers import (
     ALL_PROVIDERS,
@@ -105,6 +108,37 @@ def _modes_arg(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _kinds_arg(text: str) -> tuple[str, ...]:
+    kinds = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    if kinds == ("all",):
+        return KINDS
+    for kind in kinds:
+        if kind not in KINDS:
+            raise argparse.ArgumentTypeError(
+                f"unknown kind {kind!r}; choose from {', '.join(KINDS)}"
+            )
+    if not kinds:
+        raise argparse.ArgumentTypeError("no kind given")
+    return kinds
+
+
+def _scales_arg(text: str) -> tuple[int, ...]:
+    try:
+        scales = tuple(dict.fromkeys(int(s) for s in text.split(",") if s.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not scales or min(scales) < 1:
+        raise argparse.ArgumentTypeError(f"need integers >= 1, got {text!r}")
+    return scales
+
+
+def _beta_arg(text: str) -> float:
+    value = _finite_float(text, low=0.0, strict=True)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"jsd's beta must be in (0, 1), got {text}")
+    return value
+
+
 def _backends_arg(text: str) -> tuple[str, ...]:
     names = tuple(s.strip() for s in text.split(",") if s.strip())
     if not names:
@@ -175,31 +209,38 @@ def bench_config(
                 parser.error(f"argument --backends: {name} is not available here: {why}")
     shapes = args.shapes
     if shapes is None:
-        shapes = tuple(
-            (k, *v) for k, v in (protocol.SHAPES if cuda else protocol.CPU_SHAPES).items()
-        )
+        table = protocol.SHAPES if cuda else protocol.CPU_SHAPES
+        if cuda and "distill" in modes:  # the teacher doubles the work: four shapes
+            table = {k: protocol.SHAPES[k] for k in DISTILL_SHAPES}
+        shapes = tuple((k, *v) for k, v in table.items())
     if args.dtype is None:
         dtypes = protocol.default_dtypes(device)
     else:
         dtypes = ("fp32", "bf16") if args.dtype == "both" else (args.dtype,)
     entropy = ENTROPY_CHOICES[args.entropy or ("both" if args.grid else "off")]
-    return protocol.BenchConfig(
-        shapes=shapes,
-        providers=providers,
-        dtypes=dtypes,
-        device=device,
-        modes=modes,
-        entropy=entropy,
-        temperature=args.temperature,
-        reps=args.reps if args.reps is not None else (5 if cuda else 3),
-        warmup=args.warmup if args.warmup is not None else (2 if cuda else 1),
-        warm_s=(args.warm_s if args.warm_s is not None else 1.0) if cuda else 0.0,
-        check=not args.no_check,
-        seed=args.seed,
-        tp=args.tp,
-        softcap=args.softcap,
-        bias=args.bias,
-    )
+    try:
+        return protocol.BenchConfig(
+            shapes=shapes,
+            providers=providers,
+            dtypes=dtypes,
+            device=device,
+            modes=modes,
+            entropy=entropy,
+            temperature=args.temperature,
+            reps=args.reps if args.reps is not None else (5 if cuda else 3),
+            warmup=args.warmup if args.warmup is not None else (2 if cuda else 1),
+            warm_s=(args.warm_s if args.warm_s is not None else 1.0) if cuda else 0.0,
+            check=not args.no_check,
+            seed=args.seed,
+            tp=args.tp,
+            softcap=args.softcap,
+            bias=args.bias,
+            kinds=args.kind,
+            beta=args.beta,
+            teacher_scales=args.teacher_scale,
+        )
+    except ValueError as exc:  # a combination the run cannot make
+        parser.error(str(exc))
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str, rank: int):
@@ -215,6 +256,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, device: st
     )
     floors = ", ".join(
         f"{m} {k} matmul{'s' if k > 1 else ''}"
+        + (" (4 student, 2 teacher)" if m == "distill" else "")
         for m, k in protocol.FLOOR_MATMULS.items()
         if m in cfg.modes
     )
@@ -225,6 +267,12 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, device: st
         f"providers {', '.join(cfg.providers)}; dtypes {', '.join(cfg.dtypes)}; "
         f"T={cfg.temperature}"
         + (f"; {protocol.options_label(cfg.softcap, cfg.bias)}" if cfg.softcap or cfg.bias else "")
+        + (
+            f"; distill: {', '.join(cfg.kinds)} (jsd beta {cfg.beta:g}), teacher H_t = "
+            + ", ".join(f"{s}H" for s in cfg.teacher_scales)
+            if "distill" in cfg.modes
+            else ""
+        )
         + f"; median of {cfg.reps} after {cfg.warmup} warm-up"
         + (f" (and >= {cfg.warm_s:g} s: steady clocks)" if cfg.warm_s else "")
         + f"; {floors}errors vs the {ref} reference"
@@ -314,7 +362,7 @@ class Progress:
             status = f"{row['ms']:.2f} ms"
         else:
             status = row["error"] or f"skipped: {row['skipped']}"
-        run = protocol.run_label(row["mode"], row["entropy"])
+        run = protocol.row_label(row)
         print(
             f"  [{self.done}/{self.total}] {self.what} {run} {row['provider']}: {status}",
             flush=True,
@@ -419,6 +467,28 @@ def _cmd_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 # ----------------------------------------------------------------------------- parser
 
 
+def _add_distill_arguments(parser: argparse.ArgumentParser) -> None:
+    """``lp bench``'s options of the distill mode."""
+    parser.add_argument(
+        "--kind",
+        type=_kinds_arg,
+        default=("reverse_kl",),
+        help="distill mode: the divergences, comma-separated: reverse_kl (KL(student || "
+        "teacher)), forward_kl (KL(teacher || student)), jsd (generalized JSD, mixture "
+        "beta teacher + (1 - beta) student) or all; default reverse_kl",
+    )
+    parser.add_argument(
+        "--beta", type=_beta_arg, default=0.5, help="distill mode: jsd's beta (default 0.5)"
+    )
+    parser.add_argument(
+        "--teacher-scale",
+        type=_scales_arg,
+        default=TEACHER_SCALES,
+        help="distill mode: teacher hidden sizes in multiples of the student's H, "
+        "comma-separated (default 1,2)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lp", description="lp: LM-head log-probs without materialized logits."
@@ -431,8 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="The performance protocol. train: forward + backward of a per-token "
         "logprob with a random upstream gradient, floor = 4 cuBLAS matmuls of the shape; fwd: "
         "forward only under torch.no_grad, floor = 1 matmul; loss: forward + backward of a "
-        "DAPO loss with a k3 KL penalty to reference log-probs, floor = train's 4 matmuls; the "
-        "floors measured in the same run. On a GPU the S1-S6 shapes and errors against an "
+        "DAPO loss with a k3 KL penalty to reference log-probs, floor = train's 4 matmuls; "
+        "distill: forward + backward of a divergence between the student head and a teacher "
+        "head (--kind, --teacher-scale) with a per-row upstream gradient, floor = 6 matmuls "
+        "(4 of the student's shape, 2 of the teacher's); the floors measured in the same run. "
+        "On a GPU the S1-S6 shapes and errors against an "
         "fp32 reference; on CPU a small embedded problem timed with perf_counter, errors "
         "against fp64. Peers (liger-kernel, cut-cross-entropy, TRL's fused head) join "
         "when importable. --tp N under torchrun shards the head over N ranks. Exit status 1 "
@@ -451,8 +524,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="train (forward + backward), fwd (forward only, under no_grad), loss (forward + "
         "backward of a DAPO loss with a k3 KL penalty: linear_logprob_loss against lp's "
-        "log-probs + the loss, the materialized path + the loss and liger's GRPO loss) or a "
-        "list, e.g. train,fwd; default train (--grid: train,fwd)",
+        "log-probs + the loss, the materialized path + the loss and liger's GRPO loss), "
+        "distill (forward + backward of a student-teacher divergence with a per-row upstream "
+        "gradient: linear_divergence, the materialized path, liger's fused linear JSD, TRL's "
+        "chunked divergence; floor = 6 matmuls; GPU shapes S1, S2, S4, S5 unless --shapes) "
+        "or a list, e.g. train,fwd; default train (--grid: train,fwd)",
     )
     bench.add_argument(
         "--entropy",
@@ -465,6 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(--grid: both). Peers without entropy run logprob only, marked so (loss mode: "
         "skipped)",
     )
+    _add_distill_arguments(bench)
     bench.add_argument(
         "--shapes",
         type=_shapes_arg,

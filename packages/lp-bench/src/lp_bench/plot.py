@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from lp_bench.protocol import run_label
+from lp_bench.protocol import row_label
 
 
 def write_plot(rows: list[dict], path: Path, device: str) -> bool:
@@ -19,7 +19,7 @@ def write_plot(rows: list[dict], path: Path, device: str) -> bool:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r.get("ms") is not None]
-    runs = list(dict.fromkeys(run_label(r["mode"], r["entropy"]) for r in ok)) or ["-"]
+    runs = list(dict.fromkeys(row_label(r) for r in ok)) or ["-"]
     groups = list(dict.fromkeys(f"{r['shape']} {r['dtype']}" for r in ok))
     provs = list(dict.fromkeys(r["provider"] for r in ok))
     cuda = device == "cuda"
@@ -29,7 +29,7 @@ def write_plot(rows: list[dict], path: Path, device: str) -> bool:
     )
     width = 0.8 / max(len(provs), 1)
     for col, run in enumerate(runs):
-        sel = [r for r in ok if run_label(r["mode"], r["entropy"]) == run]
+        sel = [r for r in ok if row_label(r) == run]
         for j, prov in enumerate(provs):
             by_group = {f"{r['shape']} {r['dtype']}": r for r in sel if r["provider"] == prov}
             xs = [i + j * width for i, g in enumerate(groups) if g in by_group]

@@ -1,7 +1,9 @@
 """The performance protocol of ``lp bench``: shapes, modes, inputs, and the run loop.
 
 One run is a grid: shapes x dtypes x modes x {logprob, +entropy} x providers, one row
-each (the row schema is :data:`ROW_KEYS`). Per shape and dtype, in one process:
+each (the row schema is :data:`ROW_KEYS`); the ``distill`` mode's rows are shapes x dtypes
+x teacher scales x kinds x providers instead (:func:`distill_rows`, the problem and its
+providers in :mod:`lp_bench.distill`). Per shape and dtype, in one process:
 
 - inputs: bf16 (on GPU) ``hidden [N, H]``, ``weight [V, H]`` with LM-like logit magnitudes
   (std about 2), targets, a per-token upstream gradient for logprob (and one for entropy);
@@ -10,7 +12,8 @@ each (the row schema is :data:`ROW_KEYS`). Per shape and dtype, in one process:
   provider, whose row is skipped where it cannot take them);
 - floor (GPU only), per mode, measured in the same run at steady state: ``train`` and
   ``loss``: four back-to-back cuBLAS ``[N, H] x [H, V]`` matmuls (forward logits, backward
-  recompute, two gradient GEMMs); ``fwd``: one such matmul;
+  recompute, two gradient GEMMs); ``fwd``: one such matmul; ``distill``: those four plus
+  two of the teacher's ``[N, H_t] x [H_t, V]`` (its forward and backward logits);
 - ``loss`` mode's objective (:func:`policy_loss`, :func:`loss_per_token`), made once per
   shape from the reference's log-probs: DAPO's clipped surrogate (clip 0.2 / 0.28,
   token-mean weights) with a k3 KL penalty (0.04) to reference log-probs; old and reference
@@ -50,6 +53,16 @@ from dataclasses import dataclass
 
 import torch
 
+from lp_bench.distill import (
+    KINDS,
+    TEACHER_SCALES,
+    DistillProblem,
+    Kind,
+    distill_floor,
+    distill_reference,
+    make_distill_provider,
+    make_teacher,
+)
 from lp_bench.memory import peak_bytes
 from lp_bench.providers import (
     MODES,
@@ -78,9 +91,10 @@ DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
 }
 """Input dtypes by their command-line name."""
-FLOOR_MATMULS: dict[str, int] = {"train": 4, "fwd": 1, "loss": 4}
+FLOOR_MATMULS: dict[str, int] = {"train": 4, "fwd": 1, "loss": 4, "distill": 6}
 """The floor of each mode, in matmuls of the step's shape (``loss``: the train step's, which
-``linear_logprob_loss``'s three GEMMs can go below)."""
+``linear_logprob_loss``'s three GEMMs can go below; ``distill``: four of the student's shape
+and two of the teacher's, :func:`lp_bench.distill.distill_floor`)."""
 SEQ_LEN = 1024
 """Tokens per sequence in ``loss`` mode (one advantage per sequence)."""
 KL_COEF = 0.04
@@ -92,6 +106,7 @@ LOSS_NOISE = 0.1
 log-probs (about 2 % of the ratios fall outside DAPO's clip bounds)."""
 ERROR_KEYS = (
     "err_loss",
+    "err_divergence",
     "err_logprob",
     "maxabs_logprob",
     "err_entropy",
@@ -116,6 +131,9 @@ ROW_KEYS = (
     "temperature",
     "softcap",
     "bias",
+    "kind",
+    "beta",
+    "H_t",
     "floor_ms",
     "floor_matmuls",
     "ms",
@@ -264,6 +282,12 @@ class BenchConfig:
     """Final-logit cap ``c``: ``z = c * tanh(l / c) / T``; None: no cap."""
     bias: bool = False
     """Add a random LM-head bias ``[V]`` (:func:`make_bias`) to the logits."""
+    kinds: tuple[Kind, ...] = ("reverse_kl",)
+    """``distill`` mode: the divergences (:data:`lp_bench.distill.KINDS`)."""
+    beta: float = 0.5
+    """``distill`` mode: jsd's mixture weight of the teacher, in (0, 1)."""
+    teacher_scales: tuple[int, ...] = TEACHER_SCALES
+    """``distill`` mode: teacher hidden sizes ``H_t``, in multiples of the student's ``H``."""
 
     def __post_init__(self) -> None:
         for mode in self.modes:
@@ -280,17 +304,48 @@ class BenchConfig:
             raise ValueError(
                 f"BenchConfig.softcap: must be None or a finite number > 0, got {self.softcap}"
             )
+        if "distill" in self.modes:
+            self._check_distill()
+
+    def _check_distill(self) -> None:
+        """Reject distill-mode settings it does not run (with the fix in the message)."""
+        bad = [k for k in self.kinds if k not in KINDS]
+        if bad or not self.kinds:
+            raise ValueError(f"BenchConfig.kinds: need one or more of {KINDS}, got {self.kinds}")
+        if not 0 < self.beta < 1:
+            raise ValueError(f"BenchConfig.beta: jsd needs 0 < beta < 1, got {self.beta}")
+        if not self.teacher_scales or min(self.teacher_scales) < 1:
+            raise ValueError(
+                f"BenchConfig.teacher_scales: need integers >= 1, got {self.teacher_scales}"
+            )
+        if self.tp > 1 or self.softcap is not None or self.bias:
+            raise ValueError(
+                "BenchConfig: distill mode runs on one device without softcap or bias; "
+                "drop --tp / --softcap / --bias or run distill separately"
+            )
 
     @property
     def size(self) -> int:
         """The number of rows of the run."""
-        per_problem = len(self.modes) * len(self.entropy) * len(self.providers)
-        return len(self.shapes) * len(self.dtypes) * per_problem
+        others = len([m for m in self.modes if m != "distill"]) * len(self.entropy)
+        if "distill" in self.modes:  # entropy plays no part in a distill row
+            others += len(self.kinds) * len(self.teacher_scales)
+        return len(self.shapes) * len(self.dtypes) * others * len(self.providers)
 
 
 def run_label(mode: str, entropy: bool) -> str:
     """``train``, ``train+entropy``, ``fwd``, ``fwd+entropy``, ``loss``, ``loss+entropy``."""
     return f"{mode}+entropy" if entropy else mode
+
+
+def row_label(row: dict) -> str:
+    """A row's run: :func:`run_label`, or for a distill row ``distill <kind>, H_t=<s>H``
+    (jsd with its beta: ``distill jsd(0.5), H_t=2H``)."""
+    if row["mode"] != "distill":
+        return run_label(row["mode"], row["entropy"])
+    kind = f"jsd({row['beta']:g})" if row["kind"] == "jsd" else row["kind"]
+    scale = row["H_t"] // row["H"] if row["H_t"] % row["H"] == 0 else f"{row['H_t'] / row['H']:g}"
+    return f"distill {kind}, H_t={scale}H"
 
 
 def options_label(softcap: float | None, bias: bool | None) -> str:
@@ -378,6 +433,34 @@ def loss_reference(cfg: BenchConfig, inputs: tuple, outputs: dict, problem: Loss
     return bench_reference(cfg, inputs, **upstream) | {"loss": loss.detach()}
 
 
+def new_row(cfg: BenchConfig, shape: Shape, dtype_name: str, env: dict | None) -> dict:
+    """A row of :data:`ROW_KEYS` with the run's fields filled: the environment (``env``,
+    from :func:`lp_bench.environment.environment`), the shape, dtype and ``cfg``'s options;
+    the rest None."""
+    name, n, h, v = shape
+    row = dict.fromkeys(ROW_KEYS) | {k: (env or {}).get(k) for k in ENV_ROW_KEYS}
+    row |= {"shape": name, "N": n, "H": h, "V": v, "dtype": dtype_name, "tp": cfg.tp}
+    return row | {"temperature": cfg.temperature, "softcap": cfg.softcap, "bias": cfg.bias}
+
+
+def _loss_inputs(cfg: BenchConfig, reference: Callable[..., dict]):
+    """``(per_token, why_not)``: the loss mode's per-token inputs from the reference's
+    log-probs (``reference("fwd")``), the same on every rank, or None and why not (None
+    and None without loss mode)."""
+    if "loss" not in cfg.modes:
+        return None, None
+    why = losses_unavailable()
+    if why is not None:
+        return None, why
+    per_token = loss_per_token(reference("fwd")["logprob"], seed=cfg.seed)
+    if cfg.tp > 1:  # every rank's loss must see the same values
+        import torch.distributed as dist
+
+        for value in per_token.values():
+            dist.broadcast(value, 0)
+    return per_token, None
+
+
 def bench_problem(
     shape: Shape,
     dtype_name: str,
@@ -391,7 +474,7 @@ def bench_problem(
     :data:`ROW_KEYS`; ``on_row`` is called with each as it is done; ``env`` (from
     :func:`lp_bench.environment.environment`) fills the environment keys.
     """
-    name, n, h, v = shape
+    _, n, h, v = shape
     cuda = cfg.device == "cuda"
     hidden, weight, targets, grad_out = make_inputs(
         n, h, v, seed=cfg.seed, device=cfg.device, dtype=DTYPES[dtype_name]
@@ -419,19 +502,12 @@ def bench_problem(
             refs[key] = bench_reference(cfg, ref_inputs, **upstream)
         return refs[key]
 
-    per_token, loss_skip = None, None
-    if "loss" in cfg.modes:
-        loss_skip = losses_unavailable()
-        if loss_skip is None:  # the model's log-probs: the reference's forward
-            per_token = loss_per_token(reference("fwd")["logprob"], seed=cfg.seed)
-            if cfg.tp > 1:  # every rank's loss must see the same values
-                import torch.distributed as dist
-
-                for value in per_token.values():
-                    dist.broadcast(value, 0)
-    env_fields = {k: (env or {}).get(k) for k in ENV_ROW_KEYS}
+    per_token, loss_skip = _loss_inputs(cfg, reference)
     rows = []
     for mode in cfg.modes:
+        if mode == "distill":  # its own problem, with a teacher
+            rows += distill_rows(shape, dtype_name, cfg, on_row, env)
+            continue
         floor = None
         if cuda:
             fl = floor_call(hidden, shard, FLOOR_MATMULS[mode])
@@ -460,12 +536,9 @@ def bench_problem(
                         refs[key] = loss_reference(cfg, ref_inputs, reference("fwd"), problem)
                     ref = refs[key]
             for prov in cfg.providers:
-                row = dict.fromkeys(ROW_KEYS) | env_fields
-                row |= {"mode": mode, "entropy": entropy, "provider": prov, "shape": name}
-                row |= {"N": n, "H": h, "V": v, "dtype": dtype_name, "tp": cfg.tp}
-                row |= {"temperature": cfg.temperature, "floor_ms": floor}
-                row |= {"softcap": cfg.softcap, "bias": cfg.bias}
-                row |= {"deterministic": is_deterministic(prov)}
+                row = new_row(cfg, shape, dtype_name, env)
+                row |= {"mode": mode, "entropy": entropy, "provider": prov, "floor_ms": floor}
+                row["deterministic"] = is_deterministic(prov)
                 row["floor_matmuls"] = FLOOR_MATMULS[mode] if cuda else None
                 inputs = (hidden, shard, targets, grad_out, grad_ent, bias_shard)
                 if mode == "loss" and problem is None:
@@ -538,11 +611,7 @@ def _measure(
             return prep.step(hl, wl, targets, grad_out, grad_ent, **extra)
 
     try:
-        if cfg.device == "cuda":
-            warm = steady_warmup(step, cfg.warmup, cfg.warm_s, cfg.tp)
-            times = time_cuda(step, warmup=warm, reps=cfg.reps)
-        else:
-            times = time_cpu(step, warmup=cfg.warmup, reps=cfg.reps)
+        times = timed_runs(step, cfg)
         clear()
         peak = peak_bytes(step, cfg.device)
         out = step()  # the results checked (the memory run may be traced)
@@ -566,11 +635,25 @@ def _measure(
             if (mode == "train" and logprob is not None) or value is not None:
                 _grad_errors(row, ref, (hl, wl, bl), tp_kwargs)
         del out, logprob, ent, value
-    except torch.OutOfMemoryError as exc:
-        row["error"] = f"OOM: {str(exc).splitlines()[0]}"
     except Exception as exc:  # a provider's failure is a row, not the end of the run
-        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        row["error"] = failure(exc)
     clear()
+
+
+def timed_runs(step: Callable[[], object], cfg: BenchConfig) -> list[float]:
+    """Milliseconds of ``cfg.reps`` calls of ``step`` after its warm-up (CUDA events and
+    :func:`steady_warmup` on GPU, ``perf_counter`` on CPU)."""
+    if cfg.device == "cuda":
+        warm = steady_warmup(step, cfg.warmup, cfg.warm_s, cfg.tp)
+        return time_cuda(step, warmup=warm, reps=cfg.reps)
+    return time_cpu(step, warmup=cfg.warmup, reps=cfg.reps)
+
+
+def failure(exc: Exception) -> str:
+    """A failed row's ``error``: ``OOM: ...`` or ``<Type>: <first line>``."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return f"OOM: {str(exc).splitlines()[0]}"
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def _grad_errors(row: dict, ref: dict, leaves: tuple, tp_kwargs) -> None:
@@ -584,6 +667,104 @@ def _grad_errors(row: dict, ref: dict, leaves: tuple, tp_kwargs) -> None:
         if bl.grad is None:
             raise RuntimeError("no gradient reached the bias (the step ignored it)")
         row["err_grad_bias"] = rel_err(bl.grad[:real], ref["grad_bias"][start : start + real])
+
+
+def distill_rows(
+    shape: Shape,
+    dtype_name: str,
+    cfg: BenchConfig,
+    on_row: Callable[[dict], None] | None = None,
+    env: dict | None = None,
+) -> list[dict]:
+    """The distill mode's rows of one shape and dtype, one per (teacher scale, kind,
+    provider) in that order, with the keys of :data:`ROW_KEYS` (``entropy`` False).
+
+    The student's ``hidden``, ``weight`` and per-row upstream gradient are
+    :func:`make_inputs`'s (those of the other modes). Per teacher scale,
+    the teacher (:func:`lp_bench.distill.make_teacher`) and, on GPU, the floor
+    (:func:`lp_bench.distill.distill_floor`, six GEMMs); per kind, the reference
+    (:func:`lp_bench.distill.distill_reference`: fp32 with TF32 off on GPU, fp64 on CPU).
+    """
+    _, n, h, v = shape
+    hidden, weight, _, grad_out = make_inputs(
+        n, h, v, seed=cfg.seed, device=cfg.device, dtype=DTYPES[dtype_name]
+    )
+    cuda = cfg.device == "cuda"
+    fixed = new_row(cfg, shape, dtype_name, env) | {"mode": "distill", "entropy": False}
+    fixed["floor_matmuls"] = FLOOR_MATMULS["distill"] if cuda else None
+    rows = []
+    for scale in cfg.teacher_scales:
+        teacher = make_teacher(hidden, weight, scale, seed=cfg.seed)
+        floor = None
+        if cuda:
+            fl = distill_floor(hidden, weight, DistillProblem(*teacher))
+            warm = steady_warmup(fl, cfg.warmup, cfg.warm_s)
+            floor = statistics.median(time_cuda(fl, warmup=warm, reps=cfg.reps))
+        for kind in cfg.kinds:
+            problem = DistillProblem(
+                *teacher, kind=kind, beta=cfg.beta, temperature=cfg.temperature
+            )
+            ref = None
+            if cfg.check:
+                dtype = torch.float32 if cuda else torch.float64
+                ref = distill_reference(hidden, weight, problem, grad_out, dtype=dtype)
+            for prov in cfg.providers:
+                row = fixed | {"provider": prov, "kind": kind, "H_t": scale * h}
+                row |= {"beta": cfg.beta if kind == "jsd" else None, "floor_ms": floor}
+                row["deterministic"] = is_deterministic(prov)
+                _measure_distill(row, cfg, (hidden, weight, grad_out), problem, ref)
+                if cuda:
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                if on_row:
+                    on_row(row)
+            del problem, ref
+    return rows
+
+
+def _measure_distill(
+    row: dict, cfg: BenchConfig, student: tuple, problem: DistillProblem, ref: dict | None
+) -> None:
+    """Time, memory and errors of one distill-mode provider, into ``row`` (a failure is a
+    row too): ``err_divergence`` and the gradients' errors for a per-row divergence,
+    ``err_loss`` (the summed divergence) for a provider that returns a scalar only."""
+    hidden, weight, grad_out = student
+    try:
+        prep = make_distill_provider(row["provider"], problem)
+    except Unsupported as exc:
+        row["skipped"] = str(exc)
+        return
+    except Exception as exc:  # e.g. the op's probe failing otherwise than by ValueError
+        row["error"] = failure(exc)
+        return
+    row["entropy_computed"], row["note"] = False, prep.note
+    hl, wl = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+
+    def clear() -> None:
+        hl.grad = wl.grad = None
+
+    def step():
+        clear()
+        return prep.step(hl, wl, grad_out)
+
+    try:
+        times = timed_runs(step, cfg)
+        clear()
+        peak = peak_bytes(step, cfg.device)
+        div, loss = step()
+        ms = statistics.median(times)
+        row.update(ms=ms, ms_all=times, peak_bytes=peak, peak_gib=peak / 2**30)
+        row["x_floor"] = ms / row["floor_ms"] if row["floor_ms"] else None
+        if ref is not None and div is not None:
+            row["err_divergence"] = rel_err(div, ref["divergence"])
+            row["err_grad_hidden"] = rel_err(hl.grad, ref["grad_hidden"])
+            row["err_grad_weight"] = rel_err(wl.grad, ref["grad_weight"])
+        if ref is not None and loss is not None:
+            row["err_loss"] = rel_err(loss, ref["divergence"].sum())
+        del div, loss
+    except Exception as exc:  # a provider's failure is a row, not the end of the run
+        row["error"] = failure(exc)
+    clear()
 
 
 def run_bench(

@@ -55,8 +55,9 @@ import torch
 
 from lp_bench.environment import triton_interpreting
 
-Mode = Literal["train", "fwd", "loss"]
-MODES: tuple[Mode, ...] = ("train", "fwd", "loss")
+Mode = Literal["train", "fwd", "loss", "distill"]
+MODES: tuple[Mode, ...] = ("train", "fwd", "loss", "distill")
+"""Every mode of ``lp bench``; ``distill`` steps come from :mod:`lp_bench.distill`."""
 
 LP_PROVIDERS = (
     "lp-triton",
@@ -550,6 +551,8 @@ def make_provider(
     ``entropy`` argument is then unused)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "distill":
+        raise ValueError("distill-mode steps come from lp_bench.distill.make_distill_provider")
     if softcap is not None and not (0 < softcap < float("inf")):
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
     if mode == "loss":
@@ -615,18 +618,26 @@ def default_providers(
     its main backend (triton on CUDA, torch on CPU) beside the materialized path and peers.
     ``modes``: with ``loss`` among them, ``linear_logprob_loss`` (default and
     ``deterministic=True``) on that backend joins them (with other modes too, each mode's
-    rows of a provider that does not run there are marked skipped)."""
+    rows of a provider that does not run there are marked skipped). ``distill``:
+    ``linear_divergence`` (lp-torch, lp-torch-det; lp-triton too on CUDA), the materialized
+    path, liger (kind jsd only) and trl where importable."""
     main = "triton" if device == "cuda" else "torch"
     names: list[str] = []
-    if any(mode != "loss" for mode in modes):
+    logprob_modes = any(mode in ("train", "fwd") for mode in modes)
+    if logprob_modes:
         if device == "cuda":
             names += ["lp-triton", "lp-triton-det"] if grid else ["lp-triton", "lp-torch"]
         else:
             names += ["lp-torch", "lp-torch-det"] if grid else ["lp-torch"]
     if "loss" in modes:
         names += [f"lp-loss-{main}", f"lp-loss-{main}-det", f"lp-{main}"]
+    if "distill" in modes:
+        names += ["lp-triton"] if device == "cuda" else []
+        names += ["lp-torch", "lp-torch-det"]
     names += ["materialized", "liger", "trl"] if device == "cuda" else ["materialized"]
-    if device == "cuda" and any(mode != "loss" for mode in modes):
+    if "distill" in modes:
+        names.append("trl")  # TRL's divergence has a torch path off CUDA
+    if device == "cuda" and logprob_modes:
         names.append("cce")
     names = list(dict.fromkeys(names))
     return [n for n in names if provider_available(n, device) is None]

@@ -4,10 +4,11 @@ of ``lp report`` (docs/benchmarks.md's tables, regenerated from one results file
 Markdown, from one file: a header (device, torch, triton, commit, date); one table per
 run (mode x {logprob, +entropy}, and dtype where a run has several; a run with a logit
 cap or a bias says so in its title: ``softcap 30, bias``; the loss mode's title names its
-loss) with a row per provider and a column per shape, each cell the time over the floor
-(ms on CPU, which has no floor); then one memory table (peak above the inputs) and one
-error table (the worst norm-wise relative error against the reference of logprob, entropy,
-the gradients, and the loss in loss mode).
+loss; the distill mode has a run per kind and teacher width: ``distill, jsd(0.5), H_t=2H``)
+with a row per provider and a column per shape, each cell the time over the floor (ms on
+CPU, which has no floor); then one memory table (peak above the inputs) and one error
+table (the worst norm-wise relative error against the reference of logprob, entropy, the
+divergence, the gradients, and the loss in loss mode).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 from pathlib import Path
 
 from lp_bench.environment import card_line
-from lp_bench.protocol import ERROR_KEYS, FLOOR_MATMULS, options_label, run_label
+from lp_bench.protocol import ERROR_KEYS, FLOOR_MATMULS, options_label, row_label
 
 LOGPROB_ONLY = "*"
 """Marks a cell whose provider ran logprob only in an entropy run."""
@@ -58,7 +59,7 @@ def row_options(row: dict) -> str:
 
 def _run_cell(row: dict) -> str:
     opts = row_options(row)
-    return run_label(row["mode"], row["entropy"]) + (f" ({opts})" if opts else "")
+    return row_label(row) + (f" ({opts})" if opts else "")
 
 
 def bench_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -69,8 +70,12 @@ def bench_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     if any(r.get("err_loss") is not None for r in rows):
         head.append("err loss")
         keys.append("err_loss")
-    head += ["err logprob", "maxabs lp"]
-    keys += ["err_logprob", "maxabs_logprob"]
+    if any(r.get("err_divergence") is not None for r in rows):
+        head.append("err div")
+        keys.append("err_divergence")
+    if any(r["mode"] != "distill" for r in rows):
+        head += ["err logprob", "maxabs lp"]
+        keys += ["err_logprob", "maxabs_logprob"]
     if any(r.get("err_entropy") is not None for r in rows):
         head.append("err entropy")
         keys.append("err_entropy")
@@ -134,6 +139,20 @@ def _status(row: dict) -> str | None:
     return None
 
 
+def _run_key(row: dict) -> tuple:
+    """The run a row belongs to: one time table each."""
+    return row["mode"], row["entropy"], row_label(row), row["dtype"], row_options(row)
+
+
+def _what(mode: str, entropy: bool, run: str) -> str:
+    """What a run's step computes, for its table's title (``run``: its :func:`row_label`)."""
+    if mode == "loss":
+        return f"{LOSS_TITLE} + entropy bonus" if entropy else LOSS_TITLE
+    if mode == "distill":
+        return run.removeprefix("distill ")
+    return "logprob + entropy" if entropy else "logprob"
+
+
 def markdown(doc: dict) -> str:
     """The markdown tables of one ``bench.json`` (see the module docstring)."""
     env, rows = doc.get("env", {}), doc["rows"]
@@ -146,9 +165,9 @@ def markdown(doc: dict) -> str:
     ]
     if card_line(env):
         out[1:1] = ["", f"Card: {card_line(env)}"]
-    runs = list(dict.fromkeys((r["mode"], r["entropy"], r["dtype"], row_options(r)) for r in rows))
-    multi_dtype = len({run[2] for run in runs}) > 1
-    option_sets = list(dict.fromkeys(run[3] for run in runs))
+    runs = list(dict.fromkeys(_run_key(r) for r in rows))
+    multi_dtype = len({run[3] for run in runs}) > 1
+    option_sets = list(dict.fromkeys(run[4] for run in runs))
     multi_options = len(option_sets) > 1
     # one set of logit options for the whole file: named in the memory and error titles
     shared = f" ({option_sets[0]})" if not multi_options and option_sets[0] else ""
@@ -159,20 +178,14 @@ def markdown(doc: dict) -> str:
         if status is not None:
             return status
         text = f"{r['x_floor']:.2f}" if r.get("x_floor") is not None else f"{r['ms']:.1f} ms"
-        if r.get("note"):
+        if r.get("note") and r["mode"] != "distill":  # distill's notes: no entropy involved
             footnotes.add(LOGPROB_ONLY)
             text += LOGPROB_ONLY
         return text
 
-    for mode, entropy, dtype, opts in runs:
-        sel = [
-            r
-            for r in rows
-            if (r["mode"], r["entropy"], r["dtype"], row_options(r)) == (mode, entropy, dtype, opts)
-        ]
-        what = "logprob + entropy" if entropy else "logprob"
-        if mode == "loss":
-            what = f"{LOSS_TITLE} + entropy bonus" if entropy else LOSS_TITLE
+    for mode, entropy, run, dtype, opts in runs:
+        sel = [r for r in rows if _run_key(r) == (mode, entropy, run, dtype, opts)]
+        what = _what(mode, entropy, run)
         count = FLOOR_MATMULS[mode]
         floor = f"{count} matmul{'s' if count > 1 else ''}"
         unit = f"x floor ({floor})" if cuda else "ms (CPU: no floor)"
@@ -184,7 +197,7 @@ def markdown(doc: dict) -> str:
         out += [f"{LOGPROB_ONLY} logprob only: the provider has no entropy.", ""]
 
     def label(r: dict) -> str:
-        tag = run_label(r["mode"], r["entropy"]) + (f", {r['dtype']}" if multi_dtype else "")
+        tag = row_label(r) + (f", {r['dtype']}" if multi_dtype else "")
         if multi_options and row_options(r):
             tag += f", {row_options(r)}"
         return f"{r['provider']} ({tag})"
@@ -209,7 +222,8 @@ def markdown(doc: dict) -> str:
     head, cells = _grid(rows, err_cell, label)
     out += [
         f"**worst relative error against the {ref} reference{shared}** ("
-        + ("loss, " if any(r["mode"] == "loss" for r in rows) else "")
+        + ("loss, " if any(r["mode"] == "loss" or r.get("err_loss") for r in rows) else "")
+        + ("divergence, " if any(r["mode"] == "distill" for r in rows) else "")
         + "logprob, entropy, grad_hidden, grad_weight"
         + (", grad_bias" if any(r.get("bias") for r in rows) else "")
         + ")",
