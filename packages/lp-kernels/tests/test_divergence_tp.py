@@ -92,11 +92,11 @@ def _linear_case(rank, world, data, mode, reduce, kind, chunk, backend, **extra)
     b = data["bias"][rows].clone().requires_grad_()
     out = linear_divergence(
         h, w, data["teacher_hidden"], data["teacher_weight"][rows], kind=kind,
-        mask=data["mask"], bias=b, teacher_bias=data["teacher_bias"][rows],
+        mask=extra.pop("mask", data["mask"]), bias=b, teacher_bias=data["teacher_bias"][rows],
         tp_group=dist.group.WORLD,
         # default vocab_start (rank * V_local) where shards are equal, explicit otherwise
         vocab_start=None if mode == "even" else start, vocab_size=V,
-        reduce_grad_hidden=reduce, chunk_size=chunk, backend=backend, **OPTIONS, **extra,
+        reduce_grad_hidden=reduce, chunk_size=chunk, backend=backend, **(OPTIONS | extra),
     )  # fmt: skip
     (out.divergence * data["upstream"]).sum().backward()
     return bounds, tuple(out), h.grad, w.grad, b.grad
@@ -126,7 +126,28 @@ def _rank(rank, world, data):
         det = None
     except ValueError as exc:
         det = str(exc)
-    return linear, logits, det
+    return linear, logits, det, _disagreements(rank, world, data)
+
+
+def _disagreements(rank, world, data) -> list:
+    """The messages of calls where the last rank differs from the others: in ``kind``, in
+    the teacher's temperature, in the mask (None where a call did not raise)."""
+    last = rank == world - 1
+    mask = data["mask"].clone()
+    mask[0] ^= last
+    calls = [
+        ("jsd" if last else "reverse_kl", {}),
+        ("reverse_kl", {"teacher_temperature": 1.0 + last}),
+    ]
+    calls.append(("reverse_kl", {"mask": mask}))
+    out = []
+    for kind, extra in calls:
+        try:
+            _linear_case(rank, world, data, "even", True, kind, None, "torch", **extra)
+            out.append(None)
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
@@ -217,6 +238,17 @@ def test_deterministic_refuses_bounds_off_the_grid_on_every_rank(ranks):
         det = per_rank[rank][2]
         assert det is not None, f"rank {rank}: deterministic=True ran on bounds off the grid"
         assert DETERMINISTIC_ERROR in det, det
+
+
+def test_ranks_that_disagree_all_raise(ranks):
+    """A rank with another kind or teacher temperature raises on every rank, naming the
+    divergence's options; another mask, naming the targets (the mask's carrier); none
+    hangs."""
+    world, _, per_rank = ranks
+    expected = ["disagree on the divergence's options"] * 2 + ["disagree on the targets"]
+    for rank in range(world):
+        for got, want in zip(per_rank[rank][3], expected, strict=True):
+            assert got is not None and want in got, (rank, got)
 
 
 DET_LAYOUTS = {  # shard bounds over 1024 rows (V = 1000), on multiples of 128
