@@ -113,6 +113,7 @@ TRAINER_WHEELS = {
 # there under LP_TRAINERS_REQUIRED=1 (the adapters session; lp_testing.trainers reads it).
 ADAPTER_TESTS = [
     "packages/lp-hf/tests/test_trl.py",
+    "packages/lp-hf/tests/test_trl_distill.py",
     "packages/lp-hf/tests/test_openrlhf.py",
     "packages/lp-hf/tests/test_skyrl.py",
     "packages/lp-hf/tests/test_verl.py",

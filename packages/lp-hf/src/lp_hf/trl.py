@@ -45,22 +45,46 @@ as TRL reads it differs from what the model's forward applies (:mod:`lp_hf.final
 a per-token field TRL asks for that lp-hf does not know (lp computes ``log_sum_sq_probs``,
 ``mean_logits`` and ``is_top1`` with ``linear_logprob(extras=...)``); DeepSpeed ZeRO-3,
 whose partitioned head TRL's kernel re-gathers in its backward and lp's does not.
+
+``DistillationTrainer`` has no fused head: its loss, ``_compute_loss``, runs both backbones
+and calls the module-level ``_chunked_divergence_loss`` of ``trl.trainer.distillation_trainer``
+(the FSDP2 gather, the mask, the reduction with ``num_items_in_batch``), which calls
+``ChunkedDivergenceFunction.apply`` on the rows: ``(per-token divergence, student entropy)``.
+``use_lp`` rebuilds both functions from TRL's code objects with a namespace in which that
+name is an :class:`LpDivergenceKernel` (lp_kernels.linear_divergence, the teacher a
+constant) and binds the rebuilt ``_compute_loss`` on this trainer only. TRL's beta maps to
+lp's kind: 0.0 ``forward_kl``, 1.0 ``reverse_kl``, else ``jsd`` with that beta. Refused
+besides: a subclass that overrides ``compute_loss`` or ``_compute_loss``
+(``ServerDistillationTrainer``); seams not as lp-hf read them; a student or teacher softcap
+or scale that TRL reads differently from the model's forward (checked at each call).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import sys
 import types
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from lp_hf.adapters import check_parameters
 from lp_hf.final_logits import FinalLogitTransform, model_logit_transform
-from lp_kernels import linear_logprob
+from lp_kernels import linear_divergence, linear_logprob
 
-__all__ = ["EXTRAS", "FIELDS", "SUPPORTED_TRL", "LpKernel", "TrlOptions", "use_lp"]
+__all__ = [
+    "DIVERGENCE_ARGS",
+    "EXTRAS",
+    "FIELDS",
+    "SUPPORTED_TRL",
+    "LpDivergenceKernel",
+    "LpKernel",
+    "TrlOptions",
+    "divergence_kind",
+    "use_lp",
+]
 
 SUPPORTED_TRL = "1.16"
 """The TRL release series whose fused head this module has read (``1.16.x``)."""
@@ -76,6 +100,41 @@ EXTRAS = {
 _CLOSURE = ("final_logit_softcapping", "logit_scale", "outputs", "temperature")
 """What ``add_fused_lm_head`` captured that ``use_lp`` checks before the first call."""
 _MARK = "_lp_hf_trl_kernel"
+_DISTILL_MODULE = "trl.trainer.distillation_trainer"
+_DIVERGENCE_NAME = "ChunkedDivergenceFunction"  # what TRL's distillation loss calls
+_LOSS_NAME = "_chunked_divergence_loss"  # what DistillationTrainer._compute_loss calls
+_LOSS_ARGS = (
+    "student_hidden_states",
+    "teacher_hidden_states",
+    "student_lm_head_weight",
+    "teacher_lm_head_weight",
+    "completion_mask",
+    "beta",
+    "num_items_in_batch",
+    "student_lm_head_bias",
+    "teacher_lm_head_bias",
+    "student_logit_scale",
+    "teacher_logit_scale",
+    "student_final_logit_softcapping",
+    "teacher_final_logit_softcapping",
+    "temperature",
+)
+"""The parameters of TRL's ``_chunked_divergence_loss`` that lp-hf read."""
+DIVERGENCE_ARGS = (
+    "student_hidden",
+    "student_weight",
+    "student_bias",
+    "teacher_hidden",
+    "teacher_weight",
+    "teacher_bias",
+    "beta",
+    "temperature",
+    "student_logit_scale",
+    "student_final_logit_softcapping",
+    "teacher_logit_scale",
+    "teacher_final_logit_softcapping",
+)
+"""The arguments of TRL's ``ChunkedDivergenceFunction.apply`` (after ``ctx``), in order."""
 Backend = Literal["auto", "torch", "triton"]
 
 
@@ -106,6 +165,26 @@ class TrlOptions:
         size = self.chunk_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"chunk_size must be None or a positive int, got {size!r}")
+
+
+def _check_transform(
+    where: str,
+    what: str,
+    transform: FinalLogitTransform,
+    softcap: float | None,
+    logit_scale: float | None,
+) -> None:
+    """Raise unless the ``softcap`` and ``logit_scale`` TRL's ``what`` applies are the
+    model's own (``transform``, from :mod:`lp_hf.final_logits`)."""
+    mine = (transform.softcap, transform.logit_scale or 1.0)
+    theirs = (softcap, 1.0 if logit_scale is None else logit_scale)
+    if mine != theirs:
+        raise ValueError(
+            f"{where}: TRL's {what} applies softcap={theirs[0]!r}, "
+            f"logit_scale={theirs[1]!r}, but the model's forward applies "
+            f"softcap={mine[0]!r}, logit_scale={mine[1]!r} (lp_hf.final_logits); lp "
+            "does not pick one of two answers: fix the config or use TRL's own head"
+        )
 
 
 def _missing_extras(outputs: tuple[str, ...], where: str) -> None:
@@ -140,15 +219,7 @@ class LpKernel:
 
     def check(self, softcap: float | None, logit_scale: float | None) -> None:
         """Raise unless TRL's ``softcap`` and ``logit_scale`` are the model's own."""
-        mine = (self.transform.softcap, self.transform.logit_scale or 1.0)
-        theirs = (softcap, 1.0 if logit_scale is None else logit_scale)
-        if mine != theirs:
-            raise ValueError(
-                f"{self.name}: TRL's fused head applies softcap={theirs[0]!r}, "
-                f"logit_scale={theirs[1]!r}, but the model's forward applies "
-                f"softcap={mine[0]!r}, logit_scale={mine[1]!r} (lp_hf.final_logits); lp "
-                "does not pick one of two answers: fix the config or use TRL's own head"
-            )
+        _check_transform(self.name, "fused head", self.transform, softcap, logit_scale)
 
     def apply(
         self,
@@ -186,6 +257,109 @@ class LpKernel:
         )
         fields = [getattr(out, EXTRAS[name]) if name in outputs else None for name in FIELDS[2:]]
         return (out.logprob, out.entropy, *fields)
+
+
+def divergence_kind(beta: float) -> tuple[str, float]:
+    """lp's ``(kind, beta)`` for the ``beta`` of TRL's DistillationTrainer: 0.0 the forward
+    KL(teacher || student), 1.0 the reverse KL(student || teacher), else the generalized
+    JSD whose mixture is ``(1 - beta) p_student + beta p_teacher``.
+
+    Example:
+        >>> divergence_kind(0.0), divergence_kind(0.25)
+        (('forward_kl', 0.5), ('jsd', 0.25))
+    """
+    number = isinstance(beta, (int, float)) and not isinstance(beta, bool)
+    if not (number and 0.0 <= beta <= 1.0):
+        raise ValueError(f"TRL's distillation beta must be a float in [0, 1], got {beta!r}")
+    if beta == 0.0:
+        return "forward_kl", 0.5
+    if beta == 1.0:
+        return "reverse_kl", 0.5
+    return "jsd", float(beta)
+
+
+class LpDivergenceKernel:
+    """What one DistillationTrainer's loss calls in place of TRL's ``ChunkedDivergenceFunction``.
+
+    ``apply`` has that kernel's contract (:data:`DIVERGENCE_ARGS`): the student's rows
+    ``[N, H_s]`` and head, the teacher's rows ``[N, H_t]`` and head (the same vocabulary),
+    TRL's beta, the temperature of both sides and each side's scale and softcap; it returns
+    ``(divergence, student_entropy)``, each ``[N]`` fp32, the divergence differentiable into
+    the student only (the teacher is a constant, as in TRL). The scales and softcaps TRL
+    passes must be the models' own (``student``, ``teacher``), else the call raises.
+
+    Attributes:
+        student, teacher: each model's final-logit transform (:mod:`lp_hf.final_logits`).
+        options: :class:`TrlOptions`.
+        name: the trainer's class name, for messages.
+    """
+
+    def __init__(
+        self,
+        student: FinalLogitTransform,
+        teacher: FinalLogitTransform,
+        options: TrlOptions,
+        name: str,
+    ) -> None:
+        self.student = student
+        self.teacher = teacher
+        self.options = options
+        self.name = name
+
+    def apply(
+        self,
+        student_hidden: torch.Tensor,
+        student_weight: torch.Tensor,
+        student_bias: torch.Tensor | None,
+        teacher_hidden: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        teacher_bias: torch.Tensor | None,
+        beta: float,
+        temperature: float = 1.0,
+        student_logit_scale: float = 1.0,
+        student_final_logit_softcapping: float | None = None,
+        teacher_logit_scale: float = 1.0,
+        teacher_final_logit_softcapping: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """lp's answer to one call of TRL's divergence kernel (arguments as TRL passes them)."""
+        _zero3_refused(self.name)
+        what = "distillation loss"
+        _check_transform(
+            f"{self.name} (student)",
+            what,
+            self.student,
+            student_final_logit_softcapping,
+            student_logit_scale,
+        )
+        _check_transform(
+            f"{self.name} (teacher)",
+            what,
+            self.teacher,
+            teacher_final_logit_softcapping,
+            teacher_logit_scale,
+        )
+        kind, lp_beta = divergence_kind(beta)
+        opts = self.options
+        out = linear_divergence(
+            student_hidden,
+            student_weight,
+            teacher_hidden.detach(),
+            teacher_weight.detach(),
+            kind=kind,
+            beta=lp_beta,
+            temperature=temperature,
+            bias=student_bias,
+            teacher_bias=None if teacher_bias is None else teacher_bias.detach(),
+            softcap=self.student.softcap,
+            logit_scale=self.student.logit_scale,
+            teacher_softcap=self.teacher.softcap,
+            teacher_logit_scale=self.teacher.logit_scale,
+            deterministic=opts.deterministic,
+            backend=opts.backend,
+            chunk_size=opts.chunk_size,
+            validate=opts.validate,
+        )
+        return out.divergence, out.student_entropy
 
 
 def _zero3_refused(where: str) -> None:
@@ -318,11 +492,8 @@ def _rebuild(module: torch.nn.Module, fn: Any, kernel: LpKernel, amp: Any) -> No
     ``amp``: None, or the accelerator whose mixed-precision forward wrapped ``fn``."""
     namespace = dict(fn.__globals__)  # a copy: TRL's module keeps its own kernel
     namespace[_KERNEL_NAME] = kernel
-    code, name = fn.__code__, fn.__name__
-    rebuilt = types.FunctionType(code, namespace, name, fn.__defaults__, fn.__closure__)
-    rebuilt.__kwdefaults__ = dict(fn.__kwdefaults__ or {})
     # name, docstring and __wrapped__: generate() checks its kwargs against the signature
-    functools.update_wrapper(rebuilt, fn)
+    rebuilt = _copy_function(fn, namespace)
     setattr(rebuilt, _MARK, kernel)
     module.forward = types.MethodType(rebuilt, module)
     if amp is None:
@@ -334,6 +505,94 @@ def _rebuild(module: torch.nn.Module, fn: Any, kernel: LpKernel, amp: Any) -> No
     autocast = get_mixed_precision_context_manager(amp.native_amp, amp.autocast_handler)
     module._original_forward = module.forward
     module.forward = types.MethodType(convert_outputs_to_fp32(autocast(rebuilt)), module)
+
+
+def _copy_function(fn: Any, namespace: dict[str, Any]) -> types.FunctionType:
+    """``fn`` rebuilt from its code object, closure and defaults with ``namespace`` as its
+    globals (name, docstring and ``__wrapped__`` kept)."""
+    code, name = fn.__code__, fn.__name__
+    rebuilt = types.FunctionType(code, namespace, name, fn.__defaults__, fn.__closure__)
+    rebuilt.__kwdefaults__ = dict(fn.__kwdefaults__ or {})
+    functools.update_wrapper(rebuilt, fn)
+    return rebuilt
+
+
+def _distillation_class(trainer: Any) -> type | None:
+    """TRL's ``DistillationTrainer`` when ``trainer`` is one, else None (without importing
+    TRL's module: a trainer can be one only once it is imported)."""
+    module = sys.modules.get(_DISTILL_MODULE)
+    cls = getattr(module, "DistillationTrainer", None)
+    return cls if isinstance(cls, type) and isinstance(trainer, cls) else None
+
+
+def _distillation_seam(cls: type) -> tuple[Any, Any]:
+    """``(DistillationTrainer._compute_loss, _chunked_divergence_loss)``, after checking
+    that they and ``ChunkedDivergenceFunction`` are as lp-hf read them in TRL 1.16."""
+    module = sys.modules[cls.__module__]
+    loss = getattr(module, _LOSS_NAME, None)
+    compute = cls.__dict__.get("_compute_loss")
+    kernel = getattr(module, _DIVERGENCE_NAME, None)
+    where = f"{_DISTILL_MODULE}."
+    check_parameters("lp_hf.trl", where + _LOSS_NAME, loss, _LOSS_ARGS)
+    forward = getattr(kernel, "forward", None)
+    what = f"{where}{_DIVERGENCE_NAME}.forward"
+    check_parameters("lp_hf.trl", what, forward, ("ctx", *DIVERGENCE_ARGS))
+    for fn, name, calls in (
+        (loss, _LOSS_NAME, _DIVERGENCE_NAME),
+        (compute, "DistillationTrainer._compute_loss", _LOSS_NAME),
+    ):
+        code = getattr(fn, "__code__", None)
+        if (
+            not isinstance(fn, types.FunctionType)
+            or calls not in code.co_names
+            or fn.__globals__ is not module.__dict__
+        ):
+            raise RuntimeError(
+                f"{where}{name} is not the one lp-hf has read (a function of that module "
+                f"calling {calls} by its global name); TRL changed"
+            )
+    return compute, loss
+
+
+def _check_distillation_trainer(trainer: Any, cls: type) -> None:
+    """Raise unless ``trainer`` runs DistillationTrainer's own loss, once, with a teacher."""
+    name = type(trainer).__name__
+    for method in ("compute_loss", "_compute_loss"):
+        if getattr(type(trainer), method, None) is not getattr(cls, method):
+            raise TypeError(
+                f"{name} overrides DistillationTrainer.{method}; lp_hf.trl reproduces "
+                "DistillationTrainer's own loss only (ServerDistillationTrainer is not covered)"
+            )
+    current = trainer.__dict__.get("_compute_loss")
+    if current is not None:
+        if hasattr(getattr(current, "__func__", None), _MARK):
+            raise RuntimeError(f"{name}: use_lp was already applied to this trainer")
+        raise RuntimeError(f"{name}: _compute_loss is already replaced by an instance attribute")
+    if not isinstance(getattr(trainer, "teacher_model", None), torch.nn.Module):
+        raise ValueError(
+            f"{name} has no teacher_model module: use_lp replaces the divergence between "
+            "its student's and its teacher's LM heads"
+        )
+
+
+def _use_lp_distillation(trainer: Any, cls: type, options: TrlOptions) -> Any:
+    """:func:`use_lp` for a TRL ``DistillationTrainer`` (see the module docstring)."""
+    name = type(trainer).__name__
+    _zero3_refused(name)
+    compute, loss = _distillation_seam(cls)
+    _check_distillation_trainer(trainer, cls)
+    unwrap = trainer.accelerator.unwrap_model
+    student = model_logit_transform(unwrap(trainer.model))
+    teacher = model_logit_transform(unwrap(trainer.teacher_model))
+    kernel = LpDivergenceKernel(student, teacher, options, name)
+    # one copy of TRL's module namespace for both functions: TRL's module keeps its own
+    namespace = dict(loss.__globals__)
+    namespace[_DIVERGENCE_NAME] = kernel
+    namespace[_LOSS_NAME] = _copy_function(loss, namespace)
+    rebuilt = _copy_function(compute, namespace)
+    setattr(rebuilt, _MARK, kernel)
+    trainer._compute_loss = types.MethodType(rebuilt, trainer)
+    return trainer
 
 
 def use_lp(
@@ -351,10 +610,13 @@ def use_lp(
     and ``trainer.ref_model``) then runs lp_kernels.linear_logprob in its training forward
     (``fused_lm_head=True``), with the model's final-logit softcap and scale
     (:mod:`lp_hf.final_logits`) and the head's bias; TRL's output contract is unchanged.
-    Generation and other unfused forwards are untouched. See the module docstring.
+    Generation and other unfused forwards are untouched. A ``DistillationTrainer``'s loss
+    runs lp_kernels.linear_divergence instead of TRL's chunked divergence, on this trainer
+    only. See the module docstring.
 
     Args:
-        trainer: a TRL trainer (GRPO, RLOO, DPO, KTO, SFT, async GRPO) of TRL 1.16.x.
+        trainer: a TRL trainer (GRPO, RLOO, DPO, KTO, SFT, async GRPO, Distillation) of
+            TRL 1.16.x.
         deterministic: lp's tensor-parallel-invariant mode.
         backend: lp_kernels backend (``"auto"``: triton on CUDA sm80+, else torch).
         chunk_size: token rows per step of lp's torch backend; None = its default.
@@ -366,12 +628,15 @@ def use_lp(
     Raises:
         RuntimeError: TRL is not 1.16.x; its fused head is not the one lp-hf has read; a
             model's fused forward is wrapped by something other than accelerate's
-            mixed-precision forward, or already uses lp.
-        ValueError: the trainer has no fused head; TRL's softcap or logit scale is not the
-            model's; lp_hf.final_logits refuses the model's config.
+            mixed-precision forward, or already uses lp; the distillation loss is not the
+            one lp-hf has read, or already uses lp.
+        ValueError: the trainer has no fused head (a DistillationTrainer: no teacher); TRL's
+            softcap or logit scale is not the model's; lp_hf.final_logits refuses the
+            model's config.
         NotImplementedError: TRL asks for a per-token field the installed lp-kernels
             cannot compute; DeepSpeed ZeRO-3.
-        TypeError: ``trainer`` has no ``.model`` module; bad options.
+        TypeError: ``trainer`` has no ``.model`` module; a DistillationTrainer subclass
+            that overrides its loss; bad options.
 
     Example:
         >>> trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args,
@@ -379,7 +644,11 @@ def use_lp(
         >>> use_lp(trainer).train()  # doctest: +SKIP
     """
     options = TrlOptions(deterministic, backend, chunk_size, validate)
-    code = _fused_code(_trl_utils())
+    utils = _trl_utils()
+    distillation = _distillation_class(trainer)
+    if distillation is not None:
+        return _use_lp_distillation(trainer, distillation, options)
+    code = _fused_code(utils)
     _zero3_refused(type(trainer).__name__)
     heads = _fused_heads(trainer, code)
     # every check before any change: a refused trainer is left as it was
