@@ -8,7 +8,8 @@
 #   megatron, hf                      lp-megatron's and lp-hf's GPU tests
 #   bench                             lp bench --grid (BENCH_SHAPES, default S1-S6;
 #                                     BENCH_BACKENDS; BENCH_ARGS) -> bench/bench.{json,md}
-#   loss                              lp bench --mode loss, same variables -> loss/bench.*
+#   loss | distill                    lp bench --mode loss / distill (distill: S1,S2,S4,S5;
+#                                     BENCH_ARGS e.g. "--kind all"), same variables -> STAGE/bench.*
 #   sweep                             benchmarks/sweep.py SWEEP_OP (tiles, default, or loss;
 #                                     SWEEP_ARGS, e.g. "--bits --det"; SWEEP_TAG)
 #   profile-step                      benchmarks/profile_step.py (STEP_SHAPES, default S1,S4;
@@ -80,14 +81,16 @@ for stage in $stages; do
       python3 -m lp_bench.cli report "$OUT/bench/bench.json" > "$OUT/bench/bench.md" \
         || status=1
       cat "$OUT/bench/bench.md" ;;
-    loss)  # lp bench --mode loss into one bench.json, then its markdown tables
-      mkdir -p "$OUT/loss"
-      python3 -m lp_bench.cli bench --mode loss --shapes "${BENCH_SHAPES:-S1,S2,S3,S4,S5,S6}" \
-        ${BENCH_BACKENDS:+--backends "$BENCH_BACKENDS"} ${BENCH_ARGS:-} --out "$OUT/loss" \
-        2>&1 | tee "$OUT/loss/bench.log" | tail -n 40 || status=1
-      python3 -m lp_bench.cli report "$OUT/loss/bench.json" > "$OUT/loss/bench.md" \
+    loss|distill)  # lp bench --mode loss / distill into one bench.json, then its tables
+      mkdir -p "$OUT/$stage"
+      shapes=S1,S2,S3,S4,S5,S6
+      [ "$stage" = distill ] && shapes=S1,S2,S4,S5
+      python3 -m lp_bench.cli bench --mode "$stage" --shapes "${BENCH_SHAPES:-$shapes}" \
+        ${BENCH_BACKENDS:+--backends "$BENCH_BACKENDS"} ${BENCH_ARGS:-} --out "$OUT/$stage" \
+        2>&1 | tee "$OUT/$stage/bench.log" | tail -n 40 || status=1
+      python3 -m lp_bench.cli report "$OUT/$stage/bench.json" > "$OUT/$stage/bench.md" \
         || status=1
-      cat "$OUT/loss/bench.md" ;;
+      cat "$OUT/$stage/bench.md" ;;
     sweep)  # variants of the pinned launch config under use_config, against the floor
       python3 benchmarks/sweep.py "${SWEEP_OP:-tiles}" ${SWEEP_ARGS:-} \
         --out "$OUT/sweep${SWEEP_TAG:-}.json" 2>&1 | tee "$OUT/sweep${SWEEP_TAG:-}.log" \
