@@ -79,6 +79,16 @@ def whole_sums(local: torch.Tensor, p: LogprobParams) -> torch.Tensor:
     return sums
 
 
+def finish_forward(ctx, dp: DivergenceParams, saved: tuple, ignored, sums) -> tuple:
+    """Save ``saved`` and ``dp`` on ``ctx``; return ``(divergence, student entropy, teacher
+    entropy)`` from the rows' sums, 0 on ignored rows, the entropies not differentiable."""
+    ctx.save_for_backward(*saved)
+    ctx.params = dp
+    outputs = tuple(torch.where(ignored, 0.0, sums[:, j]) for j in range(3))
+    ctx.mark_non_differentiable(*outputs[1:])
+    return outputs
+
+
 def real_heads(weight, bias, t_weight, t_bias, p: LogprobParams) -> tuple:
     """``(w_s, b_s, w_t, b_t)``: both heads' real rows and fp32 biases (or None)."""
     v = p.local_real_columns(weight.shape[0])
@@ -117,11 +127,7 @@ class LinearDivergence(torch.autograd.Function):
             rows_saved, rows_sums = chunk_forward(engine, state, dp)
             saved[r0:r1] = rows_saved[: r1 - r0]
             sums[r0:r1] = rows_sums[: r1 - r0]
-        ctx.save_for_backward(*heads, ignored, saved)
-        ctx.params = dp
-        outputs = tuple(torch.where(ignored, 0.0, sums[:, j]) for j in range(3))
-        ctx.mark_non_differentiable(*outputs[1:])
-        return outputs
+        return finish_forward(ctx, dp, (*heads, ignored, saved), ignored, sums)
 
     @staticmethod
     @backend_backward
@@ -161,11 +167,7 @@ class VocabParallelDivergence(torch.autograd.Function):
         sums = scratch.empty((n, N_SUMS), dtype=torch.float32, device=logits.device)
         for r0, r1, state in logit_chunks(logits, teacher, dp):
             saved[r0:r1], sums[r0:r1] = chunk_forward(TorchEngine, state, dp)
-        ctx.save_for_backward(logits, teacher, ignored, saved)
-        ctx.params = dp
-        outputs = tuple(torch.where(ignored, 0.0, sums[:, j]) for j in range(3))
-        ctx.mark_non_differentiable(*outputs[1:])
-        return outputs
+        return finish_forward(ctx, dp, (logits, teacher, ignored, saved), ignored, sums)
 
     @staticmethod
     @backend_backward

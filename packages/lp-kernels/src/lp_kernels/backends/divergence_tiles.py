@@ -28,7 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from lp_kernels.backends.divergence import as_partial, engine_of, merged_lse, real_heads
+from lp_kernels.backends.divergence import (
+    as_partial,
+    engine_of,
+    finish_forward,
+    merged_lse,
+    real_heads,
+)
 from lp_kernels.backends.torch.deterministic import (
     global_tiles,
     owned_tiles,
@@ -199,11 +205,8 @@ class LinearDivergenceDeterministic(torch.autograd.Function):
         saved, sums = forward(engine_of(dp), hidden, t_hidden, tiles, dp)
         bound = grad_bound(sums[:, 0], sums[:, 3], sums[:, 4], dp.kind, dp.beta)
         heads = (hidden, weight, bias, t_hidden, t_weight, t_bias)
-        ctx.save_for_backward(*heads, ignored, saved, bound, *halos)
-        ctx.params = dp
-        outputs = tuple(torch.where(ignored, 0.0, sums[:, j]) for j in range(3))
-        ctx.mark_non_differentiable(*outputs[1:])
-        return outputs
+        saved_all = (*heads, ignored, saved, bound, *halos)
+        return finish_forward(ctx, dp, saved_all, ignored, sums)
 
     @staticmethod
     @backend_backward

@@ -50,6 +50,23 @@ def _side(l_row, b_ptr, cols, ok, scale, cap, inv_cap, inv_t, HAS_BIAS, SCALE, C
 
 
 @triton.jit
+def _row_split(ls_ptr, lt_ptr, stride_s, stride_t, V, SPLIT: tl.constexpr):
+    """``(row, split, first column, end column, student row, teacher row)`` of a program."""
+    row = tl.program_id(0)
+    j = tl.program_id(1)
+    c0 = j * SPLIT
+    c1 = tl.minimum(c0 + SPLIT, V)
+    return (
+        row,
+        j,
+        c0,
+        c1,
+        ls_ptr + row.to(tl.int64) * stride_s,
+        lt_ptr + row.to(tl.int64) * stride_t,
+    )
+
+
+@triton.jit
 def _online(z, m, s):
     """The running ``(max, sum exp(. - max))`` after a block ``z``."""
     big = tl.maximum(m, tl.max(z, axis=0))
@@ -81,12 +98,7 @@ def _lse_kernel(
     T_BIAS: tl.constexpr, T_SCALE: tl.constexpr, T_CAP: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    j = tl.program_id(1)
-    c0 = j * SPLIT
-    c1 = tl.minimum(c0 + SPLIT, V)
-    ls_row = ls_ptr + row.to(tl.int64) * stride_s
-    lt_row = lt_ptr + row.to(tl.int64) * stride_t
+    row, j, c0, c1, ls_row, lt_row = _row_split(ls_ptr, lt_ptr, stride_s, stride_t, V, SPLIT)
     ms = float("-inf")
     ss = 0.0
     mt = float("-inf")
@@ -116,12 +128,7 @@ def _sums_kernel(
     T_BIAS: tl.constexpr, T_SCALE: tl.constexpr, T_CAP: tl.constexpr,
     KIND: tl.constexpr, N_SUMS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    j = tl.program_id(1)
-    c0 = j * SPLIT
-    c1 = tl.minimum(c0 + SPLIT, V)
-    ls_row = ls_ptr + row.to(tl.int64) * stride_s
-    lt_row = lt_ptr + row.to(tl.int64) * stride_t
+    row, j, c0, c1, ls_row, lt_row = _row_split(ls_ptr, lt_ptr, stride_s, stride_t, V, SPLIT)
     lse_s = tl.load(lse_ptr + row * 2)
     lse_t = tl.load(lse_ptr + row * 2 + 1)
     div = 0.0
@@ -172,12 +179,7 @@ def _dl_kernel(
     T_BIAS: tl.constexpr, T_SCALE: tl.constexpr, T_CAP: tl.constexpr,
     KIND: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    j = tl.program_id(1)
-    c0 = j * SPLIT
-    c1 = tl.minimum(c0 + SPLIT, V)
-    ls_row = ls_ptr + row.to(tl.int64) * stride_s
-    lt_row = lt_ptr + row.to(tl.int64) * stride_t
+    row, _, c0, c1, ls_row, lt_row = _row_split(ls_ptr, lt_ptr, stride_s, stride_t, V, SPLIT)
     dl_row = dl_ptr + row.to(tl.int64) * stride_d
     lse_s = tl.load(saved_ptr + row * 4)
     lse_t = tl.load(saved_ptr + row * 4 + 1)
