@@ -37,10 +37,12 @@ _MASKED = -1
 preparation path as targets with this ``ignore_index``, so that ranks disagreeing on the
 mask raise like ranks disagreeing on targets."""
 
-_BUFFERS = {"torch": 8, "triton": 3}
-"""fp32 ``[C, V_local]`` buffers a chunk of each backend holds at its peak (torch: both
-sides' logits and the terms of their sums; triton: both sides' GEMM outputs and ``d l``):
-the default chunk keeps them within the budget of one such buffer of ``linear_logprob``."""
+_BUFFERS = {"torch": 4, "triton": 1}
+"""How many times fewer rows than ``linear_logprob``'s torch chunk (one fp32 ``[C, V_local]``
+buffer of 1 GiB on CUDA) a divergence chunk takes. torch: both sides' softmax arguments and
+the terms of their sums, about eight such buffers of a quarter of the rows; triton: both
+heads' GEMM outputs and ``d l``, three buffers of the whole rows (about 3 GiB at a 152k
+vocabulary), so that the gradient GEMMs see chunks of about a thousand rows."""
 
 
 def _check_constant(x: Any, name: str) -> None:
