@@ -116,7 +116,7 @@ def test_teacher_floor_and_defaults():
     assert FLOOR_MATMULS["distill"] == 6
     distill_floor(hidden, weight, DistillProblem(th, tw))()
     names = default_providers("cpu", modes=("distill",))
-    assert names[:3] == ["lp-torch", "lp-torch-det", "materialized"]
+    assert names[:4] == ["lp-torch", "lp-torch-det", "lp-loss-torch", "materialized"]
     with pytest.raises(Unsupported, match="no distillation"):
         make_distill_provider("cce", DistillProblem(th, tw))
     with pytest.raises(Unsupported, match=r"jsd only|not importable"):

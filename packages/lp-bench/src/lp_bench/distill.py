@@ -63,6 +63,9 @@ TEACHER_SCALES = (1, 2)
 TEACHER_RHO = 0.8
 """Correlation of the teacher's logits with the student's (:func:`make_teacher`)."""
 LP_DISTILL_PROVIDERS = ("lp-torch", "lp-auto", "lp-triton", "lp-torch-det", "lp-triton-det")
+LP_DISTILL_LOSS_PROVIDERS = ("lp-loss-torch", "lp-loss-auto", "lp-loss-triton")
+"""``linear_divergence_loss`` (gradients finished in the forward) with the per-row upstream
+gradient as its ``weights``."""
 """lp's providers in distill mode (``linear_divergence``); ``-det``: deterministic=True."""
 TRL_BETA = {"forward_kl": 0.0, "reverse_kl": 1.0}
 """TRL's ``beta`` for the two KLs (jsd: its own beta)."""
@@ -220,6 +223,32 @@ def provider_lp_divergence(backend: str, problem: DistillProblem, deterministic:
     return Prepared(step, False)
 
 
+def provider_lp_divergence_loss(backend: str, problem: DistillProblem) -> Prepared:
+    """lp's ``linear_divergence_loss`` with the step's per-row upstream gradient as its
+    ``weights`` (the same gradients as the other providers' ``backward(grad_out)``), its
+    gradients finished in the forward (four GEMMs); :class:`Unsupported` where lp_kernels
+    has no such op."""
+    try:
+        from lp_kernels import linear_divergence_loss
+    except ImportError as exc:
+        raise Unsupported(
+            f"lp_kernels has no linear_divergence_loss ({type(exc).__name__})"
+        ) from None
+    options = {"kind": problem.kind, "temperature": problem.temperature, "backend": backend}
+    options |= {"beta": problem.beta} if problem.kind == "jsd" else {}
+    teacher = (problem.teacher_hidden, problem.teacher_weight)
+
+    def step(hidden, weight, grad_out):
+        out = linear_divergence_loss(
+            hidden, weight, *teacher, weights=grad_out, **options, validate=False
+        )
+        if out.loss.requires_grad:
+            out.loss.backward()
+        return out.divergence, None
+
+    return Prepared(step, False)
+
+
 def provider_materialized_divergence(problem: DistillProblem) -> Prepared:
     """Both logits ``[N, V]`` from GEMMs in the input dtype, upcast to fp32, divided by the
     temperature, ``log_softmax``, :func:`torch_divergence`, autograd (the teacher's side
@@ -291,6 +320,8 @@ def make_distill_provider(name: str, problem: DistillProblem) -> Prepared:
     if name in LP_DISTILL_PROVIDERS:
         backend = name.removeprefix("lp-").removesuffix("-det")
         return provider_lp_divergence(backend, problem, name.endswith("-det"))
+    if name in LP_DISTILL_LOSS_PROVIDERS:
+        return provider_lp_divergence_loss(name.removeprefix("lp-loss-"), problem)
     if name == "materialized":
         return provider_materialized_divergence(problem)
     if name == "liger":

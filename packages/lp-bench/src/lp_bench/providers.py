@@ -619,7 +619,8 @@ def default_providers(
     ``modes``: with ``loss`` among them, ``linear_logprob_loss`` (default and
     ``deterministic=True``) on that backend joins them (with other modes too, each mode's
     rows of a provider that does not run there are marked skipped). ``distill``:
-    ``linear_divergence`` (lp-torch, lp-torch-det; lp-triton too on CUDA), the materialized
+    ``linear_divergence`` (lp-torch, lp-torch-det; lp-triton too on CUDA) and
+    ``linear_divergence_loss`` (lp-loss-triton on CUDA, else lp-loss-torch), the materialized
     path, liger (kind jsd only) and trl where importable."""
     main = "triton" if device == "cuda" else "torch"
     names: list[str] = []
@@ -634,6 +635,7 @@ def default_providers(
     if "distill" in modes:
         names += ["lp-triton"] if device == "cuda" else []
         names += ["lp-torch", "lp-torch-det"]
+        names += ["lp-loss-triton"] if device == "cuda" else ["lp-loss-torch"]
     names += ["materialized", "liger", "trl"] if device == "cuda" else ["materialized"]
     if "distill" in modes:
         names.append("trl")  # TRL's divergence has a torch path off CUDA

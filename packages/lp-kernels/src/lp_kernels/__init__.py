@@ -12,7 +12,8 @@ Public API:
 - :func:`linear_divergence` — distillation: the forward KL, reverse KL or generalized JSD
   between a student head and a teacher head, per row, over the whole vocabulary;
   :func:`vocab_parallel_divergence` from the student's logits and the teacher's log-probs;
-  :class:`DivergenceOutput` their result.
+  :class:`DivergenceOutput` their result; :func:`linear_divergence_loss` a weighted sum of
+  the divergence with its gradients finished in the forward (:class:`DivergenceLossOutput`).
 - :class:`LogProbOutput` — the ``(logprob, entropy, lse)`` result; :class:`LossOutput`
   the loss op's.
 - :func:`default_deterministic_tile` and :func:`deterministic_tile_for` — the tile
@@ -21,12 +22,17 @@ Public API:
 """
 
 from lp_kernels.core.tiles import default_deterministic_tile, deterministic_tile_for
-from lp_kernels.core.types import DivergenceOutput, LogProbOutput, LossOutput
+from lp_kernels.core.types import DivergenceLossOutput, DivergenceOutput, LogProbOutput, LossOutput
 from lp_kernels.distributed.layout import clear_layout_cache
-from lp_kernels.divergence import linear_divergence, vocab_parallel_divergence
+from lp_kernels.divergence import (
+    linear_divergence,
+    linear_divergence_loss,
+    vocab_parallel_divergence,
+)
 from lp_kernels.ops import linear_logprob, linear_logprob_loss, vocab_parallel_logprob
 
 __all__ = [
+    "DivergenceLossOutput",
     "DivergenceOutput",
     "LogProbOutput",
     "LossOutput",
@@ -34,6 +40,7 @@ __all__ = [
     "default_deterministic_tile",
     "deterministic_tile_for",
     "linear_divergence",
+    "linear_divergence_loss",
     "linear_logprob",
     "linear_logprob_loss",
     "vocab_parallel_divergence",

@@ -30,6 +30,7 @@ from lp_kernels.backends.torch.linear import ChunkGrads
 from lp_kernels.core.chunks import padded_rows
 from lp_kernels.core.compile import backend_backward
 from lp_kernels.core.divergence import N_SAVED, N_SUMS, DivergenceParams
+from lp_kernels.core.loss import scale_
 from lp_kernels.core.matmul import scratch
 from lp_kernels.core.stats import masked_upstream, merge_stats
 from lp_kernels.core.types import LogprobParams
@@ -182,3 +183,55 @@ class VocabParallelDivergence(torch.autograd.Function):
             dl = TorchEngine.dlogits(state, saved[r0:r1], g[r0:r1], dp)
             grad[r0:r1, : dl.shape[1]] = dl
         return grad, None, None, None
+
+
+class LinearDivergenceLoss(torch.autograd.Function):
+    """``linear_divergence_loss``: ``sum_n w_n D_n`` with the gradients finished in the
+    forward. Each chunk's logits are computed once: its statistics, sums and ``d l`` (for the
+    upstream ``w``) from them, then the two gradient GEMMs, so a step costs four GEMMs where
+    the op and ``backward()`` cost six. The backward scales the kept gradients by the loss's
+    upstream gradient. Inputs as :class:`LinearDivergence`'s and ``w [N]`` fp32; outputs
+    ``(loss, divergence, student entropy, teacher entropy)``, only the loss differentiable."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, ignored, w, dp):
+        ctx.set_materialize_grads(False)
+        engine = engine_of(dp)
+        needs = (
+            hidden.requires_grad,
+            weight.requires_grad,
+            bias is not None and bias.requires_grad,
+        )
+        out = ChunkGrads(hidden, weight, bias, needs, dp.student) if any(needs) else None
+        (g,) = masked_upstream(ignored, w)
+        sums = scratch.empty((hidden.shape[0], N_SUMS), dtype=torch.float32, device=hidden.device)
+        w_s, b_s, w_t, b_t = real_heads(weight, bias, t_weight, t_bias, dp.student)
+        chunks = engine.chunks(hidden, w_s, b_s, t_hidden, w_t, b_t, dp, backward=ignored)
+        for r0, r1, h_c, state in chunks:
+            saved, rows_sums = chunk_forward(engine, state, dp)
+            sums[r0:r1] = rows_sums[: r1 - r0]
+            if out is not None:
+                rows = h_c.shape[0]
+                dl = engine.dlogits(state, saved, padded_rows(g, r0, r1, rows), dp)
+                h_c = torch.where(padded_rows(ignored, r0, r1, rows, False)[:, None], 0, h_c)
+                out.add(r0, r1, h_c, dl.to(hidden.dtype))
+        ctx.grads = (None, None, None) if out is None else out.finish()
+        per_row = tuple(torch.where(ignored, 0.0, sums[:, j]) for j in range(3))
+        ctx.mark_non_differentiable(*per_row)
+        return (per_row[0] * g).sum(), *per_row
+
+    @staticmethod
+    @backend_backward
+    def backward(ctx, g_loss, *_):
+        grads = ctx.grads
+        if grads is None:
+            raise RuntimeError(
+                "linear_divergence_loss: backward ran twice through one call "
+                "(retain_graph=True); its forward finished the gradients and the first "
+                "backward handed them out. Call the op again for a second backward"
+            )
+        ctx.grads = None
+        if g_loss is None:
+            return (None,) * 9
+        grads = tuple(None if x is None else scale_(x, g_loss) for x in grads)
+        return (*grads, None, None, None, None, None, None)

@@ -92,6 +92,20 @@ class DivergenceOutput(NamedTuple):
     """``-sum q log q`` of the teacher's distribution (detached)."""
 
 
+class DivergenceLossOutput(NamedTuple):
+    """What :func:`lp_kernels.linear_divergence_loss` returns: ``loss`` a differentiable
+    fp32 scalar, the per-row fields ``[*]`` fp32 without gradient, 0 outside ``mask``."""
+
+    loss: torch.Tensor
+    """``sum_n weights[n] divergence[n]`` (fp32, 0-d)."""
+    divergence: torch.Tensor
+    """Each row's divergence (detached)."""
+    student_entropy: torch.Tensor
+    """``-sum p log p`` of the student's distribution (detached)."""
+    teacher_entropy: torch.Tensor
+    """``-sum q log q`` of the teacher's distribution (detached)."""
+
+
 @dataclass(frozen=True)
 class LogprobParams:
     """Resolved, validated options of one call (internal; built by the public functions)."""
