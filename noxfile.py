@@ -118,6 +118,7 @@ ADAPTER_TESTS = [
     "packages/lp-hf/tests/test_skyrl.py",
     "packages/lp-hf/tests/test_verl.py",
     "packages/lp-megatron/tests/test_megatron_skyrl.py",
+    "packages/lp-megatron/tests/test_megatron_verl.py",
     "packages/lp-bench/tests/test_trl_provider.py",
 ]
 TRAINERS_REQUIRED = {"LP_TRAINERS_REQUIRED": "1"}
