@@ -30,7 +30,7 @@ from lp_kernels.backends.torch.linear import ChunkGrads
 from lp_kernels.core.chunks import padded_rows
 from lp_kernels.core.compile import backend_backward
 from lp_kernels.core.divergence import N_SAVED, N_SUMS, DivergenceParams
-from lp_kernels.core.loss import scale_
+from lp_kernels.core.loss import FinishedGradients
 from lp_kernels.core.matmul import scratch
 from lp_kernels.core.stats import masked_upstream, merge_stats
 from lp_kernels.core.types import LogprobParams
@@ -109,6 +109,17 @@ def chunk_forward(engine, state, dp: DivergenceParams) -> tuple[torch.Tensor, to
     return saved, sums
 
 
+def add_chunk_grads(out: ChunkGrads, engine, state, rows: tuple, saved, g, ignored, dp) -> None:
+    """One chunk's ``d l`` (the engine's, for its saved statistics ``[C, 4]`` and the rows'
+    upstream ``g [N]``) into the gradient GEMMs of ``out``; ``rows = (r0, r1, h_c)``."""
+    r0, r1, h_c = rows
+    c = h_c.shape[0]
+    dl = engine.dlogits(state, saved, padded_rows(g, r0, r1, c), dp)
+    # ignored rows' hidden may be anything (NaN): their d l is 0, keep 0 * h out
+    h_c = torch.where(padded_rows(ignored, r0, r1, c, False)[:, None], 0, h_c)
+    out.add(r0, r1, h_c, dl.to(h_c.dtype))
+
+
 class LinearDivergence(torch.autograd.Function):
     """``linear_divergence``. Inputs: the student's ``hidden [N, H]``, ``weight``, ``bias``,
     the teacher's, ``ignored [N]`` bool and :class:`DivergenceParams`; outputs
@@ -144,13 +155,8 @@ class LinearDivergence(torch.autograd.Function):
         w_s, b_s, w_t, b_t = real_heads(weight, bias, t_weight, t_bias, dp.student)
         chunks = engine.chunks(hidden, w_s, b_s, t_hidden, w_t, b_t, dp, backward=ignored)
         for r0, r1, h_c, state in chunks:
-            rows = h_c.shape[0]
-            dl = engine.dlogits(
-                state, padded_rows(saved, r0, r1, rows), padded_rows(g, r0, r1, rows), dp
-            )
-            # ignored rows' hidden may be anything (NaN): their d l is 0, keep 0 * h out
-            h_c = torch.where(padded_rows(ignored, r0, r1, rows, False)[:, None], 0, h_c)
-            out.add(r0, r1, h_c, dl.to(hidden.dtype))
+            rows_saved = padded_rows(saved, r0, r1, h_c.shape[0])
+            add_chunk_grads(out, engine, state, (r0, r1, h_c), rows_saved, g, ignored, dp)
         return (*out.finish(), None, None, None, None, None)
 
 
@@ -185,13 +191,14 @@ class VocabParallelDivergence(torch.autograd.Function):
         return grad, None, None, None
 
 
-class LinearDivergenceLoss(torch.autograd.Function):
+class LinearDivergenceLoss(FinishedGradients):
     """``linear_divergence_loss``: ``sum_n w_n D_n`` with the gradients finished in the
     forward. Each chunk's logits are computed once: its statistics, sums and ``d l`` (for the
     upstream ``w``) from them, then the two gradient GEMMs, so a step costs four GEMMs where
     the op and ``backward()`` cost six. The backward scales the kept gradients by the loss's
-    upstream gradient. Inputs as :class:`LinearDivergence`'s and ``w [N]`` fp32; outputs
-    ``(loss, divergence, student entropy, teacher entropy)``, only the loss differentiable."""
+    upstream gradient (``core.loss.FinishedGradients``). Inputs as
+    :class:`LinearDivergence`'s and ``w [N]`` fp32; outputs ``(loss, divergence, student
+    entropy, teacher entropy)``, only the loss differentiable."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, ignored, w, dp):
@@ -211,27 +218,9 @@ class LinearDivergenceLoss(torch.autograd.Function):
             saved, rows_sums = chunk_forward(engine, state, dp)
             sums[r0:r1] = rows_sums[: r1 - r0]
             if out is not None:
-                rows = h_c.shape[0]
-                dl = engine.dlogits(state, saved, padded_rows(g, r0, r1, rows), dp)
-                h_c = torch.where(padded_rows(ignored, r0, r1, rows, False)[:, None], 0, h_c)
-                out.add(r0, r1, h_c, dl.to(hidden.dtype))
+                add_chunk_grads(out, engine, state, (r0, r1, h_c), saved, g, ignored, dp)
         ctx.grads = (None, None, None) if out is None else out.finish()
+        ctx.op, ctx.constants = "linear_divergence_loss", 6
         per_row = tuple(torch.where(ignored, 0.0, sums[:, j]) for j in range(3))
         ctx.mark_non_differentiable(*per_row)
         return (per_row[0] * g).sum(), *per_row
-
-    @staticmethod
-    @backend_backward
-    def backward(ctx, g_loss, *_):
-        grads = ctx.grads
-        if grads is None:
-            raise RuntimeError(
-                "linear_divergence_loss: backward ran twice through one call "
-                "(retain_graph=True); its forward finished the gradients and the first "
-                "backward handed them out. Call the op again for a second backward"
-            )
-        ctx.grads = None
-        if g_loss is None:
-            return (None,) * 9
-        grads = tuple(None if x is None else scale_(x, g_loss) for x in grads)
-        return (*grads, None, None, None, None, None, None)

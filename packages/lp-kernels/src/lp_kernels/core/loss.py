@@ -214,10 +214,12 @@ def scale_(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 class FinishedGradients(torch.autograd.Function):
     """Base of the loss Functions: ``forward`` saves the finished gradients of the loss
-    (``ctx.grads = (grad_hidden, grad_weight, grad_bias)``); ``backward`` scales them in
-    place by the loss's upstream gradient, with ``ctx.scale(grad, g)`` if the forward set
-    one (the triton backend's skips the pass on the device when g is 1: no host sync), else
-    :func:`scale_`. Outputs after the loss are metrics without gradient."""
+    (``ctx.grads = (grad_hidden, grad_weight, grad_bias)``, for the Function's first three
+    inputs); ``backward`` scales them in place by the loss's upstream gradient, with
+    ``ctx.scale(grad, g)`` if the forward set one (the triton backend's skips the pass on the
+    device when g is 1: no host sync), else :func:`scale_`. Outputs after the loss are
+    metrics without gradient. A forward may set ``ctx.op`` (the op its errors name; default
+    ``linear_logprob_loss``) and ``ctx.constants`` (the inputs after the three; default 3)."""
 
     @staticmethod
     def forward(ctx, *args):  # pragma: no cover - subclasses define it
@@ -227,18 +229,19 @@ class FinishedGradients(torch.autograd.Function):
     @backend_backward
     def backward(ctx, g_loss, *_):
         grads = ctx.grads
+        constants = (None,) * getattr(ctx, "constants", 3)
         if grads is None:
             raise RuntimeError(
-                "linear_logprob_loss: backward ran twice through one call (retain_graph=True); "
-                "its forward finished the gradients and the first backward handed them out. "
-                "Call the op again for a second backward"
+                f"{getattr(ctx, 'op', 'linear_logprob_loss')}: backward ran twice through one "
+                "call (retain_graph=True); its forward finished the gradients and the first "
+                "backward handed them out. Call the op again for a second backward"
             )
         ctx.grads = None
         if g_loss is None:
-            return (None,) * 6
+            return (None, None, None, *constants)
         scale = getattr(ctx, "scale", scale_)
         grad_h, grad_w, grad_b = (None if x is None else scale(x, g_loss) for x in grads)
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, *constants
 
 
 def finish(ctx, outputs, grads, spec: LossSpec):
