@@ -114,6 +114,7 @@ TRAINER_WHEELS = {
 ADAPTER_TESTS = [
     "packages/lp-hf/tests/test_trl.py",
     "packages/lp-hf/tests/test_trl_distill.py",
+    "packages/lp-hf/tests/test_trl_fused_loss.py",
     "packages/lp-hf/tests/test_openrlhf.py",
     "packages/lp-hf/tests/test_skyrl.py",
     "packages/lp-hf/tests/test_verl.py",

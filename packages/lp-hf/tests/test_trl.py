@@ -25,21 +25,27 @@ import torch
 pytest.importorskip("transformers")
 
 from _hf_models import grads, tiny_model
+from _trl_setup import (
+    GRAD_REL,
+    VOCAB,
+    assert_close_grads,
+    generation_batch,
+    grpo_trainer,
+    loss_and_grads,
+    make_tokenizer,
+    save_tiny_qwen2,
+    worst,
+)
 
 import lp_hf.trl as lp_trl
 from lp_testing import import_trainer
 
-VOCAB = 53  # prime, not a multiple of any tile
-PROMPTS = ["w1 w2 w3", "w4 w5", "w6 w7 w8 w9 w10", "w11"]
 TEXTS = ["w1 w2 w3 w4 w5 w6", "w7 w8", "w9 w10 w11 w12 w13 w14 w15 w16 w17", "w18 w19 w20"]
 LOGPROB_ATOL = 1e-6
 GRAD_FLOOR = 5e-7
 """Relative gradient error (of the largest entry) that always passes: fp32 rounding."""
 K = 4.0
 """lp's error may be up to K times TRL's own fp32 error, against the fp64 truth."""
-GRAD_REL = 5e-6
-"""Trainer tests (no fp64 run): lp's gradients within this much of TRL's largest entry;
-the two fp32 paths differ by up to ~1.4e-6 of it on these models (small bias gradients)."""
 
 
 @pytest.fixture(scope="module")
@@ -49,23 +55,13 @@ def trl() -> types.ModuleType:
 
 @pytest.fixture(scope="module")
 def tokenizer(trl: types.ModuleType):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i + 1 for i in range(1, VOCAB - 1)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+    return make_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def model_dir(trl: types.ModuleType, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A saved tiny Qwen2 (policy and reference model of the trainer tests)."""
-    model = tiny_model("qwen2", vocab=VOCAB, hidden=16, layers=1)
-    model.config.update({"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1})
-    path = tmp_path_factory.mktemp("qwen2")
-    model.save_pretrained(path)
-    return str(path)
+    return save_tiny_qwen2(tmp_path_factory.mktemp("qwen2"))
 
 
 @pytest.fixture
@@ -83,19 +79,13 @@ def lp_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def _worst(got: torch.Tensor, want: torch.Tensor) -> tuple[float, tuple[int, ...]]:
-    diff = (got.detach().double() - want.detach().double()).abs()
-    index = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
-    return float(diff.max()), index
-
-
 def assert_no_worse(name: str, lp: torch.Tensor, stock: torch.Tensor, truth: torch.Tensor):
     """lp's max error against ``truth`` <= K x stock's (plus a floor); lp within
     LOGPROB_ATOL of stock, relative to the largest value where it is above 1 (entropy)."""
     assert lp.shape == stock.shape and lp.dtype == stock.dtype, name
-    err_lp, at = _worst(lp, truth)
-    err_stock, _ = _worst(stock, truth)
-    gap, gap_at = _worst(lp, stock)
+    err_lp, at = worst(lp, truth)
+    err_stock, _ = worst(stock, truth)
+    gap, gap_at = worst(lp, stock)
     assert (
         err_lp <= K * err_stock + LOGPROB_ATOL / 10
     ), f"{name}: lp error {err_lp:.3g} at {at}, TRL's {err_stock:.3g}"
@@ -109,12 +99,11 @@ def assert_grads_no_worse(lp: dict, stock: dict, truth: dict) -> None:
     for name, want in truth.items():
         scale = float(want.abs().max())
         assert scale > 0, f"{name}: no gradient reached it"
-        err_lp, at = _worst(lp[name], want)
-        err_stock, _ = _worst(stock[name], want)
-        assert err_lp / scale <= K * err_stock / scale + GRAD_FLOOR, (
-            f"{name}: lp relative error {err_lp / scale:.3g} at {at}, TRL's "
-            f"{err_stock / scale:.3g}"
-        )
+        err_lp, at = worst(lp[name], want)
+        err_stock, _ = worst(stock[name], want)
+        assert (
+            err_lp / scale <= K * err_stock / scale + GRAD_FLOOR
+        ), f"{name}: lp relative error {err_lp / scale:.3g} at {at}, TRL's {err_stock / scale:.3g}"
 
 
 # -- the fused forward itself ------------------------------------------------------------
@@ -271,88 +260,23 @@ def test_moe_aux_loss_matches_trl(trl, lp_calls: list[int]) -> None:
     assert abs(float(lp_out.loss - stock_out.loss)) <= 1e-6
     assert abs(float(lp_out.loss - own)) <= 1e-5
     assert (lp_out.log_probs - stock_out.log_probs).abs().max() <= LOGPROB_ATOL
-    _assert_close_grads(grads(ours), grads(stock), rel=GRAD_REL, allow_zero=True)
+    assert_close_grads(grads(ours), grads(stock), rel=GRAD_REL, allow_zero=True)
 
 
 # -- the trainers' own loss paths ----------------------------------------------------------
-
-
-def _reward(completions: list[str], **kwargs) -> list[float]:
-    """A reward that varies between completions (nonzero advantages)."""
-    return [float(sum(map(ord, text)) % 7) for text in completions]
-
-
-def _grpo(trl, model_dir, tokenizer, tmp_path, **overrides):
-    fields = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=6,
-        temperature=0.9,
-        beta=0.04,  # a reference model, with its own fused head
-        bf16=False,  # fp32: the tolerances of this file
-        learning_rate=0.5,
-        optim="sgd",
-        max_grad_norm=0.0,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    fields.update(overrides)
-    from datasets import Dataset
-
-    data = Dataset.from_dict({"prompt": PROMPTS * 4})
-    return trl.GRPOTrainer(
-        model=model_dir,
-        reward_funcs=_reward,
-        args=trl.GRPOConfig(**fields),
-        train_dataset=data,
-        processing_class=tokenizer,
-    )
-
-
-def _generation_batch() -> list[dict[str, str]]:
-    """Two prompts, each repeated num_generations (4) times, as GRPO's sampler gives them."""
-    return [{"prompt": prompt} for prompt in PROMPTS[:2] for _ in range(4)]
-
-
-def _loss_and_grads(trainer, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    trainer.model.train()  # the metrics go to "train"
-    trainer.current_gradient_accumulation_steps = 1  # what train() sets
-    trainer.model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(trainer.model, inputs)
-    loss.backward()
-    return loss.detach(), grads(trainer.model)
-
-
-def _assert_close_grads(lp: dict, stock: dict, rel: float, allow_zero: bool = False) -> None:
-    """Every gradient within ``rel`` of its largest entry in TRL's run (``allow_zero``: a
-    parameter may get none, e.g. an expert no token was routed to, if in both runs)."""
-    assert lp.keys() == stock.keys()
-    for name, want in stock.items():
-        scale = float(want.abs().max())
-        err, at = _worst(lp[name], want)
-        if allow_zero and scale == 0:
-            assert err == 0, f"{name}: a gradient in lp's run only"
-            continue
-        assert scale > 0, f"{name}: no gradient reached it"
-        assert err <= rel * scale, f"{name}: {err / scale:.3g} of max |grad| at {at}"
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 def test_grpo_loss_matches_trl(trl, model_dir, tokenizer, tmp_path, loss_type, lp_calls):
     trainers = {}
     for name in ("stock", "lp"):
-        trainer = _grpo(trl, model_dir, tokenizer, tmp_path / name, loss_type=loss_type)
+        trainer = grpo_trainer(trl, model_dir, tokenizer, tmp_path / name, loss_type=loss_type)
         trainers[name] = lp_trl.use_lp(trainer) if name == "lp" else trainer
     inputs, results = {}, {}
     for name, trainer in trainers.items():
         torch.manual_seed(1)  # the same sampled completions from the same weights
-        inputs[name] = trainer._prepare_inputs(_generation_batch())  # eval mode: generates
-        results[name] = _loss_and_grads(trainer, inputs[name])
+        inputs[name] = trainer._prepare_inputs(generation_batch())  # eval mode: generates
+        results[name] = loss_and_grads(trainer, inputs[name])
     assert lp_calls, "the lp trainer did not call lp"
     stock_in, lp_in = inputs["stock"], inputs["lp"]
     assert torch.equal(lp_in["completion_ids"], stock_in["completion_ids"])
@@ -362,7 +286,7 @@ def test_grpo_loss_matches_trl(trl, model_dir, tokenizer, tmp_path, loss_type, l
     (stock_loss, stock_grads), (lp_loss, lp_grads) = results["stock"], results["lp"]
     assert torch.isfinite(stock_loss)  # ~0 on policy: the advantages sum to 0
     assert abs(float(lp_loss - stock_loss)) <= 1e-6 * max(1.0, abs(float(stock_loss)))
-    _assert_close_grads(lp_grads, stock_grads, rel=GRAD_REL)
+    assert_close_grads(lp_grads, stock_grads, rel=GRAD_REL)
     # TRL's metrics from the fused head's entropy
     stock_entropy = trainers["stock"]._metrics["train"]["entropy"]
     assert stock_entropy and trainers["lp"]._metrics["train"]["entropy"] == pytest.approx(
@@ -373,7 +297,7 @@ def test_grpo_loss_matches_trl(trl, model_dir, tokenizer, tmp_path, loss_type, l
 def test_grpo_two_steps_and_generation(trl, model_dir, tokenizer, tmp_path, lp_calls):
     runs = {}
     for name in ("stock", "lp"):
-        trainer = _grpo(trl, model_dir, tokenizer, tmp_path / name, max_steps=2)
+        trainer = grpo_trainer(trl, model_dir, tokenizer, tmp_path / name, max_steps=2)
         if name == "lp":
             lp_trl.use_lp(trainer)
         start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -402,7 +326,7 @@ def test_grpo_two_steps_and_generation(trl, model_dir, tokenizer, tmp_path, lp_c
 def test_amp_wrapped_reference_model(trl, model_dir, tokenizer, tmp_path, lp_calls):
     """Under bf16 the trainer wraps its reference model's fused forward in accelerate's
     autocast forward at construction: use_lp rebuilds that wrapper around lp's forward."""
-    trainer = _grpo(trl, model_dir, tokenizer, tmp_path, bf16=True)
+    trainer = grpo_trainer(trl, model_dir, tokenizer, tmp_path, bf16=True)
     if not trainer.accelerator.native_amp:
         pytest.skip("accelerate gives no native mixed precision on this machine")
     stock_ref = copy.deepcopy(trainer.ref_model)
@@ -451,7 +375,7 @@ def test_sft_loss_matches_trl(trl, model_dir, tokenizer, tmp_path, lp_calls):
     assert lp_calls, "the lp trainer did not call lp"
     (loss, stock_grads, metrics), (lp_loss, lp_grads, lp_metrics) = results.values()
     assert abs(float(lp_loss - loss)) <= 1e-6 * max(1.0, abs(float(loss)))
-    _assert_close_grads(lp_grads, stock_grads, rel=GRAD_REL)
+    assert_close_grads(lp_grads, stock_grads, rel=GRAD_REL)
     assert lp_metrics["mean_token_accuracy"] == metrics["mean_token_accuracy"]
     assert lp_metrics["entropy"] == pytest.approx(metrics["entropy"], abs=1e-5)
 
@@ -487,10 +411,10 @@ def test_dpo_loss_matches_trl(trl, model_dir, tokenizer, tmp_path, lp_calls):
         trainers.append(trainer)
     lp_trl.use_lp(trainers[1])
     batch = next(iter(trainers[0].get_train_dataloader()))
-    (loss, stock_grads), (lp_loss, lp_grads) = (_loss_and_grads(t, batch) for t in trainers)
+    (loss, stock_grads), (lp_loss, lp_grads) = (loss_and_grads(t, batch) for t in trainers)
     assert lp_calls, "the lp trainer did not call lp"
     assert abs(float(lp_loss - loss)) <= 1e-6 * max(1.0, abs(float(loss)))
-    _assert_close_grads(lp_grads, stock_grads, rel=GRAD_REL)
+    assert_close_grads(lp_grads, stock_grads, rel=GRAD_REL)
     metrics, lp_metrics = (t._metrics["train"] for t in trainers)
     assert lp_metrics.keys() == metrics.keys()
     for key, values in metrics.items():

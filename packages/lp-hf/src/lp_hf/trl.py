@@ -46,6 +46,26 @@ a per-token field TRL asks for that lp-hf does not know (lp computes ``log_sum_s
 ``mean_logits`` and ``is_top1`` with ``linear_logprob(extras=...)``); DeepSpeed ZeRO-3,
 whose partitioned head TRL's kernel re-gathers in its backward and lp's does not.
 
+The fused loss (``use_lp(trainer, fused_loss=True)``, GRPOTrainer only). TRL computes its
+loss from the head's log-probs: the head's forward, then TRL's loss, then a backward that
+recomputes the logits (four GEMMs). With ``fused_loss`` the loss is computed in the head
+pass by ``lp_kernels.linear_logprob_loss``, its gradients finished there (three GEMMs)::
+
+    trainer.compute_loss -> GrpoFusedLoss (bound as trainer._compute_loss)
+      per-token loss (GrpoTokenLoss: PolicyLoss's clipped surrogate, k3 KL) and its
+        inputs [B, Tc]: advantages, old / ref log-probs, vLLM IS ratio, weights that
+        realize the loss_type's reduction and the gradient-accumulation scale
+      kernel.loss_pass(request): trainer._get_per_token_logps_and_entropies(...)
+        -> TRL's fused forward -> LpKernel.loss: linear_logprob_loss on the head's rows
+           (rows outside the loss mask ignored); log-probs and entropy come back detached
+      loss (+ MoE aux loss); TRL's metrics from the detached log-probs and entropy
+
+The seam is the trainer's private ``_compute_loss``, replaced on this trainer only by an
+instance attribute. ``use_lp`` checks that ``compute_loss`` calls it and that it names what
+TRL 1.16.0's names (a digest of its identifiers: a TRL whose loss reads another option is
+refused), then refuses each option whose loss is not elementwise in the head pass's outputs
+or not mapped (:func:`check_grpo_options`, again at each call).
+
 ``DistillationTrainer`` has no fused head: its loss, ``_compute_loss``, runs both backbones
 and calls the module-level ``_chunked_divergence_loss`` of ``trl.trainer.distillation_trainer``
 (the FSDP2 gather, the mask, the reduction with ``num_items_in_batch``), which calls
@@ -61,28 +81,40 @@ or scale that TRL reads differently from the model's forward (checked at each ca
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import importlib
+import inspect
 import sys
 import types
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from lp_hf.adapters import check_parameters
 from lp_hf.final_logits import FinalLogitTransform, model_logit_transform
-from lp_kernels import linear_divergence, linear_logprob
+from lp_kernels import LossOutput, linear_divergence, linear_logprob, linear_logprob_loss
+from lp_kernels.losses import PolicyLoss, kl_k3, token_weights
 
 __all__ = [
     "DIVERGENCE_ARGS",
     "EXTRAS",
     "FIELDS",
+    "GRPO_LOSS_TYPES",
     "SUPPORTED_TRL",
+    "GrpoFusedLoss",
+    "GrpoTokenLoss",
+    "LossRequest",
     "LpDivergenceKernel",
     "LpKernel",
     "TrlOptions",
+    "check_grpo_options",
     "divergence_kind",
+    "grpo_policy_loss",
+    "grpo_weights",
     "use_lp",
 ]
 
@@ -136,6 +168,25 @@ DIVERGENCE_ARGS = (
 )
 """The arguments of TRL's ``ChunkedDivergenceFunction.apply`` (after ``ctx``), in order."""
 Backend = Literal["auto", "torch", "triton"]
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+"""The ``loss_type`` values of TRL's GRPOTrainer that ``use_lp(fused_loss=True)`` computes."""
+_GRPO_MODULE = "trl.trainer.grpo_trainer"
+_GRPO_LOSS_DIGEST = "0e3246fb5488cbc0"
+"""The first 16 hex digits of the sha256 of the identifiers (attributes, options, loss types,
+keywords) that TRL 1.16.0's ``GRPOTrainer._compute_loss`` names, sorted and space-joined: a
+TRL whose loss reads another option or branch gives another digest."""
+_LOGPS_ARGS = (
+    "self",
+    "model",
+    "input_ids",
+    "attention_mask",
+    "logits_to_keep",
+    "batch_size",
+    "compute_entropy",
+    "compute_aux_loss",
+)
+"""The leading parameters of ``GRPOTrainer._get_per_token_logps_and_entropies``; the others
+are model inputs that ``_compute_loss`` passes as ``inputs.get(name)``."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +248,60 @@ def _missing_extras(outputs: tuple[str, ...], where: str) -> None:
         )
 
 
+@dataclass
+class LossRequest:
+    """The loss of one pass of the policy's fused head (``use_lp(fused_loss=True)``).
+
+    :class:`GrpoFusedLoss` sets it on the policy's :class:`LpKernel` around the forward; the
+    kernel then computes ``linear_logprob_loss(..., loss_fn, per_token=...)`` on the rows
+    that TRL's head scores and keeps the result in ``output``. Per-token tensors are
+    ``[B, Tc]`` over the completion columns of inputs of ``seq_len`` columns.
+
+    Attributes:
+        loss_fn: the per-token loss.
+        per_token: its keyword tensors, each ``[B, Tc]`` (or broadcastable to it).
+        completion_ids: ``[B, Tc]`` the sampled tokens (the head's targets).
+        completion_mask: ``[B, Tc]`` the completion columns of the attention mask: the
+            positions TRL's head selects when it scores only labelled rows.
+        loss_mask: ``[B, Tc]`` the tokens whose loss counts; the others are ignored rows.
+        seq_len: prompt plus completion columns.
+        output: the result, once the head has run.
+    """
+
+    loss_fn: Callable[..., torch.Tensor]
+    per_token: dict[str, torch.Tensor]
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    seq_len: int
+    output: LossOutput | None = field(default=None)
+
+
+def _row_layout(
+    request: LossRequest, rows: int, where: str
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``[B, Tc] -> [rows]``: the rows of TRL's kernel call for per-token values. TRL's head
+    passes either every position of the shifted ``[B, seq_len - 1]`` labels (row-major) or
+    only the labelled ones, the completion tokens (``completion_mask``); when both counts
+    agree the two layouts are the same rows."""
+    batch, width = request.completion_mask.shape
+    prompt = request.seq_len - 1 - width
+    if rows == batch * (request.seq_len - 1):
+
+        def every(x: torch.Tensor) -> torch.Tensor:
+            x = x.expand(batch, width)
+            return torch.cat([x.new_zeros(batch, prompt), x], 1).reshape(-1)
+
+        return every
+    labelled = request.completion_mask.bool()
+    if rows != int(labelled.sum()):
+        raise RuntimeError(
+            f"{where}: TRL's fused head passed {rows} rows, neither every position "
+            f"({batch * (request.seq_len - 1)}) nor the completion tokens; TRL changed"
+        )
+    return lambda x: x.expand(batch, width)[labelled]
+
+
 class LpKernel:
     """What one model's fused forward calls in place of TRL's chunked kernel.
 
@@ -216,6 +321,18 @@ class LpKernel:
         self.transform = transform
         self.options = options
         self.name = name
+        self.request: LossRequest | None = None
+
+    @contextlib.contextmanager
+    def loss_pass(self, request: LossRequest) -> Iterator[LossRequest]:
+        """Within the block, the next call computes ``request``'s loss (see :meth:`apply`)."""
+        if self.request is not None:
+            raise RuntimeError(f"{self.name}: a fused loss pass is already running")
+        self.request = request
+        try:
+            yield request
+        finally:
+            self.request = None
 
     def check(self, softcap: float | None, logit_scale: float | None) -> None:
         """Raise unless TRL's ``softcap`` and ``logit_scale`` are the model's own."""
@@ -238,6 +355,8 @@ class LpKernel:
         _zero3_refused(self.name)
         self.check(final_logit_softcapping, logit_scale)
         _missing_extras(tuple(outputs), self.name)
+        if self.request is not None:
+            return self.loss(hidden, weight, bias, targets, temperature, tuple(outputs))
         extras = tuple(EXTRAS[name] for name in FIELDS[2:] if name in outputs)
         opts = self.options
         out = linear_logprob(
@@ -257,6 +376,55 @@ class LpKernel:
         )
         fields = [getattr(out, EXTRAS[name]) if name in outputs else None for name in FIELDS[2:]]
         return (out.logprob, out.entropy, *fields)
+
+    def loss(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        outputs: tuple[str, ...],
+    ) -> tuple[torch.Tensor | None, ...]:
+        """:meth:`apply` within :meth:`loss_pass`: ``linear_logprob_loss`` on the rows, the
+        rows outside ``request.loss_mask`` ignored; the result goes to ``request.output``
+        and the kernel returns its detached ``log_probs`` and ``entropy`` (0 on ignored rows)."""
+        request = self.request
+        if request.output is not None:
+            raise RuntimeError(f"{self.name}: the fused head ran twice in one loss pass")
+        if set(outputs) - {"log_probs", "entropy"}:
+            raise NotImplementedError(
+                f"{self.name}: the fused loss gives log_probs and entropy, TRL asks {outputs}"
+            )
+        to_rows = _row_layout(request, targets.shape[0], self.name)
+        keep = to_rows(request.loss_mask.to(targets.device) != 0)
+        opts = self.options
+        if opts.validate:
+            ids = to_rows(request.completion_ids.to(targets.device))
+            if not torch.equal(targets[keep], ids[keep]):
+                raise RuntimeError(
+                    f"{self.name}: TRL's fused head passed targets that are not the "
+                    "completion tokens in the order lp-hf read; TRL changed"
+                )
+        per_token = {k: to_rows(v.to(targets.device)) for k, v in request.per_token.items()}
+        request.output = linear_logprob_loss(
+            hidden,
+            weight,
+            targets.masked_fill(~keep, -100),
+            request.loss_fn,
+            per_token=per_token,
+            return_entropy="entropy" in outputs,
+            bias=bias,
+            temperature=temperature,
+            softcap=self.transform.softcap,
+            logit_scale=self.transform.logit_scale,
+            deterministic=opts.deterministic,
+            backend=opts.backend,
+            chunk_size=opts.chunk_size,
+            validate=opts.validate,
+        )
+        out = request.output
+        return (out.logprob, out.entropy if "entropy" in outputs else None, None, None, None)
 
 
 def divergence_kind(beta: float) -> tuple[str, float]:
@@ -595,6 +763,340 @@ def _use_lp_distillation(trainer: Any, cls: type, options: TrlOptions) -> Any:
     return trainer
 
 
+def check_grpo_options(trainer: Any) -> None:
+    """Raise ``ValueError`` naming each option of a GRPOTrainer whose loss
+    ``use_lp(fused_loss=True)`` does not reproduce exactly (see :func:`use_lp`)."""
+    args = trainer.args
+    eps_low, eps_high, delta = trainer.epsilon_low, trainer.epsilon_high, args.delta
+    refused = []
+    if trainer.loss_type not in GRPO_LOSS_TYPES:
+        refused.append(f"loss_type={trainer.loss_type!r} (covered: {', '.join(GRPO_LOSS_TYPES)})")
+    if trainer.importance_sampling_level != "token":
+        refused.append(f"importance_sampling_level={trainer.importance_sampling_level!r}")
+    if trainer.top_entropy_quantile < 1.0:
+        refused.append(f"top_entropy_quantile={trainer.top_entropy_quantile!r}")
+    if trainer.off_policy_mask_threshold is not None:
+        refused.append(f"off_policy_mask_threshold={trainer.off_policy_mask_threshold!r}")
+    if trainer.entropy_coef != 0.0 or trainer.use_adaptive_entropy:
+        refused.append("an entropy bonus (entropy_coef != 0 or use_adaptive_entropy)")
+    if not 0.0 <= eps_low < 1.0 or eps_high < 0.0:
+        refused.append(
+            f"epsilon={eps_low!r}, epsilon_high={eps_high!r} (need 0 <= epsilon < 1, "
+            "epsilon_high >= 0)"
+        )
+    if delta is not None and not delta > 1.0 + eps_high:
+        refused.append(f"delta={delta!r} (need delta > 1 + epsilon_high)")
+    if refused:
+        raise ValueError(
+            f"{type(trainer).__name__}: use_lp(fused_loss=True) does not reproduce TRL's loss "
+            f"with {'; '.join(refused)}; use fused_loss=False (TRL's loss on lp's log-probs)"
+        )
+
+
+@dataclass(frozen=True)
+class GrpoTokenLoss:
+    """GRPOTrainer's per-token loss, a ``loss_fn`` of ``linear_logprob_loss``:
+
+    ``weights * (surrogate * is_ratio + kl_coef * k3 * (r if kl_ratio else 1))``
+
+    with ``surrogate`` :class:`lp_kernels.losses.PolicyLoss`'s clipped surrogate (its KL
+    off), ``k3`` :func:`lp_kernels.losses.kl_k3` unclamped, ``r = exp(logprob -
+    old_logprob)`` (``old_logprob`` None: ``logprob.detach()``), ``is_ratio`` vLLM's
+    importance-sampling ratio (None: 1). Its derivatives come in closed form
+    (:meth:`value_and_grad`), equal to autograd's through ``__call__`` up to rounding.
+
+    Example:
+        >>> fn = GrpoTokenLoss(PolicyLoss(max_log_ratio=None), kl_coef=0.04, kl_ratio=True)
+        >>> lp = torch.tensor([-1.0, -2.0])
+        >>> fn(lp, None, None, advantages=torch.ones(2), weights=torch.ones(2),
+        ...    ref_logprob=lp).tolist()
+        [-1.0, -1.0]
+    """
+
+    surrogate: PolicyLoss
+    """The clipped surrogate (``kl_coef`` 0)."""
+    kl_coef: float = 0.0
+    """TRL's ``beta``: the coefficient of k3 against ``ref_logprob``."""
+    kl_ratio: bool = False
+    """TRL's ``use_bias_correction_kl``: the KL term times the (differentiable) ratio ``r``."""
+    needs_entropy = False
+
+    def __call__(
+        self,
+        logprob: torch.Tensor,
+        entropy: torch.Tensor | None,
+        lse: torch.Tensor | None,
+        *,
+        advantages: torch.Tensor,
+        weights: torch.Tensor,
+        old_logprob: torch.Tensor | None = None,
+        ref_logprob: torch.Tensor | None = None,
+        is_ratio: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Per-token loss ``[n]`` (arguments ``[n]``, as :class:`PolicyLoss` takes them)."""
+        loss = self.surrogate(logprob, entropy, lse, old_logprob=old_logprob, advantages=advantages)
+        if is_ratio is not None:
+            loss = loss * is_ratio
+        if self.kl_coef != 0.0:
+            kl = kl_k3(logprob, ref_logprob, max_log_ratio=None, max_kl=None)
+            if self.kl_ratio:
+                old = logprob.detach() if old_logprob is None else old_logprob
+                kl = kl * torch.exp(logprob - old)
+            loss = loss + self.kl_coef * kl
+        return weights * loss
+
+    def value_and_grad(
+        self,
+        logprob: torch.Tensor,
+        entropy: torch.Tensor | None,
+        lse: torch.Tensor | None,
+        *,
+        advantages: torch.Tensor,
+        weights: torch.Tensor,
+        old_logprob: torch.Tensor | None = None,
+        ref_logprob: torch.Tensor | None = None,
+        is_ratio: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+        """``(loss, (d loss / d logprob, None, None))`` per row in closed form, as
+        ``linear_logprob_loss`` takes it: the surrogate's from
+        :meth:`PolicyLoss.value_and_grad`, k3's ``-expm1(ref_logprob - logprob)``, and
+        with ``kl_ratio`` the product rule (``d r / d logprob = r``)."""
+        loss, (grad, _, _) = self.surrogate.value_and_grad(
+            logprob, entropy, lse, old_logprob=old_logprob, advantages=advantages
+        )
+        with torch.no_grad():
+            if is_ratio is not None:
+                loss, grad = loss * is_ratio, grad * is_ratio
+            if self.kl_coef != 0.0:
+                kl = kl_k3(logprob, ref_logprob, max_log_ratio=None, max_kl=None)
+                slope = -torch.expm1(ref_logprob - logprob)
+                if self.kl_ratio:
+                    old = logprob if old_logprob is None else old_logprob
+                    ratio = torch.exp(logprob - old)
+                    kl, slope = kl * ratio, ratio * (slope + kl)
+                loss = loss + self.kl_coef * kl
+                grad = grad + self.kl_coef * slope
+            return weights * loss, (weights * grad, None, None)
+
+
+def grpo_policy_loss(trainer: Any) -> GrpoTokenLoss:
+    """The per-token loss of a GRPOTrainer: the clipped surrogate (``epsilon``,
+    ``epsilon_high``; ``delta`` as the dual clip; no log-ratio clamp, as TRL's) plus
+    ``beta`` times k3, times the ratio under ``use_bias_correction_kl``."""
+    surrogate = PolicyLoss(
+        clip_low=trainer.epsilon_low,
+        clip_high=trainer.epsilon_high,
+        dual_clip=trainer.args.delta,
+        max_log_ratio=None,
+    )
+    kl_ratio = bool(trainer.args.use_bias_correction_kl)
+    return GrpoTokenLoss(surrogate, kl_coef=float(trainer.beta), kl_ratio=kl_ratio)
+
+
+def grpo_weights(trainer: Any, mask: torch.Tensor, inputs: dict, mode: str) -> torch.Tensor:
+    """``[B, Tc]`` fp32 per-token weights whose sum against the per-token losses is the
+    reduction of the trainer's ``loss_type``, gradient accumulation included ("train")."""
+    loss_type = trainer.loss_type
+    accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+    if loss_type == "dapo":  # num_items_in_batch counts the generation batch on every rank
+        items = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+        if mode == "train":
+            items = items * accumulation / trainer.args.steps_per_generation
+        return (mask != 0).float() / items
+    rows = mask.shape[0]  # TRL's seq-means divide by every row, empty ones included
+    if loss_type == "grpo":
+        weights = token_weights(mask, "seq-mean-token-mean", global_sequences=rows)
+    elif loss_type == "bnpo":
+        weights = token_weights(mask, "token-mean")
+    else:  # dr_grpo
+        norm = {"max_tokens": trainer.max_completion_length, "global_sequences": rows}
+        weights = token_weights(mask, "seq-mean-token-sum-norm", **norm)
+    return weights / accumulation
+
+
+class GrpoFusedLoss:
+    """GRPOTrainer's ``_compute_loss`` with the loss computed in the policy's head pass.
+
+    It builds the per-token loss (:func:`grpo_policy_loss`), its inputs and weights
+    (:func:`grpo_weights`, times vLLM's importance-sampling ratio when TRL applies it), runs
+    the trainer's own ``_get_per_token_logps_and_entropies`` with a :class:`LossRequest` on
+    the policy's kernel, and returns the loss of that pass (plus the MoE aux loss), after
+    logging TRL's metrics (``aux_loss``, ``kl``, ``entropy``, ``clip_ratio/*``).
+
+    Attributes:
+        trainer: the GRPOTrainer.
+        kernel: the :class:`LpKernel` of its policy model.
+        utils: ``trl.trainer.utils`` (its ``nanmin`` and ``nanmax``).
+        input_names: the model inputs ``_get_per_token_logps_and_entropies`` takes from
+            ``inputs`` (pixel values ...).
+    """
+
+    def __init__(self, trainer: Any, kernel: LpKernel, utils: types.ModuleType) -> None:
+        self.trainer = trainer
+        self.kernel = kernel
+        self.utils = utils
+        method = type(trainer)._get_per_token_logps_and_entropies
+        self.input_names = tuple(inspect.signature(method).parameters)[len(_LOGPS_ARGS) :]
+
+    def __call__(self, model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+        trainer = self.trainer
+        check_grpo_options(trainer)
+        mode = "train" if trainer.model.training else "eval"
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = completion_mask
+        if "tool_mask" in inputs:
+            mask = completion_mask * inputs["tool_mask"]
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        old = inputs.get("old_per_token_logps")
+        per_token = {
+            "advantages": advantages.float(),
+            "weights": grpo_weights(trainer, mask, inputs, mode),
+        }
+        if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+            per_token["is_ratio"] = inputs["importance_sampling_ratio"]
+        if old is not None:
+            per_token["old_logprob"] = old
+        if trainer.beta != 0.0:
+            per_token["ref_logprob"] = inputs["ref_per_token_logps"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], 1)
+        attention = torch.cat([inputs["prompt_mask"], completion_mask], 1)
+        request = LossRequest(
+            grpo_policy_loss(trainer),
+            per_token,
+            completion_ids,
+            completion_mask,
+            mask,
+            input_ids.shape[1],
+        )
+        extra = {name: inputs.get(name) for name in self.input_names}
+        with self.kernel.loss_pass(request):
+            logps, entropies, aux_loss = trainer._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention,
+                completion_ids.shape[1],
+                compute_entropy=True,
+                compute_aux_loss=trainer.aux_loss_enabled,
+                **extra,
+            )
+        if request.output is None:
+            raise RuntimeError(f"{self.kernel.name}: the policy's fused head did not run")
+        loss = request.output.loss
+        if trainer.aux_loss_enabled:  # scaled for accumulation, as the policy term
+            scale = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + trainer.router_aux_loss_coef * aux_loss / scale
+            gathered = trainer.accelerator.gather_for_metrics(aux_loss)
+            trainer._metrics[mode]["aux_loss"].append(gathered.mean().item())
+        ratio = torch.ones_like(logps) if old is None else torch.exp(logps - old)
+        ref = inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None
+        self.log_metrics(mode, mask, logps, entropies, ratio, advantages, ref)
+        return loss
+
+    def log_metrics(
+        self,
+        mode: str,
+        mask: torch.Tensor,
+        logps: torch.Tensor,
+        entropies: torch.Tensor,
+        ratio: torch.Tensor,
+        advantages: torch.Tensor,
+        ref: torch.Tensor | None,
+    ) -> None:
+        """TRL's loss metrics: masked means over every rank of the KL (k3), the entropy and
+        the clipped fractions, and the extreme per-sequence clipped fractions."""
+        trainer, accelerator = self.trainer, self.trainer.accelerator
+        metrics = trainer._metrics[mode]
+        count = mask.sum().float()
+
+        def mean(x: torch.Tensor) -> float:
+            totals = accelerator.reduce(torch.stack([(x * mask).sum(), count]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        def per_sequence(x: torch.Tensor) -> torch.Tensor:
+            return accelerator.gather((x * mask).sum(-1) / mask.sum(-1))
+
+        if ref is not None:
+            kl = kl_k3(logps, ref, max_log_ratio=None, max_kl=None)
+            if trainer.args.use_bias_correction_kl:
+                kl = kl * ratio
+            metrics["kl"].append(mean(kl))
+        metrics["entropy"].append(mean(entropies))
+        low = (ratio < 1 - trainer.epsilon_low) & (advantages < 0)
+        high = (ratio > 1 + trainer.epsilon_high) & (advantages > 0)
+        metrics["clip_ratio/low_mean"].append(mean(low.float()))
+        metrics["clip_ratio/high_mean"].append(mean(high.float()))
+        metrics["clip_ratio/region_mean"].append(mean((low | high).float()))
+        metrics["clip_ratio/low_min"].append(self.utils.nanmin(per_sequence(low.float())).item())
+        metrics["clip_ratio/high_max"].append(self.utils.nanmax(per_sequence(high.float())).item())
+
+
+def _identifiers(code: types.CodeType) -> set[str]:
+    """The identifiers a code object names: its names and identifier constants, nested code
+    included."""
+    found = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found |= _identifiers(const)
+        elif isinstance(const, (str, tuple)):
+            found |= {c for c in (const if isinstance(const, tuple) else (const,)) if c}
+    return {name for name in found if isinstance(name, str) and name.isidentifier()}
+
+
+def _grpo_seam(trainer: Any, utils: types.ModuleType) -> None:
+    """Raise unless ``trainer`` is a GRPOTrainer running TRL 1.16's own loss as lp-hf read
+    it: ``compute_loss`` calls ``_compute_loss``, which names what it named there and gets
+    the log-probs from ``_get_per_token_logps_and_entropies`` of the parameters read."""
+    name = type(trainer).__name__
+    cls = getattr(sys.modules.get(_GRPO_MODULE), "GRPOTrainer", None)
+    if not (isinstance(cls, type) and isinstance(trainer, cls)):
+        raise ValueError(
+            f"use_lp(fused_loss=True) computes TRL's GRPOTrainer loss; {name} is not a "
+            "GRPOTrainer (RLOO's loss is per sequence, the others' not a policy loss); "
+            "use fused_loss=False"
+        )
+    for method in ("compute_loss", "_compute_loss", "_get_per_token_logps_and_entropies"):
+        if getattr(type(trainer), method) is not getattr(cls, method):
+            raise TypeError(f"{name} overrides GRPOTrainer.{method}; fused_loss reproduces TRL's")
+    if "_compute_loss" in trainer.__dict__:
+        raise RuntimeError(f"{name}: _compute_loss is already replaced by an instance attribute")
+    compute = inspect.unwrap(cls.compute_loss).__code__
+    loss = inspect.unwrap(cls._compute_loss).__code__
+    digest = hashlib.sha256(" ".join(sorted(_identifiers(loss))).encode()).hexdigest()[:16]
+    method = cls._get_per_token_logps_and_entropies
+    params = inspect.signature(method).parameters
+    if (
+        "_compute_loss" not in compute.co_names
+        or digest != _GRPO_LOSS_DIGEST
+        or tuple(params)[: len(_LOGPS_ARGS)] != _LOGPS_ARGS
+        or any(p.default is not None for p in list(params.values())[len(_LOGPS_ARGS) :])
+        or not callable(getattr(utils, "nanmin", None))
+        or not callable(getattr(utils, "nanmax", None))
+    ):
+        raise RuntimeError(
+            "trl.trainer.grpo_trainer.GRPOTrainer's loss is not the one lp-hf has read "
+            f"(TRL 1.16.0's _compute_loss: digest {_GRPO_LOSS_DIGEST}, got {digest}); TRL "
+            "changed: use fused_loss=False"
+        )
+
+
+def _fused_grpo_loss(
+    trainer: Any, heads: list, kernels: list[LpKernel], utils: types.ModuleType
+) -> GrpoFusedLoss:
+    """The :class:`GrpoFusedLoss` of ``trainer``, after every check (nothing changed yet)."""
+    _grpo_seam(trainer, utils)
+    check_grpo_options(trainer)
+    policy = {id(module) for module in trainer.model.modules()}
+    mine = [k for (_, module, _, _), k in zip(heads, kernels, strict=True) if id(module) in policy]
+    if len(mine) != 1:
+        raise RuntimeError(
+            f"{type(trainer).__name__}: {len(mine)} fused heads on trainer.model; the fused "
+            "loss needs exactly one"
+        )
+    return GrpoFusedLoss(trainer, mine[0], utils)
+
+
 def use_lp(
     trainer: Any,
     *,
@@ -602,6 +1104,7 @@ def use_lp(
     backend: Backend = "auto",
     chunk_size: int | None = None,
     validate: bool = True,
+    fused_loss: bool = False,
 ) -> Any:
     """Make the fused LM head of a TRL 1.16 trainer compute with lp.
 
@@ -614,6 +1117,15 @@ def use_lp(
     runs lp_kernels.linear_divergence instead of TRL's chunked divergence, on this trainer
     only. See the module docstring.
 
+    With ``fused_loss=True`` (a GRPOTrainer only) the policy's loss itself is computed in
+    its head pass by ``lp_kernels.linear_logprob_loss`` (three GEMMs where TRL's loss on
+    the head's log-probs takes four): the same loss and gradients as TRL's within fp32
+    rounding, and TRL's loss metrics (``kl``, ``entropy``, ``clip_ratio/*``, ``aux_loss``).
+    Covered: ``loss_type`` grpo, bnpo, dr_grpo, dapo; ``epsilon``, ``epsilon_high``,
+    ``delta``; ``beta`` with or without ``use_bias_correction_kl``; token-level importance
+    sampling; old log-probs (``num_iterations > 1``); vLLM's importance-sampling correction;
+    tool masks; gradient accumulation and ``num_items_in_batch``; MoE aux loss.
+
     Args:
         trainer: a TRL trainer (GRPO, RLOO, DPO, KTO, SFT, async GRPO, Distillation) of
             TRL 1.16.x.
@@ -621,6 +1133,7 @@ def use_lp(
         backend: lp_kernels backend (``"auto"``: triton on CUDA sm80+, else torch).
         chunk_size: token rows per step of lp's torch backend; None = its default.
         validate: check target ids against the vocabulary (one host sync per call).
+        fused_loss: compute a GRPOTrainer's loss in the head pass (above).
 
     Returns:
         ``trainer``, changed in place.
@@ -628,31 +1141,45 @@ def use_lp(
     Raises:
         RuntimeError: TRL is not 1.16.x; its fused head is not the one lp-hf has read; a
             model's fused forward is wrapped by something other than accelerate's
-            mixed-precision forward, or already uses lp; the distillation loss is not the
-            one lp-hf has read, or already uses lp.
+            mixed-precision forward, or already uses lp; the distillation loss, or with
+            ``fused_loss`` GRPOTrainer's loss, is not the one lp-hf has read.
         ValueError: the trainer has no fused head (a DistillationTrainer: no teacher); TRL's
             softcap or logit scale is not the model's; lp_hf.final_logits refuses the
-            model's config.
+            model's config; ``fused_loss`` with a trainer that is not a GRPOTrainer or with
+            an option it does not reproduce (another ``loss_type``, sequence-level
+            importance sampling, ``top_entropy_quantile < 1``, ``off_policy_mask_threshold``,
+            an entropy bonus, ``delta <= 1 + epsilon_high``, ``epsilon`` outside [0, 1)).
         NotImplementedError: TRL asks for a per-token field the installed lp-kernels
             cannot compute; DeepSpeed ZeRO-3.
         TypeError: ``trainer`` has no ``.model`` module; a DistillationTrainer subclass
-            that overrides its loss; bad options.
+            that overrides its loss (with ``fused_loss``: a GRPOTrainer subclass); bad
+            options.
 
     Example:
         >>> trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args,
         ...                           train_dataset=data)  # doctest: +SKIP
-        >>> use_lp(trainer).train()  # doctest: +SKIP
+        >>> use_lp(trainer, fused_loss=True).train()  # doctest: +SKIP
     """
     options = TrlOptions(deterministic, backend, chunk_size, validate)
+    if not isinstance(fused_loss, bool):
+        raise TypeError(f"fused_loss must be a bool, got {fused_loss!r}")
     utils = _trl_utils()
     distillation = _distillation_class(trainer)
     if distillation is not None:
+        if fused_loss:
+            raise ValueError(
+                "fused_loss=True computes GRPOTrainer's loss; a DistillationTrainer's "
+                "divergence is lp's linear_divergence already: use fused_loss=False"
+            )
         return _use_lp_distillation(trainer, distillation, options)
     code = _fused_code(utils)
     _zero3_refused(type(trainer).__name__)
     heads = _fused_heads(trainer, code)
     # every check before any change: a refused trainer is left as it was
     kernels = [_kernel_for(where, module, fn, options) for where, module, fn, _ in heads]
+    loss = _fused_grpo_loss(trainer, heads, kernels, utils) if fused_loss else None
     for (_, module, fn, wrapped), kernel in zip(heads, kernels, strict=True):
         _rebuild(module, fn, kernel, trainer.accelerator if wrapped else None)
+    if loss is not None:
+        trainer._compute_loss = loss  # GRPOTrainer.compute_loss calls it
     return trainer
