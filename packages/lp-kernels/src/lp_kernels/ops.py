@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from lp_kernels import library
 from lp_kernels._prepare import Prepared, prepare, shaped
 from lp_kernels.backends.resolve import resolve_backend, resolve_loss_backend
 from lp_kernels.backends.torch.logits import VocabParallelLogprob
@@ -37,7 +38,37 @@ from lp_kernels.core.types import LogProbOutput, LossOutput
 Backend = Literal["auto", "torch", "triton"]
 
 
-@eager_under_compile
+def _traced_linear_logprob(
+    hidden, weight, targets, *, bias, temperature, softcap, logit_scale, extras, tp_group, **options
+):
+    """``linear_logprob`` under ``torch.compile``: the ``lp::linear_logprob`` custom op
+    (:mod:`lp_kernels.library`), or ``NotImplemented`` for arguments it does not carry
+    (DTensors, options of other types: the eager op behind a graph break)."""
+    if not library.plain(hidden, weight, targets, bias):
+        return NotImplemented
+    transform = (temperature, softcap, logit_scale)  # checked by the op, at run time
+    args = library.op_options(transform, extras, tp_group, **options)
+    if args is None:
+        return NotImplemented
+    return library.linear_logprob(hidden, weight, targets, bias, args)
+
+
+def _traced_vocab_parallel_logprob(
+    logits, targets, *, temperature, softcap, logit_scale, extras, tp_group, **options
+):
+    """``vocab_parallel_logprob`` under ``torch.compile``: ``lp::vocab_parallel_logprob``,
+    or ``NotImplemented`` (as :func:`_traced_linear_logprob`)."""
+    if not library.plain(logits, targets):
+        return NotImplemented
+    transform = (temperature, softcap, logit_scale)  # checked by the op, at run time
+    options.update(reduce_grad_hidden=True, backend="auto")
+    args = library.op_options(transform, extras, tp_group, **options)
+    if args is None:
+        return NotImplemented
+    return library.vocab_parallel_logprob(logits, targets, args)
+
+
+@eager_under_compile(traced=_traced_linear_logprob)
 def linear_logprob(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -70,8 +101,9 @@ def linear_logprob(
     its ``grad_hidden`` row do not depend on the other rows, on N or on
     ``chunk_size`` (batch invariance) with the triton backend, and with the torch
     backend on CPU; the torch backend on CUDA is not batch-invariant (cuBLAS).
-    Under ``torch.compile`` it runs eagerly behind a graph break, so a compiled step
-    gets the same bits as an eager one (``fullgraph=True`` raises). Under
+    Under ``torch.compile`` it is the opaque custom op ``lp::linear_logprob`` (its backward
+    ``lp::linear_logprob_backward``), so ``fullgraph=True`` captures it and a compiled step
+    gets the same bits as an eager one (DTensor arguments: a graph break). Under
     ``torch.autocast`` ``hidden`` and ``weight`` are cast to the autocast dtype, as
     ``F.linear`` would be; lp's own math stays as above.
 
@@ -281,7 +313,10 @@ def linear_logprob_loss(
     from the kept logits, then the two gradient GEMMs. The backward only multiplies the
     finished gradients by the loss's upstream gradient. So a step costs three GEMMs
     where ``linear_logprob`` + a loss + ``backward()`` costs four, and the gradients are
-    held from the forward until the backward.
+    held from the forward until the backward. Under ``torch.compile`` it runs eagerly
+    behind a graph break (``loss_fn`` is a Python callable, which no custom op takes; same
+    bits as eager), so ``fullgraph=True`` raises Dynamo's error naming this op; compose
+    ``linear_logprob`` with the loss to compile a step whole.
 
     Args:
         hidden, weight, targets, bias, temperature, softcap, logit_scale, ignore_index, tp_group,
@@ -384,7 +419,7 @@ def linear_logprob_loss(
     return _loss(function, prep, loss_fn, per_token, chunk_size)
 
 
-@eager_under_compile
+@eager_under_compile(traced=_traced_vocab_parallel_logprob)
 def vocab_parallel_logprob(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -412,8 +447,9 @@ def vocab_parallel_logprob(
     ``-inf`` (with a finite gradient); a row with every entry ``-inf`` gives NaN.
     Works chunk by chunk in fp32 whatever the logits dtype; the backward writes
     each chunk's gradient into one preallocated buffer (the returned gradient).
-    Under ``torch.compile`` it runs eagerly behind a graph break (same bits as eager);
-    ``torch.autocast`` changes nothing (the logits are taken in their own dtype).
+    Under ``torch.compile`` it is the opaque custom op ``lp::vocab_parallel_logprob`` (same
+    bits as eager; ``fullgraph=True`` captures it); ``torch.autocast`` changes nothing (the
+    logits are taken in their own dtype).
 
     Args:
         logits: ``[*, V_local]`` float32, bfloat16 or float16: the whole vocabulary,

@@ -1,20 +1,22 @@
-"""lp's public ops under ``torch.compile``: run eagerly, behind a graph break.
+"""lp's public ops under ``torch.compile``: opaque custom ops in the graph, eager's bits.
 
 lp's guarantees are about bits: run to run, across batches, and with
 ``deterministic=True`` across tensor-parallel layouts. They hold for lp's own sequence
 of kernels. If Dynamo traced into an op, Inductor would regenerate the torch backend's
-chunk loop (fusing reductions, reordering sums) and the bits would move: measured on
-CPU, for the same inputs a compiled step's logprob and gradients differed from eager
-ones in the last bits. lp's results would then depend on whether the caller compiles,
-and ``deterministic=True``'s TP invariance on how Inductor fuses each shard's shapes.
-(Under the Triton interpreter, Dynamo failed on the triton backend's kernels.) Nothing
-in an op gains from tracing: its GEMMs and fused kernels are the work, the rest is
-host-side checks and collectives.
+chunk loop (fusing reductions, reordering sums) and the bits would move (measured on
+CPU). So Dynamo never traces into lp: an op decorated with :func:`eager_under_compile`
+and given a ``traced`` form (``linear_logprob``, ``vocab_parallel_logprob``) calls, while
+Dynamo traces, its ``torch.library`` custom ops (:mod:`lp_kernels.library`). They are
+opaque to Dynamo and Inductor, have fake kernels for their shapes, and their autograd is
+a second custom op, so ``torch.compile(fullgraph=True)`` captures forward and backward;
+their implementations run the host functions of eager mode, so a compiled step gets
+eager mode's bits.
 
-So each public op, when Dynamo reaches it, makes a graph break and runs as in eager
-mode; the code around it is compiled as usual. The autograd graph joins up as for
-any eager op. ``fullgraph=True`` (and ``torch.export``) raise Dynamo's
-``Unsupported`` error naming the op. Outside ``torch.compile`` the only cost is one
+An op without a ``traced`` form, or whose arguments it does not carry (``traced`` returns
+``NotImplemented``: DTensors, options of other types), makes a graph break and runs as
+in eager mode; ``fullgraph=True`` (and ``torch.export``) then raise Dynamo's
+``Unsupported`` error naming the op. ``linear_logprob_loss`` is one: its ``loss_fn`` is a
+Python callable, which no custom op takes. Outside ``torch.compile`` the only cost is one
 check of ``torch.compiler.is_compiling()``; ``torch._dynamo`` is never imported by lp
 (importing it takes seconds).
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -52,13 +54,31 @@ def _disabled(name: str, fn: Callable) -> Callable:
     return wrapped
 
 
-def eager_under_compile(fn: Callable[P, R]) -> Callable[P, R]:
-    """Decorator: ``fn`` runs eagerly (a graph break) when ``torch.compile`` reaches it."""
+def eager_under_compile(
+    fn: Callable[P, R] | None = None, *, traced: Callable[..., R] | None = None
+) -> Any:
+    """Decorator of a public op: under ``torch.compile``, ``traced`` (the op as custom ops,
+    in the graph), else, or where ``traced`` returns ``NotImplemented``, ``fn`` eagerly
+    behind a graph break.
+
+    ``traced`` takes every argument of ``fn`` by name, defaults filled in. Outside
+    ``torch.compile`` the op is ``fn``, after one ``torch.compiler.is_compiling()`` test.
+    """
+    if fn is None:
+        return functools.partial(eager_under_compile, traced=traced)
     name = f"{fn.__module__}.{fn.__qualname__}"
+    params = inspect.signature(fn).parameters.values()
+    positional = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
 
     @functools.wraps(fn)
     def op(*args: P.args, **kwargs: P.kwargs) -> R:
-        if torch.compiler.is_compiling():  # only Dynamo's tracing takes this branch
+        if torch.compiler.is_compiling():  # only tracing takes this branch
+            if traced is not None and len(args) <= len(positional):
+                named = {**defaults, **dict(zip(positional, args, strict=False)), **kwargs}
+                out = traced(**named)
+                if out is not NotImplemented:
+                    return out
             return _disabled(name, fn)(*args, **kwargs)
         return fn(*args, **kwargs)
 
