@@ -14,6 +14,9 @@ Public API:
   :func:`vocab_parallel_divergence` from the student's logits and the teacher's log-probs;
   :class:`DivergenceOutput` their result; :func:`linear_divergence_loss` a weighted sum of
   the divergence with its gradients finished in the forward (:class:`DivergenceLossOutput`).
+- :func:`linear_topk_divergence` — distillation from a teacher's top-k payload (ids and
+  log-probs; renormalized, with a tail bucket, unnormalized or truncated), per row
+  (:class:`TopkDivergenceOutput`).
 - :class:`LogProbOutput` — the ``(logprob, entropy, lse)`` result; :class:`LossOutput`
   the loss op's.
 - :func:`default_deterministic_tile` and :func:`deterministic_tile_for` — the tile
@@ -22,11 +25,18 @@ Public API:
 """
 
 from lp_kernels.core.tiles import default_deterministic_tile, deterministic_tile_for
-from lp_kernels.core.types import DivergenceLossOutput, DivergenceOutput, LogProbOutput, LossOutput
+from lp_kernels.core.types import (
+    DivergenceLossOutput,
+    DivergenceOutput,
+    LogProbOutput,
+    LossOutput,
+    TopkDivergenceOutput,
+)
 from lp_kernels.distributed.layout import clear_layout_cache
 from lp_kernels.divergence import (
     linear_divergence,
     linear_divergence_loss,
+    linear_topk_divergence,
     vocab_parallel_divergence,
 )
 from lp_kernels.ops import linear_logprob, linear_logprob_loss, vocab_parallel_logprob
@@ -36,6 +46,7 @@ __all__ = [
     "DivergenceOutput",
     "LogProbOutput",
     "LossOutput",
+    "TopkDivergenceOutput",
     "clear_layout_cache",
     "default_deterministic_tile",
     "deterministic_tile_for",
@@ -43,6 +54,7 @@ __all__ = [
     "linear_divergence_loss",
     "linear_logprob",
     "linear_logprob_loss",
+    "linear_topk_divergence",
     "vocab_parallel_divergence",
     "vocab_parallel_logprob",
 ]

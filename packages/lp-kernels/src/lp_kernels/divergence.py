@@ -5,6 +5,8 @@ teacher's next-token distributions, without materialized ``[N, V]`` logits.
 - :func:`vocab_parallel_divergence` from the student's logits and the teacher's log-probs;
 - :func:`linear_divergence_loss`: a weighted sum of the divergence with its gradients
   finished in the forward (four GEMMs per step instead of six).
+- :func:`linear_topk_divergence` from the student's head and a teacher's top-k payload
+  (ids and log-probs; its machinery in :mod:`lp_kernels.topk_divergence`).
 
 Each builds the two :class:`~lp_kernels.core.transform.LogitTransform`, prepares the
 arguments through the one preparation path of the other ops (``lp_kernels._prepare``:
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from lp_kernels import _checks
+from lp_kernels import topk_divergence as topk
 from lp_kernels._prepare import Prepared, prepare
 from lp_kernels.backends.divergence import (
     LinearDivergence,
@@ -36,7 +39,7 @@ from lp_kernels.core.compile import eager_under_compile
 from lp_kernels.core.divergence import DivergenceParams, check_kind
 from lp_kernels.core.tiles import DETERMINISTIC_TILE
 from lp_kernels.core.transform import LogitTransform
-from lp_kernels.core.types import DivergenceLossOutput, DivergenceOutput
+from lp_kernels.core.types import DivergenceLossOutput, DivergenceOutput, TopkDivergenceOutput
 
 _MASKED = -1
 """The row code of a masked row (the other rows' code is 0): the ops pass ``mask`` to the
@@ -443,3 +446,145 @@ def vocab_parallel_divergence(
     with amp.autocast_off(prep.inputs.device):
         out = VocabParallelDivergence.apply(prep.inputs, teacher, prep.targets == _MASKED, dp)
     return DivergenceOutput(*(x.view(prep.lead) for x in out))
+
+
+@eager_under_compile
+def linear_topk_divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    *,
+    kind: str = "forward_kl",
+    tail: str = "renormalize",
+    beta: float = 0.5,
+    outside_logprob: float = -100.0,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
+    temperature: float = 1.0,
+    tp_group: Any = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    reduce_grad_hidden: bool = True,
+    deterministic: bool = False,
+    deterministic_tile: int | None = None,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+    validate: bool = True,
+) -> TopkDivergenceOutput:
+    """A divergence between a student head and a teacher's top-k payload (ids and log-probs,
+    as a sampler or a teacher server returns them), per row, without ``[N, V]`` logits.
+
+    With ``S`` a row's ``k`` ids, ``z`` the student's softmax arguments (``h W^T + b``
+    through ``logit_scale``, ``softcap`` and ``temperature``, as :func:`linear_logprob`),
+    ``lp = z - lse(z)`` its full-vocabulary log-probs and ``lq`` the teacher's log-probs
+    at ``S``, ``tail`` picks the two distributions ``s`` (student) and ``t`` (teacher):
+
+    =============== ==================================================================
+    ``renormalize`` over ``S``: ``ls = z - lse_S(z)``, ``lt = lq - lse_S(lq)`` (NeMo-RL
+                    ``zero_outside_topk=False``; SDPO without its tail). No vocabulary
+                    pass: the cost is the ``N k H`` gather.
+    ``bucket``      over ``S`` and one tail bucket on each side: ``(lp, log(1 - sum_S
+                    e^lp))``, ``(lq, log(1 - sum_S e^lq))``, each log top-k mass clamped
+                    at ``log(1 - 2^-24)`` (SDPO's ``distillation_add_tail``).
+    ``none``        over ``S``, unnormalized: ``ls = lp``, ``lt = lq`` (verl's
+                    ``*_kl_topk`` without its ``log 1e-8`` clamp and its clamp at 0: the
+                    sums may be negative).
+    ``truncate``    the teacher renormalized over ``S`` and 0 outside, ``lt = lq -
+                    lse_S(lq)``; the student's whole distribution (NeMo-RL
+                    ``zero_outside_topk=True``): the terms outside ``S`` are added exactly
+                    from ``P_out = 1 - sum_S p`` and the entropy ``E`` of ``p``.
+    =============== ==================================================================
+
+    and ``kind`` the divergence (``s = e^ls``, ``t = e^lt``; sums over the buckets; a term
+    whose weight is 0 is 0, so ``-inf`` teacher log-probs drop out of the teacher's terms,
+    while their ids stay in ``S`` for the student's renormalization and tail):
+
+    ============== ===================================================================
+    ``forward_kl`` ``sum t (lt - ls)``
+    ``reverse_kl`` ``sum s (ls - lt)``; ``truncate`` adds ``sum_out p (lp - c) = -E -
+                   sum_S p lp - c P_out`` with ``c = outside_logprob`` (NeMo-RL's
+                   ``log_infinitesimal``, -100: the exact value is ``+inf``)
+    ``jsd``        ``beta sum t (lt - lm) + (1 - beta) sum s (ls - lm)``, ``lm = log(beta
+                   t + (1 - beta) s)`` (``linear_divergence``'s, verl's and SDPO's
+                   ``beta``); ``truncate`` adds ``-(1 - beta) log(1 - beta) P_out``, exact
+    ``mixed_kl``   ``beta forward_kl + (1 - beta) reverse_kl`` (NeMo-RL's ``mixed``,
+                   ``beta = mixed_kl_weight``)
+    ============== ===================================================================
+
+    The teacher is a constant. The divergence is differentiable into ``hidden``, ``weight``
+    and ``bias``: through ``lse`` (and ``E``) by :func:`linear_logprob`'s exact full-vocabulary
+    gradient, through the gathered ``z`` by the gather's. All of it in fp32.
+
+    Args:
+        hidden: ``[*, H]`` the student's last hidden states (float32, bfloat16, float16).
+        weight: ``[V_local, H]`` the student's LM head or its vocabulary shard under
+            ``tp_group`` (a DTensor as for ``linear_logprob``).
+        teacher_ids: ``[*, k]`` int64 (or int32) global vocabulary ids, ``k >= 1``, distinct
+            within a row, in ``[0, vocab_size)`` (checked with ``validate``; masked rows'
+            ids are not read). The same on every rank.
+        teacher_logprobs: ``[*, k]`` float log-probs of those ids (taken in fp32; ``-inf``
+            allowed, NaN and ``+inf`` refused with ``validate``); must not require grad.
+        kind: ``"forward_kl"``, ``"reverse_kl"``, ``"jsd"`` or ``"mixed_kl"``.
+        tail: ``"renormalize"``, ``"bucket"``, ``"none"`` or ``"truncate"``.
+        beta: ``jsd``'s teacher weight in ``(0, 1)``; ``mixed_kl``'s forward weight in
+            ``[0, 1]``; unused otherwise.
+        outside_logprob: ``c`` of ``tail="truncate"`` with ``reverse_kl`` / ``mixed_kl``
+            (finite, <= 0).
+        mask: None or bool ``[*]``: rows where it is False give 0 in every output and no
+            gradient (their hidden states, ids and log-probs may be anything).
+        bias, softcap, logit_scale, temperature: the student's logit transform, as for
+            :func:`linear_logprob`.
+        tp_group, vocab_start, vocab_size, reduce_grad_hidden, validate: as for
+            ``linear_logprob``. Each rank gathers the ids it owns (one all-reduce of
+            ``[N, k]`` fp32). With ``validate`` the per-call rank record carries ``kind``,
+            ``tail``, ``beta``, ``k`` and each row's extreme ids (as targets): ids out of
+            range, a repeated id and ranks that disagree raise on every rank.
+        deterministic, deterministic_tile: outputs and gradients bitwise identical for
+            any TP degree and any layout whose shard bounds are multiples of 128, as for
+            ``linear_logprob`` (the gather's gradients are summed in int64 fixed point).
+        backend, chunk_size: ``linear_logprob``'s, for the log-sum-exp pass (unused by
+            ``tail="renormalize"``); the gather is torch ops.
+
+    Returns:
+        ``TopkDivergenceOutput(divergence, student_mass, teacher_mass)``, ``[*]`` float32
+        each, the same on every rank: the divergence (differentiable), ``sum_S p`` (None for
+        ``renormalize``) and ``sum_S e^lq`` (detached).
+
+    Raises:
+        TypeError, ValueError: as ``linear_logprob``, and naming the argument: a teacher
+            tensor that requires grad or of another shape or device, ids out of range or
+            repeated, a bad ``kind``, ``tail``, ``beta``, ``outside_logprob`` or ``mask``.
+
+    Example:
+        >>> import torch
+        >>> from lp_kernels import linear_topk_divergence
+        >>> hidden = torch.randn(3, 5, 32, requires_grad=True)
+        >>> weight = torch.randn(1000, 32, requires_grad=True)
+        >>> ids = torch.randperm(1000)[:60].view(3, 5, 4)
+        >>> logprobs = torch.randn(3, 5, 4).log_softmax(-1) - 0.1
+        >>> out = linear_topk_divergence(hidden, weight, ids, logprobs, tail="bucket")
+        >>> out.divergence.mean().backward()
+        >>> out.divergence.shape, hidden.grad.shape
+        (torch.Size([3, 5]), torch.Size([3, 5, 32]))
+    """
+    o = topk.check_options(kind, beta, tail, outside_logprob)
+    transform = LogitTransform.checked(
+        temperature=temperature, softcap=softcap, logit_scale=logit_scale
+    )
+    args = {
+        "mask": mask,
+        "bias": bias,
+        "tp_group": tp_group,
+        "vocab_start": vocab_start,
+        "vocab_size": vocab_size,
+        "reduce_grad_hidden": reduce_grad_hidden,
+        "deterministic": deterministic,
+        "deterministic_tile": deterministic_tile,
+        "backend": backend,
+        "chunk_size": chunk_size,
+        "validate": validate,
+    }
+    return topk.topk_divergence(hidden, weight, teacher_ids, teacher_logprobs, transform, o, args)

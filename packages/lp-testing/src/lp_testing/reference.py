@@ -40,6 +40,7 @@ __all__ = [
     "DIVERGENCE_KINDS",
     "DIVERGENCE_OUTPUTS",
     "OUTPUTS",
+    "TOPK_TAIL_MIN",
     "materialized_baseline",
     "materialized_baseline_from_logits",
     "materialized_divergence_baseline",
@@ -52,6 +53,7 @@ __all__ = [
     "reference_from_logits",
     "reference_grads",
     "reference_outputs",
+    "reference_topk_divergence",
 ]
 
 OUTPUTS: tuple[str, ...] = ("logprob", "entropy", "lse")
@@ -938,3 +940,127 @@ def materialized_divergence_baseline_from_logits(
     ``grad_logits`` in the logits' dtype.
     """
     return _divergence_from_logits(logits, teacher_logprobs, exact=False, **options)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------
+# linear_topk_divergence: the student's logits materialized in fp64; every formula written
+# out over the whole vocabulary (the truncate tail's outside terms summed over the columns
+# outside the ids, the bucket tail's mass as 1 - sum), then autograd for the gradients.
+
+TOPK_TAIL_MIN = 2.0**-24
+"""The smallest tail mass of ``tail="bucket"`` (the op's clamp)."""
+
+
+def _topk_student_logits(hidden, weight, bias, vocab, options) -> Tensor:
+    """``z [N, V]``: ``c tanh(s (h W^T + b) / c) / T`` over the real vocabulary."""
+    l = hidden @ weight[:vocab].T
+    if bias is not None:
+        l = l + bias[:vocab]
+    if options.get("logit_scale") is not None:
+        l = l * options["logit_scale"]
+    cap = options.get("softcap")
+    if cap is not None:
+        l = cap * torch.tanh(l / cap)
+    return l / options.get("temperature", 1.0)
+
+
+def _topk_w(weight: Tensor, x: Tensor) -> Tensor:
+    return torch.where(weight > 0, weight * x, torch.zeros_like(x)).sum(-1)
+
+
+def _topk_kl_family(ls: Tensor, lt: Tensor, kind: str, beta: float) -> Tensor:
+    """The divergence over the last dimension (bucket distributions or unnormalized sums)."""
+    s, t = ls.exp(), lt.exp()
+    fwd, rev = _topk_w(t, lt - ls), _topk_w(s, ls - lt)
+    if kind == "jsd":
+        lm = torch.log(beta * t + (1 - beta) * s)
+        return beta * _topk_w(t, lt - lm) + (1 - beta) * _topk_w(s, ls - lm)
+    return {"forward_kl": fwd, "reverse_kl": rev, "mixed_kl": beta * fwd + (1 - beta) * rev}[kind]
+
+
+def _topk_tail(logp: Tensor) -> Tensor:
+    mass = logp.exp().sum(-1, keepdim=True).clamp(max=1 - TOPK_TAIL_MIN)
+    return torch.cat([logp, torch.log1p(-mass)], dim=-1)
+
+
+def _topk_truncated(lp_all, ids, lq, kind, beta, c) -> Tensor:
+    """NeMo-RL's ``zero_outside_topk``: the renormalized teacher (0 outside the ids) against
+    the whole student, the outside columns summed explicitly."""
+    lt = lq - torch.logsumexp(lq, -1, keepdim=True)
+    t = lt.exp()
+    lp = lp_all.gather(-1, ids)
+    p_all = lp_all.exp()
+    outside = torch.ones_like(lp_all, dtype=torch.bool).scatter(-1, ids, False)
+    fwd = _topk_w(t, lt - lp)
+    rev = _topk_w(lp.exp(), lp - lt) + torch.where(outside, p_all * (lp_all - c), 0.0).sum(-1)
+    if kind == "jsd":
+        lm = torch.log(beta * t + (1 - beta) * lp.exp())
+        out = torch.where(outside, p_all * -math.log(1 - beta), 0.0).sum(-1)
+        return beta * _topk_w(t, lt - lm) + (1 - beta) * (_topk_w(lp.exp(), lp - lm) + out)
+    return {"forward_kl": fwd, "reverse_kl": rev, "mixed_kl": beta * fwd + (1 - beta) * rev}[kind]
+
+
+def _topk_rows(z, ids, lq, kind, tail, beta, c) -> tuple[Tensor, Tensor]:
+    """``(divergence, student_mass)`` per row from the materialized ``z``."""
+    lp_all = torch.log_softmax(z, dim=-1)
+    lp = lp_all.gather(-1, ids)
+    mass = lp.exp().sum(-1)
+    if tail == "renormalize":
+        zs = z.gather(-1, ids)
+        ls = zs - torch.logsumexp(zs, -1, keepdim=True)
+        lt = lq - torch.logsumexp(lq, -1, keepdim=True)
+        return _topk_kl_family(ls, lt, kind, beta), mass
+    if tail == "bucket":
+        return _topk_kl_family(_topk_tail(lp), _topk_tail(lq), kind, beta), mass
+    if tail == "none":
+        return _topk_kl_family(lp, lq, kind, beta), mass
+    return _topk_truncated(lp_all, ids, lq, kind, beta, c), mass
+
+
+def reference_topk_divergence(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_ids: Tensor,
+    teacher_logprobs: Tensor,
+    *,
+    kind: str = "forward_kl",
+    tail: str = "renormalize",
+    beta: float = 0.5,
+    outside_logprob: float = -100.0,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    vocab_size: int | None = None,
+    upstream: Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+    **options,
+) -> dict[str, Tensor | None]:
+    """Outputs and gradients of ``linear_topk_divergence`` in ``dtype`` (default fp64).
+
+    ``options``: ``softcap``, ``logit_scale``, ``temperature``. ``upstream``: ``[*]`` the
+    gradient of the divergence (default ones). Masked rows are computed on zeros and their
+    outputs set to 0. Returns ``divergence``, ``student_mass``, ``teacher_mass`` (``[*]``),
+    ``grad_hidden``, ``grad_weight`` (``weight``'s rows, 0 on padding) and ``grad_bias``.
+    """
+    lead, k = teacher_ids.shape[:-1], teacher_ids.shape[-1]
+    keep = torch.ones(lead.numel(), dtype=torch.bool) if mask is None else mask.reshape(-1)
+    h = hidden.detach().reshape(-1, hidden.shape[-1]).to(dtype)
+    h = torch.where(keep[:, None], h, 0.0).requires_grad_()
+    w = weight.detach().to(dtype).requires_grad_()
+    b = None if bias is None else bias.detach().to(dtype).requires_grad_()
+    vocab = weight.shape[0] if vocab_size is None else vocab_size
+    ids = torch.where(keep[:, None], teacher_ids.reshape(-1, k).long(), 0)
+    lq = torch.where(keep[:, None], teacher_logprobs.reshape(-1, k).to(dtype), 0.0)
+    z = _topk_student_logits(h, w, b, vocab, options)
+    div, mass = _topk_rows(z, ids, lq, kind, tail, beta, outside_logprob)
+    div = torch.where(keep, div, 0.0)
+    g = torch.ones_like(div) if upstream is None else upstream.reshape(-1).to(dtype)
+    (div * torch.where(keep, g, 0.0)).sum().backward()
+    t_mass = torch.where(keep, lq.exp().sum(-1), 0.0)
+    return {
+        "divergence": div.detach().view(lead),
+        "student_mass": torch.where(keep, mass, 0.0).detach().view(lead),
+        "teacher_mass": t_mass.view(lead),
+        "grad_hidden": h.grad.view(hidden.shape),
+        "grad_weight": w.grad,
+        "grad_bias": None if b is None else b.grad,
+    }

@@ -92,6 +92,19 @@ class DivergenceOutput(NamedTuple):
     """``-sum q log q`` of the teacher's distribution (detached)."""
 
 
+class TopkDivergenceOutput(NamedTuple):
+    """What :func:`lp_kernels.linear_topk_divergence` returns: ``[*]`` float32 each, 0 on
+    masked rows, the same on every rank."""
+
+    divergence: torch.Tensor
+    """The divergence of the ``kind`` and ``tail`` asked (differentiable)."""
+    student_mass: torch.Tensor | None
+    """``sum_S p``: the student's full-vocabulary probability of the k ids (detached);
+    None for ``tail="renormalize"``, which never computes the log-sum-exp."""
+    teacher_mass: torch.Tensor
+    """``sum_S exp(teacher_logprobs)`` (detached)."""
+
+
 class DivergenceLossOutput(NamedTuple):
     """What :func:`lp_kernels.linear_divergence_loss` returns: ``loss`` a differentiable
     fp32 scalar, the per-row fields ``[*]`` fp32 without gradient, 0 outside ``mask``."""

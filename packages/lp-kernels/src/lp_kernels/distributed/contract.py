@@ -57,6 +57,7 @@ _OPS = (
     "linear_logprob_loss",
     "linear_divergence",
     "vocab_parallel_divergence",
+    "linear_topk_divergence",
 )
 # The logit transform's fields (float64 bits; 0 for None: every field is > 0 when set).
 TRANSFORM_FIELDS = tuple(name for name, _ in LogitTransform().record())
@@ -136,8 +137,9 @@ def call_fields(
     63-bit digest. Both exchange statistics per block of ``chunk_size`` rows (so it must
     agree; other ops record 0)."""
     op = 2 if loss else 0 if linear else 1
-    if divergence:
-        op = 3 if linear else 4
+    if divergence:  # an op that names itself first, else a divergence op by its layout
+        named = isinstance(divergence[0], str) and divergence[0] in _OPS
+        op = _OPS.index(divergence[0]) if named else 3 if linear else 4
     return (
         n,
         op,
