@@ -116,6 +116,7 @@ ADAPTER_TESTS = [
     "packages/lp-hf/tests/test_trl_distill.py",
     "packages/lp-hf/tests/test_trl_fused_loss.py",
     "packages/lp-hf/tests/test_openrlhf.py",
+    "packages/lp-hf/tests/test_openrlhf_fused_loss.py",
     "packages/lp-hf/tests/test_skyrl.py",
     "packages/lp-hf/tests/test_verl.py",
     "packages/lp-megatron/tests/test_megatron_skyrl.py",

@@ -2,106 +2,31 @@
 
 Each case runs the stock ``Actor.forward`` (materialized logits) and the same actor after
 ``use_lp``: action log-probs, log-probs of every position, entropy, OpenRLHF's own
-``PolicyLoss`` plus an entropy bonus, and the gradient of every parameter.
-
-OpenRLHF's modules import DeepSpeed, flash-attn and peft at import time. As OpenRLHF's own
-CPU test of ``Actor`` does, those modules are stubbed in ``sys.modules`` only while
-``openrlhf.models`` is imported (and removed again, so other test files see the real ones
-or none), and ``torch.compile`` is the identity meanwhile (its ``compute_entropy`` runs
-eagerly). flash-attn's padding helpers get working torch stand-ins so that packed samples
-run; the collective (ring attention) stays a stub.
+``PolicyLoss`` plus an entropy bonus, and the gradient of every parameter. OpenRLHF is
+imported as ``_openrlhf_setup`` describes (stubbed GPU dependencies).
 """
 
 from __future__ import annotations
 
-import importlib.machinery
-import sys
 import types
-from unittest.mock import MagicMock
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from _hf_models import assert_grads_close, grads, tiny_model
+from _hf_models import assert_grads_close, grads
+from _openrlhf_setup import import_models, make_actor, rollout
 
 import lp_hf.openrlhf as lp_openrlhf
-from lp_testing import import_trainer
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-_STUBBED = (
-    "deepspeed",
-    "flash_attn",
-    "flash_attn.bert_padding",
-    "flash_attn.utils",
-    "flash_attn.utils.distributed",
-    "peft",
-    "peft.tuners",
-    "peft.tuners.lora",
-)
-
-
-def _bert_padding() -> types.ModuleType:
-    """Torch stand-ins of the flash_attn.bert_padding functions OpenRLHF's packing uses."""
-    from transformers.modeling_flash_attention_utils import _pad_input, _unpad_input
-
-    def rearrange(tensor: torch.Tensor, pattern: str) -> torch.Tensor:
-        assert pattern == "b s ... -> (b s) ...", pattern
-        return tensor.reshape(-1, *tensor.shape[2:])
-
-    module = types.ModuleType("flash_attn.bert_padding")
-    module.unpad_input = _unpad_input
-    module.pad_input = _pad_input
-    module.index_first_axis = lambda tensor, indices: tensor[indices]
-    module.rearrange = rearrange
-    return module
 
 
 @pytest.fixture(scope="module")
 def models() -> types.ModuleType:
-    """``openrlhf.models``, imported with the stubs above (skips when OpenRLHF is missing)."""
-    import_trainer("openrlhf")
-    inserted = []
-    for name in _STUBBED:
-        if name not in sys.modules:
-            stub = _bert_padding() if name == "flash_attn.bert_padding" else MagicMock()
-            stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
-            sys.modules[name] = stub
-            inserted.append(name)
-    compile_ = torch.compile
-    torch.compile = lambda fn=None, **_: fn if fn is not None else (lambda f: f)
-    try:
-        import openrlhf.models as models
-    finally:
-        torch.compile = compile_
-        for name in inserted:
-            del sys.modules[name]
-    return models
-
-
-def _actor(models, arch: str = "llama", *, tied: bool = False, temperature: float = 1.0, **kw):
-    model = tiny_model(arch, tied=tied, **kw)
-    # what Actor's own constructor does from a path (Actor(model) leaves both as they are);
-    # without use_cache=False transformers does not keep packed sequences apart in sdpa
-    model.config.use_cache = False
-    actor = models.Actor(model, temperature=temperature)
-    actor.packing_samples = False
-    return actor
-
-
-def _rollout(vocab: int, seed: int = 3):
-    """OpenRLHF's layout: left-padded prompts (6) then right-padded responses (5)."""
-    g = torch.Generator().manual_seed(seed)
-    b, p, a = 3, 6, 5
-    sequences = torch.randint(0, vocab, (b, p + a), generator=g)
-    attention_mask = torch.ones(b, p + a, dtype=torch.long)
-    attention_mask[1, :2] = 0  # prompt padding
-    attention_mask[2, :4] = 0
-    attention_mask[0, -2:] = 0  # response padding after EOS
-    sequences[attention_mask == 0] = 0  # pad id
-    action_mask = attention_mask[:, -a:].bool()
-    return sequences, attention_mask, action_mask
+    """``openrlhf.models`` (skips when OpenRLHF is missing)."""
+    return import_models()
 
 
 def _ppo_step(models, actor, sequences, attention_mask, action_mask, *, entropy_coef=0.01):
@@ -133,8 +58,8 @@ def _ppo_step(models, actor, sequences, attention_mask, action_mask, *, entropy_
     ids=["llama-untied-T1", "qwen2-tied-T0.7"],
 )
 def test_ppo_step_matches_stock(models, arch: str, tied: bool, temperature: float) -> None:
-    actor = _actor(models, arch, tied=tied, temperature=temperature)
-    batch = _rollout(actor.model.config.vocab_size)
+    actor = make_actor(models, arch, tied=tied, temperature=temperature)
+    batch = rollout(actor.model.config.vocab_size)
     want = _ppo_step(models, actor, *batch)
     assert lp_openrlhf.use_lp(actor) is actor
     got = _ppo_step(models, actor, *batch)
@@ -149,8 +74,8 @@ def test_ppo_step_matches_stock(models, arch: str, tied: bool, temperature: floa
 def test_logprob_paths_match_stock(models) -> None:
     """return_logprobs (SFT / DPO), action log-probs alone (only the action columns are
     computed), return_output=False, and the deterministic option."""
-    actor = _actor(models, temperature=1.3)
-    sequences, attention_mask, action_mask = _rollout(actor.model.config.vocab_size)
+    actor = make_actor(models, temperature=1.3)
+    sequences, attention_mask, action_mask = rollout(actor.model.config.vocab_size)
     with torch.no_grad():
         full, out_stock = actor(
             sequences, attention_mask=attention_mask, return_logprobs=True, return_output=True
@@ -175,9 +100,9 @@ def test_logprob_paths_match_stock(models) -> None:
 
 
 def test_packed_samples_match_stock(models) -> None:
-    actor = _actor(models, "qwen2", temperature=0.8)
+    actor = make_actor(models, "qwen2", temperature=0.8)
     actor.packing_samples = True
-    batch = _rollout(actor.model.config.vocab_size, seed=5)
+    batch = rollout(actor.model.config.vocab_size, seed=5)
     want = _ppo_step(models, actor, *batch)
     lp_openrlhf.use_lp(actor)
     got = _ppo_step(models, actor, *batch)
@@ -191,8 +116,8 @@ def test_packed_samples_match_stock(models) -> None:
 
 
 def test_logits_call_and_generation_stay_stock(models) -> None:
-    actor = _actor(models)
-    sequences, attention_mask, _ = _rollout(actor.model.config.vocab_size)
+    actor = make_actor(models)
+    sequences, attention_mask, _ = rollout(actor.model.config.vocab_size)
     with torch.no_grad():
         want = actor(sequences, attention_mask=attention_mask, return_output=True).logits
         lp_openrlhf.use_lp(actor)
@@ -206,7 +131,7 @@ def test_logits_call_and_generation_stay_stock(models) -> None:
 
 
 def test_version_guard(models, monkeypatch: pytest.MonkeyPatch) -> None:
-    actor = _actor(models)
+    actor = make_actor(models)
     monkeypatch.setattr(lp_openrlhf, "openrlhf_version", lambda: "0.12.0")
     with pytest.raises(RuntimeError, match=r"supports openrlhf 0\.11\.x.*found openrlhf 0\.12\.0"):
         lp_openrlhf.use_lp(actor)
@@ -214,11 +139,11 @@ def test_version_guard(models, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_refused_arguments_and_actors(models) -> None:
-    actor = _actor(models)
-    sequences, attention_mask, action_mask = _rollout(actor.model.config.vocab_size)
+    actor = make_actor(models)
+    sequences, attention_mask, action_mask = rollout(actor.model.config.vocab_size)
     with pytest.raises(TypeError, match=r"openrlhf\.models\.Actor"):
         lp_openrlhf.use_lp(actor.model)
-    vlm = _actor(models)
+    vlm = make_actor(models)
     vlm.is_vlm = True
     with pytest.raises(ValueError, match="vision-language"):
         lp_openrlhf.use_lp(vlm)
@@ -257,7 +182,7 @@ def test_moe_aux_loss_kept(models) -> None:
     torch.manual_seed(0)
     actor = models.Actor(MixtralForCausalLM(config).eval())
     actor.packing_samples = False
-    sequences, attention_mask, action_mask = _rollout(config.vocab_size)
+    sequences, attention_mask, action_mask = rollout(config.vocab_size)
 
     def step():
         actor.model.zero_grad(set_to_none=True)
@@ -293,8 +218,8 @@ class _Engine(torch.nn.Module):
 
 def test_engine_as_actor_model(models) -> None:
     """use_lp before the strategy wraps actor.model (the usual order), called after."""
-    actor = _actor(models, "qwen2", tied=True, temperature=0.9)
-    batch = _rollout(actor.model.config.vocab_size)
+    actor = make_actor(models, "qwen2", tied=True, temperature=0.9)
+    batch = rollout(actor.model.config.vocab_size)
     want = _ppo_step(models, actor, *batch)
     lp_openrlhf.use_lp(actor)
     actor.model = _Engine(actor.model)
