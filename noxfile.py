@@ -118,6 +118,7 @@ ADAPTER_TESTS = [
     "packages/lp-hf/tests/test_openrlhf.py",
     "packages/lp-hf/tests/test_openrlhf_fused_loss.py",
     "packages/lp-hf/tests/test_skyrl.py",
+    "packages/lp-hf/tests/test_skyrl_fused_loss.py",
     "packages/lp-hf/tests/test_verl.py",
     "packages/lp-megatron/tests/test_megatron_skyrl.py",
     "packages/lp-megatron/tests/test_megatron_verl.py",

@@ -5,96 +5,36 @@ Each case runs the stock forward (materialized logits) and the same wrapper afte
 (``ppo_policy_loss``) plus an entropy bonus as its policy worker forms it, and the gradient
 of every parameter.
 
-skyrl-train's modules import Ray, flash-attn and peft at import time. They are stubbed in
-``sys.modules`` only while ``skyrl_train`` is imported (and removed again, so other test
-files see the real ones or none): Ray reports itself not initialized, flash-attn's padding
-helpers get working torch stand-ins (sample packing runs), peft is a stub (no LoRA here).
+skyrl-train is imported as ``_skyrl_setup`` describes (Ray, flash-attn and peft stubbed
+while it is imported).
 """
 
 from __future__ import annotations
 
-import importlib.machinery
-import sys
 import types
-from unittest.mock import MagicMock
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from _hf_models import assert_grads_close, grads, tiny_model
+from _hf_models import assert_grads_close, grads
+from _skyrl_setup import NUM_ACTIONS, import_skyrl
+from _skyrl_setup import make_wrapper as _wrapper
+from _skyrl_setup import rollout as _rollout
 
 import lp_hf.skyrl as lp_skyrl
-from lp_testing import import_trainer
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-_STUBBED = (
-    "ray",
-    "ray.util",
-    "ray.util.placement_group",
-    "flash_attn",
-    "flash_attn.bert_padding",
-    "peft",
-    "peft.tuners",
-    "peft.tuners.lora",
-)
-
-
-def _stub(name: str) -> types.ModuleType:
-    if name == "flash_attn.bert_padding":
-        from transformers.modeling_flash_attention_utils import _pad_input, _unpad_input
-
-        module = types.ModuleType(name)
-        module.unpad_input, module.pad_input = _unpad_input, _pad_input
-    else:
-        module = MagicMock()
-        module.is_initialized = lambda: False  # ray: no registry actor is looked up
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-    return module
 
 
 @pytest.fixture(scope="module")
 def sky() -> types.SimpleNamespace:
-    """skyrl-train's ``model_wrapper`` and ``ppo_utils``, imported with the stubs above
-    (skips when skyrl-train is missing)."""
-    import_trainer("skyrl_train")
-    inserted = [name for name in _STUBBED if name not in sys.modules]
-    sys.modules.update({name: _stub(name) for name in inserted})
-    try:
-        import skyrl_train.model_wrapper as model_wrapper
-        import skyrl_train.utils.ppo_utils as ppo_utils
-    finally:
-        for name in inserted:
-            del sys.modules[name]
-    return types.SimpleNamespace(model_wrapper=model_wrapper, ppo_utils=ppo_utils)
-
-
-NUM_ACTIONS = 5
-
-
-def _wrapper(sky, arch: str = "llama", *, tied: bool = False, packing: bool = False):
-    model = tiny_model(arch, tied=tied)
-    model.config.use_cache = False  # as the wrapper's own constructor sets from a path
-    # sample packing asks for flash_attention_2 by name; the tiny model runs sdpa, which
-    # keeps packed sequences apart from their restarting position ids
-    return sky.model_wrapper.HFModelWrapper(
-        model, use_flash_attention_2=packing, use_sample_packing=packing
+    """skyrl-train's ``model_wrapper`` and ``ppo_utils``, imported as ``_skyrl_setup``
+    describes (skips when skyrl-train is missing)."""
+    return import_skyrl(
+        model_wrapper="skyrl_train.model_wrapper", ppo_utils="skyrl_train.utils.ppo_utils"
     )
-
-
-def _rollout(vocab: int, seed: int = 3):
-    """SkyRL's layout: left-padded prompts (6) then right-padded responses (NUM_ACTIONS)."""
-    g = torch.Generator().manual_seed(seed)
-    b, p = 3, 6
-    sequences = torch.randint(1, vocab, (b, p + NUM_ACTIONS), generator=g)
-    attention_mask = torch.ones(b, p + NUM_ACTIONS, dtype=torch.long)
-    attention_mask[1, :2] = 0
-    attention_mask[2, :4] = 0
-    attention_mask[0, -2:] = 0
-    sequences[attention_mask == 0] = 0
-    loss_mask = attention_mask[:, -NUM_ACTIONS:].float()
-    return sequences, attention_mask, loss_mask
 
 
 _LOSS_CONFIG = dict(

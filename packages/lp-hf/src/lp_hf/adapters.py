@@ -1,24 +1,31 @@
 """What the trainer adapters (:mod:`lp_hf.openrlhf`, :mod:`lp_hf.skyrl`, :mod:`lp_hf.verl`)
-share: the head options, one head call on a trainer's model, and the checks that the
-trainer's seam is the one an adapter was written against."""
+share: the head options, one head call on a trainer's model, one model forward whose output
+layer computes a fused loss, and the checks that the trainer's seam is the one an adapter
+was written against (:func:`code_digest`)."""
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lp_hf.final_logits import output_layer_owner, post_processing, same_values, switched_off
 from lp_hf.head import Backend, install_logprob_head
+from lp_kernels import LossOutput, linear_logprob_loss
 
 __all__ = [
     "HeadOptions",
     "check_class",
     "check_parameters",
     "check_series",
+    "code_digest",
     "head_logprobs",
+    "loss_forward",
     "remove_forward",
     "set_forward",
 ]
@@ -130,3 +137,93 @@ def remove_forward(obj: torch.nn.Module, forward: type) -> torch.nn.Module:
     if isinstance(obj.__dict__.get("forward"), forward):
         del obj.__dict__["forward"]
     return obj
+
+
+def loss_forward(
+    model: torch.nn.Module,
+    options: HeadOptions,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: Any,
+    per_token: dict[str, torch.Tensor],
+    temperature: float,
+    *,
+    return_entropy: bool,
+    logits_to_keep: int,
+    **model_kwargs: Any,
+) -> tuple[LossOutput, Any]:
+    """``model(ids, **model_kwargs)`` with its output layer computing
+    ``linear_logprob_loss(hidden, weight, targets, loss_fn, per_token=...)`` for this
+    call only (the model's final-logit softcap and scale applied by lp, as the head does);
+    returns that result and the model's output without ``logits``."""
+    layer = model.get_output_embeddings()
+    if layer is None or "forward" in layer.__dict__:
+        raise RuntimeError("lp_hf: the model's output layer already has a forward")
+    processing = post_processing(output_layer_owner(model, layer))
+    results: list[tuple[LossOutput, torch.Tensor]] = []
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        if results:
+            raise RuntimeError("the output layer ran twice in one model forward")
+        if hasattr(layer.weight, "device_mesh"):
+            raise NotImplementedError("lp_hf: the fused loss with a DTensor head")
+        if tuple(hidden.shape[:-1]) != tuple(targets.shape):
+            raise ValueError(f"the output layer got {tuple(hidden.shape)}, targets {targets.shape}")
+        out = linear_logprob_loss(
+            hidden,
+            layer.weight,
+            targets.to(hidden.device),
+            loss_fn,
+            per_token={k: v.to(hidden.device) for k, v in per_token.items()},
+            return_entropy=return_entropy or loss_fn.needs_entropy,
+            bias=layer.bias,
+            temperature=temperature,
+            softcap=processing.transform.softcap,
+            logit_scale=processing.transform.logit_scale,
+            **vars(options),
+        )
+        results.append((out, out.logprob.unsqueeze(-1)))  # the model's "logits"
+        return results[0][1]
+
+    if logits_to_keep:
+        model_kwargs["logits_to_keep"] = logits_to_keep
+    layer.__dict__["forward"] = forward
+    try:
+        with switched_off(processing):
+            output = model(input_ids=ids, use_cache=False, return_dict=True, **model_kwargs)
+    finally:
+        del layer.__dict__["forward"]
+    if not results:
+        raise RuntimeError("the model's forward did not call its output layer")
+    result, stand_in = results[0]
+    got = output.logits
+    if got is not stand_in and (processing.exact or not same_values(got, stand_in)):
+        raise RuntimeError("the model changed what its output layer returned; lp-hf refuses it")
+    rest = {name: value for name, value in output.items() if name != "logits"}
+    return result, type(output)(**rest)
+
+
+def _identifiers(consts: Any) -> set[str]:
+    """The identifiers and float constants named by a code object (its names and constants)
+    or held in a tuple of constants, nested code and tuples included."""
+    found: set[str] = set()
+    if isinstance(consts, types.CodeType):
+        found = {name for name in consts.co_names if name.isidentifier()}
+        consts = consts.co_consts
+    for const in consts:
+        if isinstance(const, (types.CodeType, tuple)):
+            found |= _identifiers(const)
+        elif isinstance(const, str) and const.isidentifier():
+            found.add(const)
+        elif isinstance(const, float):
+            found.add(repr(const))
+    return found
+
+
+def code_digest(*functions: Callable[..., Any]) -> str:
+    """The first 16 hex digits of the sha256 of the identifiers and float constants that
+    ``functions`` name (decorators unwrapped, nested code included), sorted: an adapter
+    compares it with the digest of the trainer code it reproduces, so that a trainer whose
+    seam reads another option, branch or constant is refused."""
+    names = set().union(*(_identifiers(inspect.unwrap(fn).__code__) for fn in functions))
+    return hashlib.sha256(" ".join(sorted(names)).encode()).hexdigest()[:16]

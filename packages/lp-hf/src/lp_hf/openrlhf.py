@@ -52,7 +52,6 @@ the gradients are those of the fused loss, the same sum within fp32 rounding.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.metadata
 import sys
 import types
@@ -67,13 +66,14 @@ from lp_hf.adapters import (
     check_class,
     check_parameters,
     check_series,
+    code_digest,
     head_logprobs,
+    loss_forward,
     remove_forward,
     set_forward,
 )
-from lp_hf.final_logits import output_layer_owner, post_processing, same_values, switched_off
 from lp_hf.head import Backend
-from lp_kernels import LossOutput, linear_logprob_loss
+from lp_kernels import LossOutput
 from lp_kernels.losses import clipped_surrogate
 
 __all__ = [
@@ -306,7 +306,7 @@ class _LpForward:
             self.options,
             ids,
             targets.masked_fill(~live, _IGNORE),
-            request,
+            request.loss_fn,
             {name: layout(value) for name, value in request.per_token.items()},
             self.actor.temperature,
             return_entropy=return_entropy,
@@ -359,72 +359,8 @@ class LossPass:
     used: bool = False
 
 
-def loss_forward(
-    model: torch.nn.Module,
-    options: HeadOptions,
-    ids: torch.Tensor,
-    targets: torch.Tensor,
-    request: LossPass,
-    per_token: dict[str, torch.Tensor],
-    temperature: float,
-    *,
-    return_entropy: bool,
-    logits_to_keep: int,
-    **model_kwargs: Any,
-) -> tuple[LossOutput, Any]:
-    """``model(ids, **model_kwargs)`` with its output layer computing
-    ``linear_logprob_loss(hidden, weight, targets, request.loss_fn, per_token=...)`` for this
-    call only (the model's final-logit softcap and scale applied by lp, as the head does);
-    returns that result and the model's output without ``logits``."""
-    layer = model.get_output_embeddings()
-    if layer is None or "forward" in layer.__dict__:
-        raise RuntimeError("lp_hf.openrlhf: the model's output layer already has a forward")
-    processing = post_processing(output_layer_owner(model, layer))
-    results: list[tuple[LossOutput, torch.Tensor]] = []
-
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        if results:
-            raise RuntimeError("the output layer ran twice in one model forward")
-        if hasattr(layer.weight, "device_mesh"):
-            raise NotImplementedError("lp_hf.openrlhf: the fused loss with a DTensor head")
-        if tuple(hidden.shape[:-1]) != tuple(targets.shape):
-            raise ValueError(f"the output layer got {tuple(hidden.shape)}, targets {targets.shape}")
-        out = linear_logprob_loss(
-            hidden,
-            layer.weight,
-            targets.to(hidden.device),
-            request.loss_fn,
-            per_token={k: v.to(hidden.device) for k, v in per_token.items()},
-            return_entropy=return_entropy or request.loss_fn.needs_entropy,
-            bias=layer.bias,
-            temperature=temperature,
-            softcap=processing.transform.softcap,
-            logit_scale=processing.transform.logit_scale,
-            **vars(options),
-        )
-        results.append((out, out.logprob.unsqueeze(-1)))  # the model's "logits"
-        return results[0][1]
-
-    if logits_to_keep:
-        model_kwargs["logits_to_keep"] = logits_to_keep
-    layer.__dict__["forward"] = forward
-    try:
-        with switched_off(processing):
-            output = model(input_ids=ids, use_cache=False, return_dict=True, **model_kwargs)
-    finally:
-        del layer.__dict__["forward"]
-    if not results:
-        raise RuntimeError("the model's forward did not call its output layer")
-    result, stand_in = results[0]
-    got = output.logits
-    if got is not stand_in and (processing.exact or not same_values(got, stand_in)):
-        raise RuntimeError("the model changed what its output layer returned; lp-hf refuses it")
-    rest = {name: value for name, value in output.items() if name != "logits"}
-    return result, type(output)(**rest)
-
-
 _TRAINER_MODULE = "openrlhf.trainer.ray.ppo_actor"
-_SEAM_DIGEST = "5617dc4426a4b8a1"
+_SEAM_DIGEST = "fe901af6eae52293"
 """Digest of the identifiers and float constants of OpenRLHF 0.11.2's
 ``ActorPPOTrainer.training_step``, ``PolicyLoss.forward`` and ``aggregate_loss``: the code
 whose loss :class:`FusedActorLoss` reproduces."""
@@ -694,24 +630,6 @@ class FusedActorLoss:
         return (result[0] + (fused - fused.detach()), *result[1:])
 
 
-def _identifiers(code: types.CodeType) -> set[str]:
-    """The identifiers and float constants a code object names, nested code included."""
-    found = {name for name in code.co_names if name.isidentifier()}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            found |= _identifiers(const)
-        elif isinstance(const, str) and const.isidentifier():
-            found.add(const)
-        elif isinstance(const, float):
-            found.add(repr(const))
-    return found
-
-
-def _seam_digest(*functions: Callable[..., Any]) -> str:
-    names = set().union(*(_identifiers(fn.__code__) for fn in functions))
-    return hashlib.sha256(" ".join(sorted(names)).encode()).hexdigest()[:16]
-
-
 def _trainer_seam(trainer: Any) -> types.ModuleType:
     """The trainer's module, after checking that ``trainer`` is an ``ActorPPOTrainer`` running
     OpenRLHF 0.11.2's own ``training_step`` and ``PolicyLoss`` as lp-hf read them."""
@@ -724,7 +642,7 @@ def _trainer_seam(trainer: Any) -> types.ModuleType:
         raise RuntimeError(f"{name}: training_step is already replaced by an instance attribute")
     if type(trainer.actor_loss_fn) is not module.PolicyLoss:
         raise TypeError(f"{name}.actor_loss_fn is not OpenRLHF's PolicyLoss")
-    digest = _seam_digest(cls.training_step, module.PolicyLoss.forward, module.aggregate_loss)
+    digest = code_digest(cls.training_step, module.PolicyLoss.forward, module.aggregate_loss)
     helpers = ("compute_approx_kl", "masked_mean", "get_loss_batch_info")
     if digest != _SEAM_DIGEST or not all(callable(getattr(module, h, None)) for h in helpers):
         raise RuntimeError(

@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import importlib
 import inspect
 import sys
@@ -94,7 +93,7 @@ from typing import Any, Literal
 
 import torch
 
-from lp_hf.adapters import check_parameters
+from lp_hf.adapters import check_parameters, code_digest
 from lp_hf.final_logits import FinalLogitTransform, model_logit_transform
 from lp_kernels import LossOutput, linear_divergence, linear_logprob, linear_logprob_loss
 from lp_kernels.losses import PolicyLoss, kl_k3, token_weights
@@ -171,7 +170,7 @@ Backend = Literal["auto", "torch", "triton"]
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 """The ``loss_type`` values of TRL's GRPOTrainer that ``use_lp(fused_loss=True)`` computes."""
 _GRPO_MODULE = "trl.trainer.grpo_trainer"
-_GRPO_LOSS_DIGEST = "0e3246fb5488cbc0"
+_GRPO_LOSS_DIGEST = "8df26aac081c5bc9"
 """The first 16 hex digits of the sha256 of the identifiers (attributes, options, loss types,
 keywords) that TRL 1.16.0's ``GRPOTrainer._compute_loss`` names, sorted and space-joined: a
 TRL whose loss reads another option or branch gives another digest."""
@@ -1032,18 +1031,6 @@ class GrpoFusedLoss:
         metrics["clip_ratio/high_max"].append(self.utils.nanmax(per_sequence(high.float())).item())
 
 
-def _identifiers(code: types.CodeType) -> set[str]:
-    """The identifiers a code object names: its names and identifier constants, nested code
-    included."""
-    found = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            found |= _identifiers(const)
-        elif isinstance(const, (str, tuple)):
-            found |= {c for c in (const if isinstance(const, tuple) else (const,)) if c}
-    return {name for name in found if isinstance(name, str) and name.isidentifier()}
-
-
 def _grpo_seam(trainer: Any, utils: types.ModuleType) -> None:
     """Raise unless ``trainer`` is a GRPOTrainer running TRL 1.16's own loss as lp-hf read
     it: ``compute_loss`` calls ``_compute_loss``, which names what it named there and gets
@@ -1062,8 +1049,7 @@ def _grpo_seam(trainer: Any, utils: types.ModuleType) -> None:
     if "_compute_loss" in trainer.__dict__:
         raise RuntimeError(f"{name}: _compute_loss is already replaced by an instance attribute")
     compute = inspect.unwrap(cls.compute_loss).__code__
-    loss = inspect.unwrap(cls._compute_loss).__code__
-    digest = hashlib.sha256(" ".join(sorted(_identifiers(loss))).encode()).hexdigest()[:16]
+    digest = code_digest(cls._compute_loss)
     method = cls._get_per_token_logps_and_entropies
     params = inspect.signature(method).parameters
     if (
