@@ -14,7 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lp_kernels import library, linear_logprob, linear_logprob_loss, vocab_parallel_logprob
+from lp_kernels import (
+    library,
+    linear_divergence,
+    linear_logprob,
+    linear_logprob_loss,
+    vocab_parallel_logprob,
+)
 from lp_testing import assert_bitwise_equal, make_problem, run_ranks
 
 dynamo = pytest.importorskip("torch._dynamo")
@@ -277,11 +283,31 @@ def _tp_rank(rank: int, world: int, bounds) -> list[torch.Tensor]:
     # Dynamo's eager backend: the graph (custom ops, group by name, the backward op and its
     # collectives) without AOTAutograd's seconds per rank; the tests above cover AOT
     fn = torch.compile(_linear_loss, backend="eager", fullgraph=True)
-    return [*eager, *_step(fn, leaves, p.targets, g, **kwargs)]
+    compiled = _step(fn, leaves, p.targets, g, **kwargs)
+    div_eager, div_compiled = _tp_divergence(leaves, lo, hi, g, kwargs)
+    return [*eager, *div_eager, *compiled, *div_compiled]
+
+
+def _tp_divergence(leaves, lo: int, hi: int, g, kwargs: dict) -> tuple[list, list]:
+    """``linear_divergence(deterministic=True)`` on the same shards (a wider teacher, a
+    mask), eager and compiled: both heads' halos cross the shard bound."""
+    t = make_problem(N, 48, V, seed=5, padded_vocab=V_PAD)
+    mask = torch.arange(N) % 7 != 3
+    kwargs = {k: kwargs[k] for k in ("temperature", "tp_group", "vocab_start", "vocab_size")}
+    kwargs |= {"deterministic": True, "deterministic_tile": 256, "kind": "jsd", "mask": mask}
+
+    def loss(hidden, weight, bias):
+        teacher = (t.hidden, t.weight[lo:hi])
+        out = linear_divergence(hidden, weight, *teacher, bias=bias, backend="torch", **kwargs)
+        return (g * out.divergence).sum(), *out
+
+    fn = torch.compile(loss, backend="eager", fullgraph=True)
+    return _step(loss, leaves), _step(fn, leaves)
 
 
 def test_tensor_parallel_fullgraph_has_eager_bits():
-    """Two gloo ranks: a compiled step equals the eager one on every rank."""
+    """Two gloo ranks: a compiled step equals the eager one on every rank, for
+    ``linear_logprob`` and ``linear_divergence``."""
     per_rank = run_ranks(_tp_rank, 2, [(0, 128), (128, V_PAD)], timeout=240)
     for rank, results in enumerate(per_rank):
         half = len(results) // 2

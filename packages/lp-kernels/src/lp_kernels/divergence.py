@@ -13,101 +13,97 @@ arguments through the one preparation path of the other ops (``lp_kernels._prepa
 checks, autocast, the tensor-parallel layout, the per-call rank record, which carries the
 divergence's own options), and runs the backend (:mod:`lp_kernels.backends.divergence`: the
 host loop; its engines in ``backends.torch.divergence`` and ``backends.triton.divergence``).
-The formulas are in :mod:`lp_kernels.core.divergence`.
+The formulas are in :mod:`lp_kernels.core.divergence`. Under ``torch.compile`` the first
+three are the custom ops of :mod:`lp_kernels.library_divergence` (the same preparation,
+``lp_kernels._prepare_divergence``, and host functions); ``linear_topk_divergence``, made of
+``linear_logprob``'s backend, torch ops and a gather Function, runs behind a graph break.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
-from lp_kernels import _checks
+from lp_kernels import library, library_divergence
 from lp_kernels import topk_divergence as topk
-from lp_kernels._prepare import Prepared, prepare
+from lp_kernels._prepare_divergence import prepared, prepared_logits, row_weights
 from lp_kernels.backends.divergence import (
     LinearDivergence,
     LinearDivergenceLoss,
     VocabParallelDivergence,
 )
 from lp_kernels.backends.divergence_tiles import LinearDivergenceDeterministic
-from lp_kernels.backends.resolve import concrete_backend
 from lp_kernels.core import amp
-from lp_kernels.core.chunks import default_chunk_rows
 from lp_kernels.core.compile import eager_under_compile
-from lp_kernels.core.divergence import DivergenceParams, check_kind
-from lp_kernels.core.tiles import DETERMINISTIC_TILE
 from lp_kernels.core.transform import LogitTransform
 from lp_kernels.core.types import DivergenceLossOutput, DivergenceOutput, TopkDivergenceOutput
 
-_MASKED = -1
-"""The row code of a masked row (the other rows' code is 0): the ops pass ``mask`` to the
-preparation path as targets with this ``ignore_index``, so that ranks disagreeing on the
-mask raise like ranks disagreeing on targets."""
 
-_BUFFERS = {"torch": 4, "triton": 1}
-"""How many times fewer rows than ``linear_logprob``'s torch chunk (one fp32 ``[C, V_local]``
-buffer of 1 GiB on CUDA) a divergence chunk takes. torch: both sides' softmax arguments and
-the terms of their sums, about eight such buffers of a quarter of the rows; triton: both
-heads' GEMM outputs and ``d l``, three buffers of the whole rows (about 3 GiB at a 152k
-vocabulary), so that the gradient GEMMs see chunks of about a thousand rows."""
+def _tensors(*xs: Any) -> bool:
+    """Every argument is a plain tensor (``library.plain`` and not None)."""
+    return all(x is not None for x in xs) and library.plain(*xs)
 
 
-def _check_constant(x: Any, name: str) -> None:
-    """A teacher tensor must not require grad: its gradient would be silently dropped."""
-    if isinstance(x, torch.Tensor) and x.requires_grad:
-        raise ValueError(
-            f"{name} requires grad, but the teacher is a constant of the divergence (no "
-            f"gradient reaches it): pass {name}.detach(), or compute it under torch.no_grad()"
-        )
+def _traced_arguments(heads: tuple, mask, bias, teacher_bias, tp_group, o: dict):
+    """``(tensors, options)`` of ``library_divergence``'s ops for a linear divergence op's
+    arguments, or None for arguments they do not carry (DTensors, options of other types,
+    a teacher tensor that requires grad: the eager op behind a graph break raises)."""
+    hidden, weight, teacher_hidden, teacher_weight = heads
+    if not _tensors(*heads) or not library.plain(mask, bias, teacher_bias):
+        return None
+    if any(x is not None and x.requires_grad for x in (*heads[2:], teacher_bias)):
+        return None
+    args = library_divergence.op_options(_transform_values(o), tp_group, o)
+    tensors = (hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask)
+    return None if args is None else (tensors, args)
 
 
-def _row_codes(mask: Any, lead: torch.Size, device: torch.device, first: str) -> torch.Tensor:
-    """``[*]`` int64: 0 for the rows to compute, :data:`_MASKED` for the others."""
-    if mask is None:
-        return torch.zeros(lead, dtype=torch.int64, device=device)
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        what = type(mask).__name__ if not isinstance(mask, torch.Tensor) else mask.dtype
-        raise TypeError(f"mask must be None or a bool tensor, got {what}")
-    if mask.shape != lead:
-        raise ValueError(
-            f"mask must have the leading shape of {first}, {tuple(lead)}, got "
-            f"{tuple(mask.shape)}"
-        )
-    if mask.device != device:
-        raise ValueError(f"mask must be on {first}'s device {device}, got {mask.device}")
-    return torch.where(mask, 0, _MASKED)
+def _traced_linear_divergence(
+    hidden, weight, teacher_hidden, teacher_weight, *, mask, bias, teacher_bias, tp_group, **o
+):
+    """``linear_divergence`` under ``torch.compile``: the ``lp::linear_divergence`` custom op
+    (:mod:`lp_kernels.library_divergence`), or ``NotImplemented`` (:func:`_traced_arguments`)."""
+    heads = (hidden, weight, teacher_hidden, teacher_weight)
+    traced = _traced_arguments(heads, mask, bias, teacher_bias, tp_group, o)
+    return NotImplemented if traced is None else library_divergence.linear_divergence(*traced)
 
 
-def _chunked(prep: Prepared, chunk_size: Any, backend: str) -> Prepared:
-    """``prep`` with the divergence's default chunk unless ``chunk_size`` was given: from
-    the widest shard, the same on every rank (each chunk makes collectives), or with
-    ``deterministic`` from the tile, the same on every layout."""
-    if chunk_size is not None:
-        return prep
-    p = prep.params
-    width = p.deterministic_tile if p.deterministic else p.max_v_local
-    budget = default_chunk_rows(width, prep.inputs.device)
-    rows = max(16, budget // _BUFFERS[backend])
-    return prep._replace(params=dataclasses.replace(p, chunk_size=rows))
+def _traced_linear_divergence_loss(
+    hidden, weight, teacher_hidden, teacher_weight, *, weights, mask, bias, teacher_bias, **o
+):
+    """``linear_divergence_loss`` under ``torch.compile``: ``lp::linear_divergence_loss``, or
+    ``NotImplemented`` (as :func:`_traced_linear_divergence`; also for ``deterministic=True``,
+    whose composed path runs eagerly, and row weights that require grad)."""
+    if o["deterministic"] is not False or not library.plain(weights):
+        return NotImplemented
+    if weights is not None and weights.requires_grad:
+        return NotImplemented
+    heads = (hidden, weight, teacher_hidden, teacher_weight)
+    traced = _traced_arguments(heads, mask, bias, teacher_bias, o.pop("tp_group"), o)
+    if traced is None:
+        return NotImplemented
+    return library_divergence.linear_divergence_loss(traced[0], weights, traced[1])
 
 
-def _check_teacher_layout(student: Prepared, teacher: Prepared) -> None:
-    """Both heads must cover the same vocabulary rows (on every rank alike: the layouts
-    compared are the gathered ones)."""
-    s, t = student.params, teacher.params
-    layouts = [(x.vocab_size, x.shard_starts, x.shard_sizes) for x in (s, t)]
-    if layouts[0] != layouts[1]:
-        raise ValueError(
-            "teacher_weight must hold the student's vocabulary rows (the same V_local and "
-            f"vocab_start on every rank): weight has {student.weight.shape[0]} rows here "
-            f"(shards {s.shard_sizes}, vocab_size {s.vocab_size}), teacher_weight "
-            f"{teacher.weight.shape[0]} (shards {t.shard_sizes}, vocab_size {t.vocab_size})"
-        )
+def _traced_vocab_parallel_divergence(
+    logits, teacher_logprobs, *, mask, temperature, softcap, logit_scale, tp_group, **o
+):
+    """``vocab_parallel_divergence`` under ``torch.compile``: its custom op, or
+    ``NotImplemented`` (as :func:`_traced_linear_divergence`)."""
+    if not _tensors(logits, teacher_logprobs) or not library.plain(mask):
+        return NotImplemented
+    if teacher_logprobs.requires_grad:
+        return NotImplemented
+    o |= {"reduce_grad_hidden": True, "deterministic": False, "deterministic_tile": None}
+    transforms = ((temperature, softcap, logit_scale), (1.0, None, None))
+    args = library_divergence.op_options(transforms, tp_group, o | {"backend": "torch"})
+    if args is None:
+        return NotImplemented
+    return library_divergence.vocab_parallel_divergence(logits, teacher_logprobs, mask, args)
 
 
-@eager_under_compile
+@eager_under_compile(traced=_traced_linear_divergence)
 def linear_divergence(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -152,7 +148,10 @@ def linear_divergence(
     constant; the divergence is differentiable into ``hidden``, ``weight`` and ``bias`` with
     any per-row upstream gradient. All statistics and sums are fp32; gradients come back in
     the input dtypes, the logits gradient rounded once to the GEMM dtype as in
-    ``linear_logprob``. Bitwise reproducible run to run.
+    ``linear_logprob``. Bitwise reproducible run to run. Under ``torch.compile`` it is the
+    custom op ``lp::linear_divergence`` (:mod:`lp_kernels.library_divergence`), forward and
+    backward, with eager mode's bits; a DTensor weight or a teacher tensor that requires
+    grad makes a graph break (the eager op, which raises its error).
 
     Args:
         hidden: ``[*, H]`` the student's last hidden states (float32, bfloat16, float16).
@@ -213,14 +212,15 @@ def linear_divergence(
         (torch.Size([3, 5]), True)
     """
     heads = (hidden, weight, teacher_hidden, teacher_weight)
-    s, t, dp, ignored = _prepared(heads, locals(), op="linear_divergence")
+    o = locals()
+    s, t, dp, ignored = prepared(heads, _transform_values(o), o, op="linear_divergence")
     function = LinearDivergenceDeterministic if s.params.deterministic else LinearDivergence
     with amp.autocast_off(s.inputs.device):  # lp's precision policy is its own
         out = function.apply(s.inputs, s.weight, s.bias, t.inputs, t.weight, t.bias, ignored, dp)
     return DivergenceOutput(*(x.view(s.lead) for x in out))
 
 
-@eager_under_compile
+@eager_under_compile(traced=_traced_linear_divergence_loss)
 def linear_divergence_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -256,7 +256,10 @@ def linear_divergence_loss(
     gradient for the rows' weights come from them, then the two gradient GEMMs. A step
     costs four GEMMs where ``linear_divergence`` and ``backward()`` cost six; the gradients
     (fp32 ``grad_weight`` accumulator included) are held from the forward to the backward,
-    which scales them by the loss's upstream gradient.
+    which scales them by the loss's upstream gradient. Under ``torch.compile`` it is the
+    custom op ``lp::linear_divergence_loss`` (its gradients are outputs, scaled out of place
+    by ``lp::linear_divergence_loss_backward``), with eager mode's bits; ``deterministic=True``
+    runs eagerly behind a graph break.
 
     Args:
         hidden, weight, teacher_hidden, teacher_weight, kind, beta, temperature,
@@ -280,15 +283,17 @@ def linear_divergence_loss(
     Raises:
         TypeError, ValueError: as ``linear_divergence``; ``weights`` not a float tensor of
             the rows' shape on their device, or one that requires grad.
-        RuntimeError: a second backward through one call (``retain_graph=True``).
+        RuntimeError: a second backward through one call (``retain_graph=True``; eager
+            mode only: compiled, the op's gradient outputs are scaled again).
     """
     heads = (hidden, weight, teacher_hidden, teacher_weight)
-    w = _row_weights(weights, hidden)
+    w = row_weights(weights, hidden)
     if deterministic:
         out = linear_divergence(*heads, **_op_arguments(locals()))
         loss = (out.divergence * w.view(out.divergence.shape)).sum()
         return DivergenceLossOutput(loss, *(x.detach() for x in out))
-    s, t, dp, ignored = _prepared(heads, locals(), op="linear_divergence_loss")
+    o = locals()
+    s, t, dp, ignored = prepared(heads, _transform_values(o), o, op="linear_divergence_loss")
     with amp.autocast_off(s.inputs.device):
         loss, *rows = LinearDivergenceLoss.apply(
             s.inputs, s.weight, s.bias, t.inputs, t.weight, t.bias, ignored, w.reshape(-1), dp
@@ -302,78 +307,17 @@ def _op_arguments(o: dict) -> dict:
     return {k: v for k, v in o.items() if k not in skip}
 
 
-def _row_weights(weights: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[*]`` row weights (ones for None), checked."""
-    lead = hidden.shape[:-1] if isinstance(hidden, torch.Tensor) else None
-    if weights is None:
-        return torch.ones(lead, dtype=torch.float32, device=hidden.device)
-    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
-        what = weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__
-        raise TypeError(f"weights must be None or a float tensor, got {what}")
-    if weights.shape != lead or weights.device != hidden.device:
-        raise ValueError(
-            f"weights must have hidden's leading shape {tuple(lead)} on {hidden.device}, got "
-            f"{tuple(weights.shape)} on {weights.device}"
-        )
-    if weights.requires_grad:
-        raise ValueError("weights requires grad; row weights are constants: pass .detach()")
-    return weights.float()
-
-
-def _transforms(o: dict) -> tuple[LogitTransform, LogitTransform]:
-    """The student's and the teacher's logit transforms from the op's arguments."""
-    student = LogitTransform.checked(
-        temperature=o["temperature"], softcap=o["softcap"], logit_scale=o["logit_scale"]
-    )
+def _transform_values(o: dict) -> tuple[tuple, tuple]:
+    """The values of the student's and the teacher's logit transforms (``LogitTransform``'s
+    fields, in order) from the op's arguments."""
     t_temperature = (
         o["temperature"] if o["teacher_temperature"] is None else o["teacher_temperature"]
     )
-    teacher = LogitTransform.checked(
-        temperature=t_temperature,
-        softcap=o["teacher_softcap"],
-        logit_scale=o["teacher_logit_scale"],
-    )
-    return student, teacher
+    student = (o["temperature"], o["softcap"], o["logit_scale"])
+    return student, (t_temperature, o["teacher_softcap"], o["teacher_logit_scale"])
 
 
-def _check_teacher(hidden, teacher_hidden, teacher_weight, teacher_bias) -> None:
-    for x, name in ((teacher_hidden, "teacher_hidden"), (teacher_weight, "teacher_weight")):
-        _checks.check_tensor(x, name)
-        _check_constant(x, name)
-    _check_constant(teacher_bias, "teacher_bias")
-    _checks.check_tensor(hidden, "hidden")
-    if teacher_hidden.shape[:-1] != hidden.shape[:-1]:
-        raise ValueError(
-            f"teacher_hidden must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
-            f"got shape {tuple(teacher_hidden.shape)}"
-        )
-
-
-def _prepared(heads: tuple, o: dict, *, op: str):
-    """``(student Prepared, teacher Prepared, DivergenceParams, ignored [N])`` of a call to
-    ``op`` with the heads ``(hidden, weight, teacher_hidden, teacher_weight)`` and the op's
-    other arguments ``o`` (its ``locals()``)."""
-    hidden, weight, teacher_hidden, teacher_weight = heads
-    beta = check_kind(o["kind"], o["beta"])
-    student_t, teacher_t = _transforms(o)
-    _check_teacher(hidden, teacher_hidden, teacher_weight, o["teacher_bias"])
-    codes = _row_codes(o["mask"], hidden.shape[:-1], hidden.device, "hidden")
-    record = (op, o["kind"], beta, teacher_t.record(), teacher_hidden.shape[-1])
-    record += (str(teacher_hidden.dtype), str(teacher_weight.dtype), o["teacher_bias"] is not None)
-    names = ("tp_group", "vocab_start", "vocab_size", "reduce_grad_hidden", "deterministic")
-    names += ("deterministic_tile", "backend", "chunk_size", "validate")
-    common = {name: o[name] for name in names}
-    common |= {"ignore_index": _MASKED, "divergence": record}
-    s = prepare(hidden, weight, codes, student_t, bias=o["bias"], **common)
-    t = prepare(teacher_hidden, teacher_weight, codes, teacher_t, bias=o["teacher_bias"], **common)
-    _check_teacher_layout(s, t)
-    engine = concrete_backend(o["backend"], s.inputs.device)
-    s = _chunked(s, o["chunk_size"], engine)
-    dp = DivergenceParams(s.params, teacher_t, o["kind"], beta, engine)
-    return s, t, dp, s.targets == _MASKED
-
-
-@eager_under_compile
+@eager_under_compile(traced=_traced_vocab_parallel_divergence)
 def vocab_parallel_divergence(
     logits: torch.Tensor,
     teacher_logprobs: torch.Tensor,
@@ -400,7 +344,9 @@ def vocab_parallel_divergence(
     and ``jsd`` stay finite; ``reverse_kl`` is ``+inf`` wherever the student puts mass
     there). ``temperature``, ``softcap`` and ``logit_scale`` apply to the student's logits
     only. The divergence is differentiable into ``logits`` (fp32 math, the gradient in
-    ``logits``' dtype, zero on padding columns and masked rows).
+    ``logits``' dtype, zero on padding columns and masked rows). Under ``torch.compile`` it is
+    the custom op ``lp::vocab_parallel_divergence``, with eager mode's bits (as
+    :func:`linear_divergence`).
 
     Args:
         logits: ``[*, V_local]`` the student's logits (or this rank's vocabulary shard).
@@ -412,39 +358,11 @@ def vocab_parallel_divergence(
     Returns:
         ``DivergenceOutput(divergence, student_entropy, teacher_entropy)`` ``[*]`` float32.
     """
-    beta = check_kind(kind, beta)
-    transform = LogitTransform.checked(
-        temperature=temperature, softcap=softcap, logit_scale=logit_scale
+    prep, teacher, dp, ignored = prepared_logits(
+        logits, teacher_logprobs, (temperature, softcap, logit_scale), locals()
     )
-    _checks.check_tensor(logits, "logits")
-    _checks.check_tensor(teacher_logprobs, "teacher_logprobs")
-    _checks.check_float_dtype(teacher_logprobs, "teacher_logprobs")
-    _check_constant(teacher_logprobs, "teacher_logprobs")
-    if teacher_logprobs.shape != logits.shape or teacher_logprobs.device != logits.device:
-        raise ValueError(
-            f"teacher_logprobs must have logits' shape {tuple(logits.shape)} and device "
-            f"{logits.device}, got {tuple(teacher_logprobs.shape)} on {teacher_logprobs.device}"
-        )
-    codes = _row_codes(mask, logits.shape[:-1], logits.device, "logits")
-    prep = prepare(
-        logits,
-        None,
-        codes,
-        transform,
-        ignore_index=_MASKED,
-        tp_group=tp_group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        deterministic_tile=DETERMINISTIC_TILE,
-        chunk_size=chunk_size,
-        validate=validate,
-        divergence=(kind, beta, str(teacher_logprobs.dtype)),
-    )
-    prep = _chunked(prep, chunk_size, "torch")
-    dp = DivergenceParams(prep.params, LogitTransform(), kind, beta)
-    teacher = teacher_logprobs.reshape(prep.inputs.shape)
     with amp.autocast_off(prep.inputs.device):
-        out = VocabParallelDivergence.apply(prep.inputs, teacher, prep.targets == _MASKED, dp)
+        out = VocabParallelDivergence.apply(prep.inputs, teacher, ignored, dp)
     return DivergenceOutput(*(x.view(prep.lead) for x in out))
 
 

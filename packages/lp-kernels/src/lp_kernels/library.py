@@ -1,6 +1,7 @@
 """lp's ops as ``torch.library`` custom ops (namespace ``lp``): what ``torch.compile`` sees.
 
-Under ``torch.compile`` the public ops call these instead of their autograd Functions::
+Under ``torch.compile`` the public ops call these instead of their autograd Functions (the
+divergence ops' are in :mod:`lp_kernels.library_divergence`)::
 
     lp::linear_logprob(hidden, weight, bias?, targets, OPTIONS)
         -> (logprob, entropy, lse, log_sum_sq_probs, mean_logit, is_top1, lse_saved, E_saved)
@@ -55,7 +56,10 @@ from lp_kernels.core.transform import LogitTransform
 from lp_kernels.core.types import LogProbOutput, LogprobParams
 from lp_kernels.distributed.halo import bias_halo, owned_halo
 
-NAMESPACE = "lp"
+_PACKAGE = __name__.split(".")[0]
+NAMESPACE = "lp" if _PACKAGE == "lp_kernels" else _PACKAGE
+"""The custom ops' namespace: ``lp``, or the package's own name for a copy of lp_kernels
+imported under another name beside it (an A/B tree), whose ops then do not collide."""
 
 OPTIONS = (
     "float temperature, float? cap, float? scale, int ignore_index, bool return_entropy, "
@@ -238,6 +242,8 @@ def host_backward(function: type, saved: tuple, upstream: tuple, needs, p: Logpr
 # --- the ops -------------------------------------------------------------------------------
 
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+OPS = getattr(torch.ops, NAMESPACE)
+"""``torch.ops.lp``: the ops of this namespace."""
 _LIB.define(
     "linear_logprob(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, "
     f"{OPTIONS}) -> {OUTPUTS}"
@@ -254,7 +260,7 @@ _LIB.define(
 )
 
 
-def _distinct(tensors: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
+def distinct(tensors: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
     """``tensors`` with a copy wherever one shares memory with an input or an earlier one
     (a custom op's outputs may not alias); the values, and so the bits, are the same."""
     seen = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
@@ -283,7 +289,7 @@ def _forward_outputs(outputs, lse, mean_z, device, inputs) -> tuple:
         torch.empty(0, dtype=dtype, device=device) if x is None else x
         for x, dtype in zip((*outputs, lse, mean_z), _DTYPES, strict=True)
     ]
-    return tuple(_distinct(flat, inputs))
+    return tuple(distinct(flat, inputs))
 
 
 def _fake_outputs(n: int, device, o: OpOptions) -> tuple:
@@ -296,7 +302,7 @@ def _fake_outputs(n: int, device, o: OpOptions) -> tuple:
     )
 
 
-@torch.library.impl("lp::linear_logprob", "CompositeExplicitAutograd", lib=_LIB)
+@torch.library.impl(f"{NAMESPACE}::linear_logprob", "CompositeExplicitAutograd", lib=_LIB)
 def _linear_logprob(hidden, weight, bias, targets, *options):
     o = OpOptions(*options)
     with amp.autocast_off(hidden.device):  # the caller's graph has cast the inputs
@@ -308,12 +314,12 @@ def _linear_logprob(hidden, weight, bias, targets, *options):
     return _forward_outputs(outputs, lse, mean_z, lse.device, (hidden, weight, bias, targets))
 
 
-@torch.library.register_fake("lp::linear_logprob", lib=_LIB)
+@torch.library.register_fake(f"{NAMESPACE}::linear_logprob", lib=_LIB)
 def _linear_logprob_fake(hidden, weight, bias, targets, *options):
     return _fake_outputs(targets.numel(), hidden.device, OpOptions(*options))
 
 
-@torch.library.impl("lp::linear_logprob_backward", "CompositeExplicitAutograd", lib=_LIB)
+@torch.library.impl(f"{NAMESPACE}::linear_logprob_backward", "CompositeExplicitAutograd", lib=_LIB)
 def _linear_logprob_backward(hidden, weight, bias, targets, lse, mean_z, *grads_options):
     g_lp, g_ent, g_lse, needs, *options = grads_options
     o = OpOptions(*options)
@@ -328,10 +334,10 @@ def _linear_logprob_backward(hidden, weight, bias, targets, lse, mean_z, *grads_
         hidden.new_empty(0) if g is None else g.to(x.dtype).reshape(x.shape).contiguous()
         for g, x in zip(grads, inputs, strict=True)
     ]
-    return tuple(_distinct(out, (*inputs, targets, lse, mean_z)))
+    return tuple(distinct(out, (*inputs, targets, lse, mean_z)))
 
 
-@torch.library.register_fake("lp::linear_logprob_backward", lib=_LIB)
+@torch.library.register_fake(f"{NAMESPACE}::linear_logprob_backward", lib=_LIB)
 def _linear_logprob_backward_fake(hidden, weight, bias, targets, lse, mean_z, *grads_options):
     needs = grads_options[3]
     return tuple(
@@ -340,7 +346,7 @@ def _linear_logprob_backward_fake(hidden, weight, bias, targets, lse, mean_z, *g
     )
 
 
-@torch.library.impl("lp::vocab_parallel_logprob", "CompositeExplicitAutograd", lib=_LIB)
+@torch.library.impl(f"{NAMESPACE}::vocab_parallel_logprob", "CompositeExplicitAutograd", lib=_LIB)
 def _vocab_parallel_logprob(logits, targets, *options):
     o = OpOptions(*options)
     with amp.autocast_off(logits.device):
@@ -349,12 +355,14 @@ def _vocab_parallel_logprob(logits, targets, *options):
     return _forward_outputs(outputs, lse, mean_z, lse.device, (logits, targets))
 
 
-@torch.library.register_fake("lp::vocab_parallel_logprob", lib=_LIB)
+@torch.library.register_fake(f"{NAMESPACE}::vocab_parallel_logprob", lib=_LIB)
 def _vocab_parallel_logprob_fake(logits, targets, *options):
     return _fake_outputs(targets.numel(), logits.device, OpOptions(*options))
 
 
-@torch.library.impl("lp::vocab_parallel_logprob_backward", "CompositeExplicitAutograd", lib=_LIB)
+@torch.library.impl(
+    f"{NAMESPACE}::vocab_parallel_logprob_backward", "CompositeExplicitAutograd", lib=_LIB
+)
 def _vocab_parallel_logprob_backward(logits, targets, lse, mean_z, g_lp, g_ent, g_lse, *options):
     o = OpOptions(*options)
     with amp.autocast_off(logits.device), torch.no_grad():
@@ -363,10 +371,10 @@ def _vocab_parallel_logprob_backward(logits, targets, lse, mean_z, g_lp, g_ent, 
         upstream = (g_lp, g_ent, g_lse)
         grad = torch_logits.backward(prep.inputs, prep.targets, lse, mean_z, upstream, prep.params)
     grad = grad.to(logits.dtype).reshape(logits.shape).contiguous()
-    return _distinct([grad], (logits, targets, lse, mean_z))[0]
+    return distinct([grad], (logits, targets, lse, mean_z))[0]
 
 
-@torch.library.register_fake("lp::vocab_parallel_logprob_backward", lib=_LIB)
+@torch.library.register_fake(f"{NAMESPACE}::vocab_parallel_logprob_backward", lib=_LIB)
 def _vocab_parallel_logprob_backward_fake(logits, targets, lse, mean_z, *grads_options):
     return logits.new_empty(logits.shape)
 
@@ -396,7 +404,7 @@ def _linear_backward(ctx, *grads):
     hidden, weight, bias, targets, lse, mean_z = ctx.saved_tensors
     o = OpOptions(*ctx.options)
     needs = [bool(x) for x in ctx.needs_input_grad[:3]]
-    out = torch.ops.lp.linear_logprob_backward(
+    out = OPS.linear_logprob_backward(
         hidden, weight, bias, targets, lse, mean_z, *_upstream(grads, o), needs, *ctx.options
     )
     grads_in = tuple(g if need else None for g, need in zip(out, needs, strict=True))
@@ -406,17 +414,17 @@ def _linear_backward(ctx, *grads):
 def _logits_backward(ctx, *grads):
     logits, targets, lse, mean_z = ctx.saved_tensors
     o = OpOptions(*ctx.options)
-    grad = torch.ops.lp.vocab_parallel_logprob_backward(
+    grad = OPS.vocab_parallel_logprob_backward(
         logits, targets, lse, mean_z, *_upstream(grads, o), *ctx.options
     )
     return (grad, None) + (None,) * len(ctx.options)
 
 
 torch.library.register_autograd(
-    "lp::linear_logprob", _linear_backward, setup_context=_setup(4), lib=_LIB
+    f"{NAMESPACE}::linear_logprob", _linear_backward, setup_context=_setup(4), lib=_LIB
 )
 torch.library.register_autograd(
-    "lp::vocab_parallel_logprob", _logits_backward, setup_context=_setup(2), lib=_LIB
+    f"{NAMESPACE}::vocab_parallel_logprob", _logits_backward, setup_context=_setup(2), lib=_LIB
 )
 
 
@@ -439,11 +447,11 @@ def linear_logprob(hidden, weight, targets, bias, options: list) -> LogProbOutpu
         hidden, weight = amp.autocast_inputs(hidden, weight)
     else:
         hidden, weight, bias = amp.autocast_inputs(hidden, weight, bias)
-    outs = torch.ops.lp.linear_logprob(hidden, weight, bias, targets, *options)
+    outs = OPS.linear_logprob(hidden, weight, bias, targets, *options)
     return _result(outs, targets.shape, OpOptions(*options))
 
 
 def vocab_parallel_logprob(logits, targets, options: list) -> LogProbOutput:
     """``lp::vocab_parallel_logprob`` for the public op's arguments."""
-    outs = torch.ops.lp.vocab_parallel_logprob(logits, targets, *options)
+    outs = OPS.vocab_parallel_logprob(logits, targets, *options)
     return _result(outs, targets.shape, OpOptions(*options))

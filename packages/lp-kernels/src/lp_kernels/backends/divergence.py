@@ -19,6 +19,9 @@ kernels on the raw GEMM output: transform, statistics and d l in one pass each).
 tensor parallel every chunk makes two all-gathers of ``[C, k]``: every rank uses the same
 chunk rows (the per-call rank record checks ``chunk_size``). Run-to-run reproducible; a
 row's last bits depend on the shard layout and, with the triton engine, on the chunk rows.
+Each Function's passes are host functions (:func:`host_forward`, :func:`host_backward`,
+:func:`logits_forward`, :func:`logits_backward`, :func:`loss_forward`) that the custom ops of
+``lp_kernels.library_divergence`` call as well.
 """
 
 from __future__ import annotations
@@ -80,12 +83,18 @@ def whole_sums(local: torch.Tensor, p: LogprobParams) -> torch.Tensor:
     return sums
 
 
+def row_outputs(ignored: torch.Tensor, sums: torch.Tensor) -> tuple:
+    """``(divergence, student entropy, teacher entropy)`` ``[N]`` from the rows' sums, 0 on
+    ignored rows."""
+    return tuple(torch.where(ignored, 0.0, sums[:, j]) for j in range(3))
+
+
 def finish_forward(ctx, dp: DivergenceParams, saved: tuple, ignored, sums) -> tuple:
-    """Save ``saved`` and ``dp`` on ``ctx``; return ``(divergence, student entropy, teacher
-    entropy)`` from the rows' sums, 0 on ignored rows, the entropies not differentiable."""
+    """Save ``saved`` and ``dp`` on ``ctx``; return :func:`row_outputs`, the entropies not
+    differentiable."""
     ctx.save_for_backward(*saved)
     ctx.params = dp
-    outputs = tuple(torch.where(ignored, 0.0, sums[:, j]) for j in range(3))
+    outputs = row_outputs(ignored, sums)
     ctx.mark_non_differentiable(*outputs[1:])
     return outputs
 
@@ -120,6 +129,36 @@ def add_chunk_grads(out: ChunkGrads, engine, state, rows: tuple, saved, g, ignor
     out.add(r0, r1, h_c, dl.to(h_c.dtype))
 
 
+def host_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, dp: DivergenceParams):
+    """``(saved [N, 4], sums [N, 5])``: :class:`LinearDivergence`'s forward on the prepared
+    heads (its rows' statistics for the backward, and their sums)."""
+    engine = engine_of(dp)
+    n = hidden.shape[0]
+    saved = scratch.empty((n, N_SAVED), dtype=torch.float32, device=hidden.device)
+    sums = scratch.empty((n, N_SUMS), dtype=torch.float32, device=hidden.device)
+    w_s, b_s, w_t, b_t = real_heads(weight, bias, t_weight, t_bias, dp.student)
+    for r0, r1, _, state in engine.chunks(hidden, w_s, b_s, t_hidden, w_t, b_t, dp):
+        rows_saved, rows_sums = chunk_forward(engine, state, dp)
+        saved[r0:r1] = rows_saved[: r1 - r0]
+        sums[r0:r1] = rows_sums[: r1 - r0]
+    return saved, sums
+
+
+def host_backward(kept: tuple, g_div: torch.Tensor, needs: tuple, dp: DivergenceParams):
+    """``(grad_hidden, grad_weight, grad_bias)`` of :class:`LinearDivergence` for the forward's
+    ``kept = (hidden, weight, bias, t_hidden, t_weight, t_bias, ignored, saved)``."""
+    hidden, weight, bias, t_hidden, t_weight, t_bias, ignored, saved = kept
+    engine = engine_of(dp)
+    out = ChunkGrads(hidden, weight, bias, needs, dp.student)
+    (g,) = masked_upstream(ignored, g_div)
+    w_s, b_s, w_t, b_t = real_heads(weight, bias, t_weight, t_bias, dp.student)
+    chunks = engine.chunks(hidden, w_s, b_s, t_hidden, w_t, b_t, dp, backward=ignored)
+    for r0, r1, h_c, state in chunks:
+        rows_saved = padded_rows(saved, r0, r1, h_c.shape[0])
+        add_chunk_grads(out, engine, state, (r0, r1, h_c), rows_saved, g, ignored, dp)
+    return out.finish()
+
+
 class LinearDivergence(torch.autograd.Function):
     """``linear_divergence``. Inputs: the student's ``hidden [N, H]``, ``weight``, ``bias``,
     the teacher's, ``ignored [N]`` bool and :class:`DivergenceParams`; outputs
@@ -129,35 +168,38 @@ class LinearDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, ignored, dp):
         ctx.set_materialize_grads(False)
-        engine = engine_of(dp)
-        n = hidden.shape[0]
-        saved = scratch.empty((n, N_SAVED), dtype=torch.float32, device=hidden.device)
-        sums = scratch.empty((n, N_SUMS), dtype=torch.float32, device=hidden.device)
         heads = (hidden, weight, bias, t_hidden, t_weight, t_bias)
-        w_s, b_s, w_t, b_t = real_heads(weight, bias, t_weight, t_bias, dp.student)
-        for r0, r1, _, state in engine.chunks(hidden, w_s, b_s, t_hidden, w_t, b_t, dp):
-            rows_saved, rows_sums = chunk_forward(engine, state, dp)
-            saved[r0:r1] = rows_saved[: r1 - r0]
-            sums[r0:r1] = rows_sums[: r1 - r0]
+        saved, sums = host_forward(*heads, dp)
         return finish_forward(ctx, dp, (*heads, ignored, saved), ignored, sums)
 
     @staticmethod
     @backend_backward
     def backward(ctx, g_div, *_):
-        hidden, weight, bias, t_hidden, t_weight, t_bias, ignored, saved = ctx.saved_tensors
-        dp = ctx.params
         needs = tuple(ctx.needs_input_grad[:3])
         if g_div is None or not any(needs):
             return (None,) * 8
-        engine = engine_of(dp)
-        out = ChunkGrads(hidden, weight, bias, needs, dp.student)
-        (g,) = masked_upstream(ignored, g_div)
-        w_s, b_s, w_t, b_t = real_heads(weight, bias, t_weight, t_bias, dp.student)
-        chunks = engine.chunks(hidden, w_s, b_s, t_hidden, w_t, b_t, dp, backward=ignored)
-        for r0, r1, h_c, state in chunks:
-            rows_saved = padded_rows(saved, r0, r1, h_c.shape[0])
-            add_chunk_grads(out, engine, state, (r0, r1, h_c), rows_saved, g, ignored, dp)
-        return (*out.finish(), None, None, None, None, None)
+        grads = host_backward(ctx.saved_tensors, g_div, needs, ctx.params)
+        return (*grads, None, None, None, None, None)
+
+
+def logits_forward(logits, teacher, dp: DivergenceParams):
+    """``(saved [N, 4], sums [N, 5])``: :class:`VocabParallelDivergence`'s forward."""
+    n = logits.shape[0]
+    saved = scratch.empty((n, N_SAVED), dtype=torch.float32, device=logits.device)
+    sums = scratch.empty((n, N_SUMS), dtype=torch.float32, device=logits.device)
+    for r0, r1, state in logit_chunks(logits, teacher, dp):
+        saved[r0:r1], sums[r0:r1] = chunk_forward(TorchEngine, state, dp)
+    return saved, sums
+
+
+def logits_backward(logits, teacher, ignored, saved, g_div, dp: DivergenceParams):
+    """``grad_logits`` of :class:`VocabParallelDivergence` (``saved``: the forward's)."""
+    (g,) = masked_upstream(ignored, g_div)
+    grad = torch.zeros_like(logits)
+    for r0, r1, state in logit_chunks(logits, teacher, dp, slope=True):
+        dl = TorchEngine.dlogits(state, saved[r0:r1], g[r0:r1], dp)
+        grad[r0:r1, : dl.shape[1]] = dl
+    return grad
 
 
 class VocabParallelDivergence(torch.autograd.Function):
@@ -169,26 +211,38 @@ class VocabParallelDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, teacher, ignored, dp):
         ctx.set_materialize_grads(False)
-        n = logits.shape[0]
-        saved = scratch.empty((n, N_SAVED), dtype=torch.float32, device=logits.device)
-        sums = scratch.empty((n, N_SUMS), dtype=torch.float32, device=logits.device)
-        for r0, r1, state in logit_chunks(logits, teacher, dp):
-            saved[r0:r1], sums[r0:r1] = chunk_forward(TorchEngine, state, dp)
+        saved, sums = logits_forward(logits, teacher, dp)
         return finish_forward(ctx, dp, (logits, teacher, ignored, saved), ignored, sums)
 
     @staticmethod
     @backend_backward
     def backward(ctx, g_div, *_):
         logits, teacher, ignored, saved = ctx.saved_tensors
-        dp = ctx.params
         if g_div is None or not ctx.needs_input_grad[0]:
             return None, None, None, None
-        (g,) = masked_upstream(ignored, g_div)
-        grad = torch.zeros_like(logits)
-        for r0, r1, state in logit_chunks(logits, teacher, dp, slope=True):
-            dl = TorchEngine.dlogits(state, saved[r0:r1], g[r0:r1], dp)
-            grad[r0:r1, : dl.shape[1]] = dl
-        return grad, None, None, None
+        return logits_backward(logits, teacher, ignored, saved, g_div, ctx.params), None, None, None
+
+
+def loss_forward(heads: tuple, ignored, w, needs: tuple, dp: DivergenceParams) -> tuple:
+    """``(loss, (divergence, student entropy, teacher entropy), (grad_hidden, grad_weight,
+    grad_bias))`` of :class:`LinearDivergenceLoss` for the prepared ``heads = (hidden,
+    weight, bias, t_hidden, t_weight, t_bias)`` and row weights ``w [N]`` fp32: the loss's
+    gradients for an upstream gradient of 1 (None where ``needs`` is False)."""
+    hidden, weight, bias, t_hidden, t_weight, t_bias = heads
+    engine = engine_of(dp)
+    out = ChunkGrads(hidden, weight, bias, needs, dp.student) if any(needs) else None
+    (g,) = masked_upstream(ignored, w)
+    sums = scratch.empty((hidden.shape[0], N_SUMS), dtype=torch.float32, device=hidden.device)
+    w_s, b_s, w_t, b_t = real_heads(weight, bias, t_weight, t_bias, dp.student)
+    chunks = engine.chunks(hidden, w_s, b_s, t_hidden, w_t, b_t, dp, backward=ignored)
+    for r0, r1, h_c, state in chunks:
+        saved, rows_sums = chunk_forward(engine, state, dp)
+        sums[r0:r1] = rows_sums[: r1 - r0]
+        if out is not None:
+            add_chunk_grads(out, engine, state, (r0, r1, h_c), saved, g, ignored, dp)
+    grads = (None, None, None) if out is None else out.finish()
+    per_row = row_outputs(ignored, sums)
+    return (per_row[0] * g).sum(), per_row, grads
 
 
 class LinearDivergenceLoss(FinishedGradients):
@@ -203,24 +257,13 @@ class LinearDivergenceLoss(FinishedGradients):
     @staticmethod
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, ignored, w, dp):
         ctx.set_materialize_grads(False)
-        engine = engine_of(dp)
         needs = (
             hidden.requires_grad,
             weight.requires_grad,
             bias is not None and bias.requires_grad,
         )
-        out = ChunkGrads(hidden, weight, bias, needs, dp.student) if any(needs) else None
-        (g,) = masked_upstream(ignored, w)
-        sums = scratch.empty((hidden.shape[0], N_SUMS), dtype=torch.float32, device=hidden.device)
-        w_s, b_s, w_t, b_t = real_heads(weight, bias, t_weight, t_bias, dp.student)
-        chunks = engine.chunks(hidden, w_s, b_s, t_hidden, w_t, b_t, dp, backward=ignored)
-        for r0, r1, h_c, state in chunks:
-            saved, rows_sums = chunk_forward(engine, state, dp)
-            sums[r0:r1] = rows_sums[: r1 - r0]
-            if out is not None:
-                add_chunk_grads(out, engine, state, (r0, r1, h_c), saved, g, ignored, dp)
-        ctx.grads = (None, None, None) if out is None else out.finish()
+        heads = (hidden, weight, bias, t_hidden, t_weight, t_bias)
+        loss, per_row, ctx.grads = loss_forward(heads, ignored, w, needs, dp)
         ctx.op, ctx.constants = "linear_divergence_loss", 6
-        per_row = tuple(torch.where(ignored, 0.0, sums[:, j]) for j in range(3))
         ctx.mark_non_differentiable(*per_row)
-        return (per_row[0] * g).sum(), *per_row
+        return loss, *per_row

@@ -142,12 +142,24 @@ class _FixedPointRows:
         return from_fixed_point(self.acc, self.e, self.bad, self.dtype)
 
 
-def backward(ctx, engine, g_div, needs) -> Grads:
-    """``(grad_hidden, grad_weight, grad_bias)`` of :class:`LinearDivergenceDeterministic`."""
-    hidden, weight, bias, t_hidden, t_weight, t_bias, ignored, saved, bound, *halos = (
-        ctx.saved_tensors
-    )
-    dp = ctx.params
+def host_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, dp: DivergenceParams):
+    """``(saved [N, 4], sums [N, 5], bound [N] fp64, halos)``: the forward of
+    :class:`LinearDivergenceDeterministic` on the prepared heads (``halos``: as
+    :func:`exchange_halos` gives them)."""
+    p = dp.student
+    halos = exchange_halos(weight, bias, t_weight, t_bias, p)
+    tiles = heads_by_tile(weight, bias, t_weight, t_bias, halos, p)
+    saved, sums = forward(engine_of(dp), hidden, t_hidden, tiles, dp)
+    bound = grad_bound(sums[:, 0], sums[:, 3], sums[:, 4], dp.kind, dp.beta)
+    return saved, sums, bound, halos
+
+
+def host_backward(kept: tuple, g_div, needs, dp: DivergenceParams) -> Grads:
+    """``(grad_hidden, grad_weight, grad_bias)`` of :class:`LinearDivergenceDeterministic` for
+    the forward's ``kept = (hidden, weight, bias, t_hidden, t_weight, t_bias, ignored,
+    saved, bound, *halos)``."""
+    hidden, weight, bias, t_hidden, t_weight, t_bias, ignored, saved, bound, *halos = kept
+    engine = engine_of(dp)
     p = dp.student
     need_h, need_w, need_b = needs
     v_real = p.local_real_columns(weight.shape[0])
@@ -199,12 +211,8 @@ class LinearDivergenceDeterministic(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, ignored, dp):
         ctx.set_materialize_grads(False)
-        p = dp.student
-        halos = exchange_halos(weight, bias, t_weight, t_bias, p)
-        tiles = heads_by_tile(weight, bias, t_weight, t_bias, halos, p)
-        saved, sums = forward(engine_of(dp), hidden, t_hidden, tiles, dp)
-        bound = grad_bound(sums[:, 0], sums[:, 3], sums[:, 4], dp.kind, dp.beta)
         heads = (hidden, weight, bias, t_hidden, t_weight, t_bias)
+        saved, sums, bound, halos = host_forward(*heads, dp)
         saved_all = (*heads, ignored, saved, bound, *halos)
         return finish_forward(ctx, dp, saved_all, ignored, sums)
 
@@ -214,5 +222,5 @@ class LinearDivergenceDeterministic(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[:3])
         if g_div is None or not any(needs):
             return (None,) * 8
-        grads = backward(ctx, engine_of(ctx.params), g_div, needs)
+        grads = host_backward(ctx.saved_tensors, g_div, needs, ctx.params)
         return (*grads, None, None, None, None, None)

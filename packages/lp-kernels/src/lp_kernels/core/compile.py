@@ -5,8 +5,10 @@ lp's guarantees are about bits: run to run, across batches, and with
 of kernels. If Dynamo traced into an op, Inductor would regenerate the torch backend's
 chunk loop (fusing reductions, reordering sums) and the bits would move (measured on
 CPU). So Dynamo never traces into lp: an op decorated with :func:`eager_under_compile`
-and given a ``traced`` form (``linear_logprob``, ``vocab_parallel_logprob``) calls, while
-Dynamo traces, its ``torch.library`` custom ops (:mod:`lp_kernels.library`). They are
+and given a ``traced`` form (``linear_logprob``, ``vocab_parallel_logprob``,
+``linear_divergence``, ``vocab_parallel_divergence``, ``linear_divergence_loss``) calls,
+while Dynamo traces, its ``torch.library`` custom ops (:mod:`lp_kernels.library`,
+:mod:`lp_kernels.library_divergence`). They are
 opaque to Dynamo and Inductor, have fake kernels for their shapes, and their autograd is
 a second custom op, so ``torch.compile(fullgraph=True)`` captures forward and backward;
 their implementations run the host functions of eager mode, so a compiled step gets
@@ -15,10 +17,10 @@ eager mode's bits.
 An op without a ``traced`` form, or whose arguments it does not carry (``traced`` returns
 ``NotImplemented``: DTensors, options of other types), makes a graph break and runs as
 in eager mode; ``fullgraph=True`` (and ``torch.export``) then raise Dynamo's
-``Unsupported`` error naming the op. ``linear_logprob_loss`` is one: its ``loss_fn`` is a
-Python callable, which no custom op takes. Outside ``torch.compile`` the only cost is one
-check of ``torch.compiler.is_compiling()``; ``torch._dynamo`` is never imported by lp
-(importing it takes seconds).
+``Unsupported`` error naming the op. ``linear_logprob_loss`` is one (its ``loss_fn`` is a
+Python callable, which no custom op takes), ``linear_topk_divergence`` another. Outside
+``torch.compile`` the only cost is one check of ``torch.compiler.is_compiling()``;
+``torch._dynamo`` is never imported by lp (importing it takes seconds).
 """
 
 from __future__ import annotations
