@@ -56,10 +56,10 @@ from lp_kernels.core.transform import LogitTransform
 from lp_kernels.core.types import LogProbOutput, LogprobParams
 from lp_kernels.distributed.halo import bias_halo, owned_halo
 
-_PACKAGE = __name__.split(".")[0]
-NAMESPACE = "lp" if _PACKAGE == "lp_kernels" else _PACKAGE
-"""The custom ops' namespace: ``lp``, or the package's own name for a copy of lp_kernels
-imported under another name beside it (an A/B tree), whose ops then do not collide."""
+NAMESPACE = __name__.split(".")[0].replace("_kernels", "", 1)
+"""The custom ops' namespace: ``lp`` for the package ``lp_kernels``; a copy of the package
+imported beside it under another name (``lp_kernels_NAME``, an A/B tree) registers its ops
+as ``lp_NAME``, so the two do not collide."""
 
 OPTIONS = (
     "float temperature, float? cap, float? scale, int ignore_index, bool return_entropy, "
