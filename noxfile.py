@@ -120,6 +120,7 @@ ADAPTER_TESTS = [
     "packages/lp-hf/tests/test_skyrl.py",
     "packages/lp-hf/tests/test_skyrl_fused_loss.py",
     "packages/lp-hf/tests/test_verl.py",
+    "packages/lp-hf/tests/test_verl_fused_loss.py",
     "packages/lp-megatron/tests/test_megatron_skyrl.py",
     "packages/lp-megatron/tests/test_megatron_verl.py",
     "packages/lp-bench/tests/test_trl_provider.py",

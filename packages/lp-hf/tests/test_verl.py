@@ -7,31 +7,27 @@ backend and once with ``lp``, calls it with the engine's inputs (remove-padding 
 ``[B, S]`` batch), and compares log-probs, entropy, verl's own ``compute_policy_loss``
 minus an entropy bonus, and every parameter's gradient.
 
-``import verl`` imports Ray (through ``verl.protocol``); as the other adapter tests stub
-their trainers' heavy imports, Ray is a stub in ``sys.modules`` only while verl is
-imported. verl's ``torch`` backend replaces the model class's forward; the fixture puts
-the class forwards back afterwards, so other test files see stock transformers.
+verl is imported as ``_verl_setup.load_verl`` does (Ray stubbed while it imports; the
+class forwards that verl's ``torch`` backend replaces are put back afterwards).
 """
 
 from __future__ import annotations
 
-import importlib.machinery
 import importlib.metadata
-import sys
 import types
 import warnings
-from unittest.mock import MagicMock
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from _hf_models import ARCHS, assert_grads_close, grads, tiny_model
+from _hf_models import assert_grads_close, grads, tiny_model
+from _verl_setup import load_verl, patched
 
 import lp_hf.verl as lp_verl
 from lp_hf.adapters import HeadOptions
-from lp_testing import import_trainer
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 pytestmark = pytest.mark.filterwarnings(
@@ -42,37 +38,9 @@ pytestmark = pytest.mark.filterwarnings(
 
 
 @pytest.fixture(scope="module")
-def verl() -> types.SimpleNamespace:
-    """verl's ``monkey_patch`` and ``core_algos`` (skips when verl is missing); the class
-    forwards of the tiny models' classes are restored at the end of the module."""
-    inserted = "ray" not in sys.modules
-    if inserted:
-        stub = MagicMock()
-        stub.__spec__ = importlib.machinery.ModuleSpec("ray", None)
-        sys.modules["ray"] = stub
-    try:
-        import_trainer("verl")
-        from verl.models.transformers import monkey_patch
-        from verl.trainer.ppo import core_algos
-    finally:
-        if inserted:
-            del sys.modules["ray"]
-    classes = [ARCHS[arch][1] for arch in ("llama", "qwen2")]
-    forwards = {cls: cls.__dict__["forward"] for cls in classes}
-    hook = monkey_patch.patch_forward_with_backends
-    yield types.SimpleNamespace(monkey_patch=monkey_patch, core_algos=core_algos)
-    monkey_patch.patch_forward_with_backends = hook
-    for cls, forward in forwards.items():
-        cls.forward = forward
-
-
-def _patched(verl, backend: str, arch: str, tied: bool) -> torch.nn.Module:
-    model = tiny_model(arch, tied=tied)
-    lp_verl.use_lp()  # idempotent: the entry point already registered it at `import verl`
-    verl.monkey_patch.patch_forward_with_backends(
-        model, use_fused_kernels=True, fused_kernels_backend=backend
-    )
-    return model
+def verl() -> Iterator[types.SimpleNamespace]:
+    """verl's ``monkey_patch`` and ``core_algos`` (skips when verl is missing)."""
+    yield from load_verl()
 
 
 def _rmpad_batch(vocab: int, seed: int = 3) -> dict[str, torch.Tensor]:
@@ -127,8 +95,8 @@ def _step(verl, model, batch: dict[str, torch.Tensor], temperature: float, rmpad
 def test_actor_step_matches_torch_backend(verl, arch, tied, temperature, rmpad) -> None:
     make = _rmpad_batch if rmpad else _padded_batch
     batch = make(311)
-    want = _step(verl, _patched(verl, "torch", arch, tied), batch, temperature, rmpad)
-    model = _patched(verl, "lp", arch, tied)
+    want = _step(verl, patched(verl, "torch", arch, tied), batch, temperature, rmpad)
+    model = patched(verl, "lp", arch, tied)
     assert "forward" in model.__dict__ and model._verl_fused_kernels_backend == "lp"
     got = _step(verl, model, batch, temperature, rmpad)
     assert got[0].shape == want[0].shape == batch["input_ids"].shape
@@ -180,7 +148,7 @@ def test_refusals(verl) -> None:
     lp_verl.use_lp()
     with pytest.raises(ValueError, match="registered in verl with"):
         lp_verl.use_lp(chunk_size=64)
-    model = _patched(verl, "lp", "llama", False)
+    model = patched(verl, "lp", "llama", False)
     ids = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(NotImplementedError, match="logits_to_keep"):
         model(input_ids=ids, return_dict=True, logits_to_keep=1)
@@ -202,7 +170,7 @@ def _fsdp2_steps(verl, backend: str, mesh) -> tuple[list[torch.Tensor], dict[str
     """Two forward/backward steps of a fully_shard-ed model patched for ``backend``."""
     from torch.distributed.fsdp import fully_shard
 
-    model = _patched(verl, backend, "qwen2", False)
+    model = patched(verl, backend, "qwen2", False)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -204,8 +204,9 @@ def loss_forward(
 
 
 def _identifiers(consts: Any) -> set[str]:
-    """The identifiers and float constants named by a code object (its names and constants)
-    or held in a tuple of constants, nested code and tuples included."""
+    """What a code object (its names and constants) or a tuple of constants names: names,
+    numbers and short strings without spaces (modes, keys; not docstrings or messages),
+    nested code and tuples included."""
     found: set[str] = set()
     if isinstance(consts, types.CodeType):
         found = {name for name in consts.co_names if name.isidentifier()}
@@ -213,15 +214,15 @@ def _identifiers(consts: Any) -> set[str]:
     for const in consts:
         if isinstance(const, (types.CodeType, tuple)):
             found |= _identifiers(const)
-        elif isinstance(const, str) and const.isidentifier():
+        elif isinstance(const, str) and const and len(const) <= 40 and " " not in const:
             found.add(const)
-        elif isinstance(const, float):
+        elif isinstance(const, (int, float)):
             found.add(repr(const))
     return found
 
 
 def code_digest(*functions: Callable[..., Any]) -> str:
-    """The first 16 hex digits of the sha256 of the identifiers and float constants that
+    """The first 16 hex digits of the sha256 of the names, numbers and short strings that
     ``functions`` name (decorators unwrapped, nested code included), sorted: an adapter
     compares it with the digest of the trainer code it reproduces, so that a trainer whose
     seam reads another option, branch or constant is refused."""

@@ -360,7 +360,7 @@ class LossPass:
 
 
 _TRAINER_MODULE = "openrlhf.trainer.ray.ppo_actor"
-_SEAM_DIGEST = "fe901af6eae52293"
+_SEAM_DIGEST = "e353c5ff8c267d51"
 """Digest of the identifiers and float constants of OpenRLHF 0.11.2's
 ``ActorPPOTrainer.training_step``, ``PolicyLoss.forward`` and ``aggregate_loss``: the code
 whose loss :class:`FusedActorLoss` reproduces."""

@@ -411,7 +411,7 @@ class LossPass:
 
 _WORKER_MODULE = "skyrl_train.workers.worker"
 _PPO_UTILS = "skyrl_train.utils.ppo_utils"
-_SEAM_DIGEST = "5b7b0125a7493d2a"
+_SEAM_DIGEST = "8581be954971d3de"
 """Digest of the identifiers and float constants of skyrl-train 0.3.1's
 ``PolicyWorkerBase.forward_backward``, ``ppo_policy_loss``, ``_safe_exp_delta``,
 ``reduce_loss``, ``masked_mean`` and ``compute_approx_kl``: the code whose loss

@@ -170,7 +170,7 @@ Backend = Literal["auto", "torch", "triton"]
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 """The ``loss_type`` values of TRL's GRPOTrainer that ``use_lp(fused_loss=True)`` computes."""
 _GRPO_MODULE = "trl.trainer.grpo_trainer"
-_GRPO_LOSS_DIGEST = "8df26aac081c5bc9"
+_GRPO_LOSS_DIGEST = "74daf26e3f97ec0f"
 """The first 16 hex digits of the sha256 of the identifiers (attributes, options, loss types,
 keywords) that TRL 1.16.0's ``GRPOTrainer._compute_loss`` names, sorted and space-joined: a
 TRL whose loss reads another option or branch gives another digest."""
