@@ -236,3 +236,40 @@ def test_refused_at_each_step_and_seams(sky, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(lp_skyrl, "seam_digest", lambda: "0" * 16)
     with pytest.raises(RuntimeError, match="not the ones lp-hf has read"):
         lp_skyrl.use_lp(make_worker(sky, Case()), fused_loss=True)
+
+
+def _sharded_step(worker, experience) -> tuple[dict, torch.Tensor, dict]:
+    """:func:`step` under FSDP2: the gradients its post-backward wrote (sharded), gathered."""
+    from torch.distributed.tensor import DTensor
+
+    status, loss, found = step(worker, experience)
+    for name, g in found.items():
+        assert isinstance(g, DTensor), f"{name}: FSDP2's post-backward did not run"
+    return status, loss, {name: g.full_tensor() for name, g in found.items()}
+
+
+def test_fsdp2_root_module(sky, tmp_path) -> None:
+    """One-rank FSDP2 on the HF model, the root alone as SkyRL's ``apply_fsdp2`` makes it
+    (its backward hooks, on its outputs, are then the only ones that run FSDP2's
+    post-backward): the fused step writes every sharded gradient, as stock."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    worker = make_worker(sky, Case(kl="k3", entropy=True))
+    experience = make_experience(sky, worker)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        fully_shard(worker.model.model, mesh=init_device_mesh("cpu", (1,)))
+        want = _sharded_step(worker, experience)
+        lp_skyrl.use_lp(worker, fused_loss=True, backend="torch")
+        got = _sharded_step(worker, experience)
+    finally:
+        dist.destroy_process_group()
+    for key, value in want[0].items():
+        assert got[0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    torch.testing.assert_close(got[1], want[1], **TOL)
+    assert_grads_close(got[2], want[2])

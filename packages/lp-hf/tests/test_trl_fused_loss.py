@@ -342,3 +342,43 @@ def test_refusals(trl, model_dir, tokenizer, tmp_path, monkeypatch):
     trainer.loss_type = "sapo"
     with pytest.raises(ValueError, match="loss_type='sapo'"):
         loss_and_grads(trainer, inputs)
+
+
+def _sharded_loss_and_grads(trainer, inputs, mesh):
+    """:func:`loss_and_grads` with ``trainer.model`` under one-rank FSDP2, the root module
+    alone (its backward hooks, on its outputs, are then the only ones that run FSDP2's
+    post-backward); the sharded gradients that post-backward wrote, gathered."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    fully_shard(trainer.model, mesh=mesh)
+    loss, found = loss_and_grads(trainer, inputs)
+    for name, g in found.items():
+        assert isinstance(g, DTensor), f"{name}: FSDP2's post-backward did not run"
+    return loss, {name: g.full_tensor() for name, g in found.items()}
+
+
+def test_fsdp2_root_module(trl, model_dir, tokenizer, tmp_path):
+    """Under one-rank FSDP2 the fused loss reaches the policy through its outputs (with
+    weight 0): FSDP2's backward hooks run and write every sharded gradient, as stock (without
+    the tie they never run and the parameters keep unsharded gradients)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    case = CASES["dr_grpo-beta-offpolicy"]
+    stock = grpo_trainer(trl, model_dir, tokenizer, tmp_path / "stock", **case[0])
+    fused = grpo_trainer(trl, model_dir, tokenizer, tmp_path / "lp", **case[0])
+    lp_trl.use_lp(fused, fused_loss=True)
+    inputs = _case_inputs(stock, case)  # generated before the wrap
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        loss, grads = _sharded_loss_and_grads(stock, inputs, mesh)
+        lp_loss, lp_grads = _sharded_loss_and_grads(fused, inputs, mesh)
+    finally:
+        dist.destroy_process_group()
+    assert abs(float(lp_loss - loss)) <= LOSS_REL * max(1.0, abs(float(loss))), (lp_loss, loss)
+    assert_close_grads(lp_grads, grads, rel=GRAD_REL)

@@ -182,7 +182,9 @@ def loss_forward(
             logit_scale=processing.transform.logit_scale,
             **vars(options),
         )
-        results.append((out, out.logprob.unsqueeze(-1)))  # the model's "logits"
+        # the model's "logits": the log-probs with the loss's graph at weight 0 (the same
+        # values, no gradient added), so that hooks on the model's outputs (FSDP2's) see it
+        results.append((out, (out.logprob + 0.0 * out.loss).unsqueeze(-1)))
         return results[0][1]
 
     if logits_to_keep:
@@ -200,7 +202,7 @@ def loss_forward(
     if got is not stand_in and (processing.exact or not same_values(got, stand_in)):
         raise RuntimeError("the model changed what its output layer returned; lp-hf refuses it")
     rest = {name: value for name, value in output.items() if name != "logits"}
-    return result, type(output)(**rest)
+    return result._replace(logprob=got[..., 0]), type(output)(**rest)
 
 
 def _identifiers(consts: Any) -> set[str]:

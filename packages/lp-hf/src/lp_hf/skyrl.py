@@ -41,8 +41,9 @@ and entropy, aggregated linearly, so their sum is one ``linear_logprob_loss``
       PolicyWorkerBase.forward_backward (SkyRL's own code), with a loss pass armed:
         self.model(...)     -> linear_logprob_loss in the output layer's forward over the
                                action columns; per-token inputs from the experience (after
-                               its to_device); log-probs and entropy returned detached
-        policy_loss_fn      -> SkyRL's ppo_policy_loss on the detached log-probs (its value
+                               its to_device); log-probs carrying the loss's graph at weight 0 (the
+                               model's outputs, for FSDP2's hooks), entropy detached
+        policy_loss_fn      -> SkyRL's ppo_policy_loss on those log-probs (its value
                                and clip ratio) + (fused - fused.detach()): every gradient
         its entropy and KL terms on the detached values: SkyRL's values, no gradient
         strategy.backward(loss / accumulation_steps)
@@ -225,8 +226,8 @@ class _LpForward:
         temperature: float,
     ) -> tuple[torch.Tensor, Any]:
         """The call within :meth:`loss_pass`: ``(action log-probs [B, A], output)`` as the
-        stock forward returns them (detached; ``output["entropy"]`` ``[B, S]``, 0 outside
-        the action columns), the loss in ``request.output``."""
+        stock forward returns them (the loss's graph at weight 0; ``output["entropy"]``
+        ``[B, S]``, 0 outside the action columns), the loss in ``request.output``."""
         request, wrapper = self.request, self.wrapper
         experience = request.experience
         if request.output is not None:
@@ -397,7 +398,7 @@ class LossPass:
             ``forward_backward`` moved it to the device).
         config: ``cfg.trainer.algorithm``.
         output: ``linear_logprob_loss``'s result, once the wrapper has run.
-        log_probs: ``[B, A]`` the action log-probs the wrapper returned (detached).
+        log_probs: ``[B, A]`` the action log-probs the wrapper returned (their gradient is 0).
         used: the worker's ``policy_loss_fn`` has taken ``output``'s gradient.
     """
 

@@ -57,8 +57,10 @@ pass by ``lp_kernels.linear_logprob_loss``, its gradients finished there (three 
         realize the loss_type's reduction and the gradient-accumulation scale
       kernel.loss_pass(request): trainer._get_per_token_logps_and_entropies(...)
         -> TRL's fused forward -> LpKernel.loss: linear_logprob_loss on the head's rows
-           (rows outside the loss mask ignored); log-probs and entropy come back detached
-      loss (+ MoE aux loss); TRL's metrics from the detached log-probs and entropy
+           (rows outside the loss mask ignored); log-probs and entropy come back with no
+           gradient (the log-probs tied to the loss with weight 0: the model's outputs)
+      loss (+ MoE aux loss, + 0 x the log-probs: FSDP2's backward hooks on the model's
+        outputs run); TRL's metrics from the log-probs and entropy
 
 The seam is the trainer's private ``_compute_loss``, replaced on this trainer only by an
 instance attribute. ``use_lp`` checks that ``compute_loss`` calls it and that it names what
@@ -387,7 +389,9 @@ class LpKernel:
     ) -> tuple[torch.Tensor | None, ...]:
         """:meth:`apply` within :meth:`loss_pass`: ``linear_logprob_loss`` on the rows, the
         rows outside ``request.loss_mask`` ignored; the result goes to ``request.output``
-        and the kernel returns its detached ``log_probs`` and ``entropy`` (0 on ignored rows)."""
+        and the kernel returns its ``log_probs`` and ``entropy`` (0 on ignored rows), which
+        carry no gradient: the log-probs are ``logprob + 0.0 * loss``, the same values tied
+        to the loss's graph so that the model's outputs carry it (FSDP2's backward hooks)."""
         request = self.request
         if request.output is not None:
             raise RuntimeError(f"{self.name}: the fused head ran twice in one loss pass")
@@ -423,7 +427,10 @@ class LpKernel:
             validate=opts.validate,
         )
         out = request.output
-        return (out.logprob, out.entropy if "entropy" in outputs else None, None, None, None)
+        # the log-probs carry the loss's graph with weight 0 (the same values, no gradient
+        # added): they become the model's outputs, on which FSDP2 hooks its backward
+        tied = out.logprob + 0.0 * out.loss
+        return (tied, out.entropy if "entropy" in outputs else None, None, None, None)
 
 
 def divergence_kind(beta: float) -> tuple[str, float]:
@@ -982,7 +989,10 @@ class GrpoFusedLoss:
             )
         if request.output is None:
             raise RuntimeError(f"{self.kernel.name}: the policy's fused head did not run")
-        loss = request.output.loss
+        # through the model's output (weight 0, the value unchanged): FSDP2's backward
+        # hooks on it run before the loss's backward reaches the parameters
+        loss = request.output.loss + 0.0 * logps.sum()
+        logps = logps.detach()  # the metrics' inputs
         if trainer.aux_loss_enabled:  # scaled for accumulation, as the policy term
             scale = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + trainer.router_aux_loss_coef * aux_loss / scale
