@@ -5,10 +5,11 @@ was written against (:func:`code_digest`)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from lp_kernels import LossOutput, linear_logprob_loss
 
 __all__ = [
     "HeadOptions",
+    "LossPasses",
     "check_class",
     "check_parameters",
     "check_series",
@@ -39,6 +41,24 @@ class HeadOptions:
     backend: Backend = "auto"
     chunk_size: int | None = None
     validate: bool = True
+
+
+class LossPasses:
+    """Mixin of an adapter's forward that computes a trainer's loss for one armed pass:
+    :meth:`loss_pass` sets ``request`` for the block (the forward reads it), then clears it."""
+
+    request: Any = None
+
+    @contextlib.contextmanager
+    def loss_pass(self, request: Any) -> Iterator[Any]:
+        """Within the block, the forward's call computes ``request``'s loss."""
+        if self.request is not None:
+            raise RuntimeError(f"{type(self).__module__}: a fused loss pass is already running")
+        self.request = request
+        try:
+            yield request
+        finally:
+            self.request = None
 
 
 def check_series(adapter: str, dist: str, version: str, series: str, seam: str) -> None:

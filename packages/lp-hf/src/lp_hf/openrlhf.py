@@ -51,11 +51,10 @@ the gradients are those of the fused loss, the same sum within fp32 rounding.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +62,7 @@ import torch
 
 from lp_hf.adapters import (
     HeadOptions,
+    LossPasses,
     check_class,
     check_parameters,
     check_series,
@@ -119,24 +119,13 @@ def _actor_class() -> type:
     return Actor
 
 
-class _LpForward:
+class _LpForward(LossPasses):
     """The adapted actor's ``forward`` (an instance attribute; see the module docstring)."""
 
     def __init__(self, actor: torch.nn.Module, options: HeadOptions):
         self.actor = actor
         self.options = options
         self.request: LossPass | None = None
-
-    @contextlib.contextmanager
-    def loss_pass(self, request: LossPass) -> Iterator[LossPass]:
-        """Within the block, the actor's call for ``request.sequences`` computes its loss."""
-        if self.request is not None:
-            raise RuntimeError("lp_hf.openrlhf: a fused loss pass is already running")
-        self.request = request
-        try:
-            yield request
-        finally:
-            self.request = None
 
     def __call__(
         self,

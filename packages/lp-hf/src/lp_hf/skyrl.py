@@ -55,11 +55,10 @@ a KL that carries a gradient is refused).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import inspect
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +66,7 @@ import torch
 
 from lp_hf.adapters import (
     HeadOptions,
+    LossPasses,
     check_class,
     check_parameters,
     check_series,
@@ -140,24 +140,13 @@ def _action_count(num_actions: int | list[int]) -> int:
     return int(num_actions)
 
 
-class _LpForward:
+class _LpForward(LossPasses):
     """The adapted wrapper's ``forward`` (an instance attribute; see the module docstring)."""
 
     def __init__(self, wrapper: torch.nn.Module, options: HeadOptions):
         self.wrapper = wrapper
         self.options = options
         self.request: LossPass | None = None
-
-    @contextlib.contextmanager
-    def loss_pass(self, request: LossPass) -> Iterator[LossPass]:
-        """Within the block, the wrapper's call for ``request.experience`` computes its loss."""
-        if self.request is not None:
-            raise RuntimeError("lp_hf.skyrl: a fused loss pass is already running")
-        self.request = request
-        try:
-            yield request
-        finally:
-            self.request = None
 
     def __call__(
         self,

@@ -83,19 +83,18 @@ or scale that TRL reads differently from the model's forward (checked at each ca
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import inspect
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from lp_hf.adapters import check_parameters, code_digest
+from lp_hf.adapters import LossPasses, check_parameters, code_digest
 from lp_hf.final_logits import FinalLogitTransform, model_logit_transform
 from lp_kernels import LossOutput, linear_divergence, linear_logprob, linear_logprob_loss
 from lp_kernels.losses import PolicyLoss, kl_k3, token_weights
@@ -303,7 +302,7 @@ def _row_layout(
     return lambda x: x.expand(batch, width)[labelled]
 
 
-class LpKernel:
+class LpKernel(LossPasses):
     """What one model's fused forward calls in place of TRL's chunked kernel.
 
     ``apply`` has the kernel's contract: rows ``hidden [M, H]`` with ``targets [M]`` (no
@@ -323,17 +322,6 @@ class LpKernel:
         self.options = options
         self.name = name
         self.request: LossRequest | None = None
-
-    @contextlib.contextmanager
-    def loss_pass(self, request: LossRequest) -> Iterator[LossRequest]:
-        """Within the block, the next call computes ``request``'s loss (see :meth:`apply`)."""
-        if self.request is not None:
-            raise RuntimeError(f"{self.name}: a fused loss pass is already running")
-        self.request = request
-        try:
-            yield request
-        finally:
-            self.request = None
 
     def check(self, softcap: float | None, logit_scale: float | None) -> None:
         """Raise unless TRL's ``softcap`` and ``logit_scale`` are the model's own."""

@@ -74,13 +74,12 @@ loss function other than ``partial(ppo_loss, config=...)``, and verl loss code o
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.metadata
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -89,6 +88,7 @@ import torch
 
 from lp_hf.adapters import (
     HeadOptions,
+    LossPasses,
     check_parameters,
     check_series,
     code_digest,
@@ -167,7 +167,7 @@ class _Dispatch:
         )
 
 
-class _LpForward:
+class _LpForward(LossPasses):
     """The patched model's ``forward`` (an instance attribute; see the module docstring).
 
     While it runs, the head's own call of the model reaches :func:`_decoder_and_head`
@@ -179,17 +179,6 @@ class _LpForward:
         self.options = options
         self.inside = False
         self.request: LossRequest | None = None
-
-    @contextlib.contextmanager
-    def armed(self, request: LossRequest) -> Iterator[LossRequest]:
-        """Within the block, the model's next call computes ``request``'s loss."""
-        if self.request is not None:
-            raise RuntimeError("lp_hf.verl: a fused loss pass is already running")
-        self.request = request
-        try:
-            yield request
-        finally:
-            self.request = None
 
     def __call__(
         self,
@@ -585,7 +574,7 @@ class _FusedStep:
                 f"{'; '.join(refused)}; remove {FUSED_LOSS_KEY} (verl's loss on lp's log-probs)"
             )
         request = loss_request(config, micro_batch)
-        with forward.armed(request):
+        with forward.loss_pass(request):
             result = self.stock(
                 engine,
                 micro_batch,
